@@ -1,0 +1,66 @@
+"""fzero: ZeRO stages 0-3 as a functional library on `torch.func`.
+
+    mesh = fzero.SimMesh(world=4)                       # or fzero.DistMesh() under torchrun
+    tx = fzero.zero2(fzero.adamw(3e-4), accumulate=2)   # or fzero.chain(...) of the same pieces
+    state = fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, loss_fn, tx, mesh)
+    state, metrics = step(state, batch)
+    model.load_state_dict(fzero.state_dict(state))
+"""
+
+from . import layout, optim
+from .layout import Layout
+from .mesh import DistMesh, Ledger, Mesh, SimMesh
+from .optim import Optimizer, adam, adamw, sgd
+from .state import TrainState
+from .step import init, state_dict, train_step
+from .transforms import (
+    Context,
+    Flow,
+    Transform,
+    accumulate,
+    all_reduce,
+    chain,
+    gather,
+    identity,
+    reduce_scatter,
+    shard_update,
+    zero0,
+    zero1,
+    zero2,
+    zero3,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Context",
+    "DistMesh",
+    "Flow",
+    "Layout",
+    "Ledger",
+    "Mesh",
+    "Optimizer",
+    "SimMesh",
+    "TrainState",
+    "Transform",
+    "accumulate",
+    "adam",
+    "adamw",
+    "all_reduce",
+    "chain",
+    "gather",
+    "identity",
+    "init",
+    "layout",
+    "optim",
+    "reduce_scatter",
+    "sgd",
+    "shard_update",
+    "state_dict",
+    "train_step",
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+]

@@ -1,0 +1,396 @@
+"""How a parameter pytree maps into one padded flat buffer and its per-rank shards.
+
+A `Layout` is static, pure and serialisable: names, shapes, dtypes and offsets, never values.
+
+Trainable parameters are grouped into **units** (by default one per child of each `nn.ModuleList`, plus one for
+everything else): the unit is what ZeRO-3 gathers at once. Three orders of the same elements exist:
+
+- *unit-major* (the **full** buffer, length `numel`): units end to end, in order of first appearance; inside a
+  unit, parameters in `named_parameters()` order, then zero padding up to a multiple of `world * align`.
+- *shard* (length `shard_numel = numel / world`): rank `r` holds, for every unit `u`, the `r`-th of its `world`
+  equal chunks, units end to end. A unit's shard slice is therefore contiguous on every rank, so gathering one unit
+  is one all-gather with no copy.
+- *rank-major* (length `numel`): the `world` shards end to end; the order collectives move. Permuting between
+  unit-major and rank-major costs one copy, or nothing when there is a single unit.
+
+Frozen parameters (`requires_grad=False`) and buffers are recorded by name, shape and dtype; they are carried in
+the training state but never sharded or updated.
+
+Example:
+    >>> import torch
+    >>> lay = make_layout([("w", (3, 2), torch.float32), ("b", (3,), torch.float32)], world=2, align=4)
+    >>> lay.numel, lay.shard_numel
+    (16, 8)
+    >>> flat = flatten(lay, {"w": torch.ones(3, 2), "b": torch.zeros(3)})
+    >>> torch.equal(unflatten(lay, flat)["w"], torch.ones(3, 2))
+    True
+    >>> torch.equal(unshard(lay, shard(lay, flat)), flat)
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Layout",
+    "Leaf",
+    "TensorSpec",
+    "Unit",
+    "flatten",
+    "from_module",
+    "make_layout",
+    "shard",
+    "to_rank_major",
+    "to_unit_major",
+    "unflatten",
+    "unshard",
+]
+
+ROOT_UNIT = "<root>"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The `torch.dtype` named by a layout's dtype string (``"float32"`` -> ``torch.float32``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r} in layout")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of a tensor carried unsharded (a frozen parameter or a buffer)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A trainable parameter's place in the full buffer: elements `[offset, offset + numel)`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    unit: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of leaves gathered together: full slice `[start, start + size)`, shard slice
+    `[shard_start, shard_start + size // world)`; `numel <= size` elements are real, the rest padding."""
+
+    name: str
+    start: int
+    numel: int
+    size: int
+    shard_start: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The static map from named parameters to flat buffers and shards (see the module docstring)."""
+
+    world: int
+    align: int
+    dtype: str
+    leaves: tuple[Leaf, ...]
+    units: tuple[Unit, ...]
+    frozen: tuple[TensorSpec, ...] = ()
+    buffers: tuple[TensorSpec, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+    numel: int = field(init=False)
+    shard_numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        numel = sum(u.size for u in self.units)
+        object.__setattr__(self, "numel", numel)
+        object.__setattr__(self, "shard_numel", numel // self.world)
+
+    @property
+    def real_numel(self) -> int:
+        """Number of trainable elements, padding excluded (the Ψ of the ZeRO paper)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.dtype)
+
+    def unit_slice(self, unit: int) -> slice:
+        """The unit's elements in the full buffer."""
+        u = self.units[unit]
+        return slice(u.start, u.start + u.size)
+
+    def unit_shard_slice(self, unit: int) -> slice:
+        """The unit's elements in every rank's shard."""
+        u = self.units[unit]
+        return slice(u.shard_start, u.shard_start + u.size // self.world)
+
+    def padding_mask(self) -> Tensor:
+        """Boolean `[numel]` mask, True on padding elements (to exclude them from norms and statistics)."""
+        mask = torch.ones(self.numel, dtype=torch.bool)
+        for leaf in self.leaves:
+            mask[leaf.offset : leaf.offset + leaf.numel] = False
+        return mask
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string; `Layout.from_json` inverts it exactly."""
+        data = asdict(self)
+        del data["numel"], data["shard_numel"]
+        return json.dumps(data, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Layout:
+        data = json.loads(text)
+        return Layout(
+            world=data["world"],
+            align=data["align"],
+            dtype=data["dtype"],
+            leaves=tuple(Leaf(**{**x, "shape": tuple(x["shape"])}) for x in data["leaves"]),
+            units=tuple(Unit(**x) for x in data["units"]),
+            frozen=tuple(TensorSpec(x["name"], tuple(x["shape"]), x["dtype"]) for x in data["frozen"]),
+            buffers=tuple(TensorSpec(x["name"], tuple(x["shape"]), x["dtype"]) for x in data["buffers"]),
+            aliases=tuple((a, b) for a, b in data["aliases"]),
+        )
+
+
+def make_layout(
+    params: Sequence[tuple[str, Sequence[int], torch.dtype]],
+    *,
+    world: int,
+    align: int = 16,
+    unit_of: Callable[[str], str] | None = None,
+    dtype: torch.dtype | None = None,
+    frozen: Iterable[TensorSpec] = (),
+    buffers: Iterable[TensorSpec] = (),
+    aliases: Iterable[tuple[str, str]] = (),
+) -> Layout:
+    """Lay out named trainable parameters.
+
+    Args:
+      params: `(name, shape, dtype)` in the model's `named_parameters()` order; this order is kept.
+      world: number of ranks the buffer is sharded over.
+      align: each unit is padded to a multiple of `world * align` elements, so every shard of every unit starts
+        `align`-element aligned.
+      unit_of: maps a parameter name to its unit's name; default: a single unit.
+      dtype: dtype of the flat buffer; default: the parameters' common dtype.
+      frozen, buffers, aliases: carried along unchanged (see `from_module`).
+
+    Returns:
+      The `Layout`.
+    """
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}")
+    if not params:
+        raise ValueError("cannot lay out an empty parameter list: the model has no trainable parameters")
+    if dtype is None:
+        dtypes = {d for _, _, d in params}
+        if len(dtypes) > 1:
+            found = ", ".join(f"{n}: {d}" for n, _, d in params[:8])
+            raise TypeError(
+                f"trainable parameters have mixed dtypes ({found}, ...); cast the model to one dtype "
+                "(e.g. model.float()) or pass dtype= to choose the flat buffer's dtype"
+            )
+        dtype = next(iter(dtypes))
+    unit_of = unit_of or (lambda name: ROOT_UNIT)
+    order: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
+    for name, shape, dt in params:
+        order.setdefault(unit_of(name), []).append((name, tuple(int(s) for s in shape), dt))
+    quantum = world * align
+    leaves: list[Leaf] = []
+    units: list[Unit] = []
+    start = shard_start = 0
+    for index, (unit_name, members) in enumerate(order.items()):
+        offset = start
+        for name, shape, dt in members:
+            leaves.append(Leaf(name, shape, _dtype_name(dt), index, offset))
+            offset += math.prod(shape)
+        numel = offset - start
+        size = max(quantum, -(-numel // quantum) * quantum)
+        units.append(Unit(unit_name, start, numel, size, shard_start))
+        start += size
+        shard_start += size // world
+    return Layout(
+        world=world,
+        align=align,
+        dtype=_dtype_name(dtype),
+        leaves=tuple(leaves),
+        units=tuple(units),
+        frozen=tuple(frozen),
+        buffers=tuple(buffers),
+        aliases=tuple(aliases),
+    )
+
+
+def module_list_units(model: nn.Module) -> Callable[[str], str]:
+    """The default unit policy: each child of an `nn.ModuleList` (the outermost, if nested) is a unit; every
+    other parameter belongs to the root unit."""
+    prefixes = sorted(
+        (f"{name}.{child}." if name else f"{child}.")
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for child, _ in module.named_children()
+    )
+
+    def unit_of(param: str) -> str:
+        for prefix in prefixes:  # sorted, so an outer list's child precedes the lists nested in it
+            if param.startswith(prefix):
+                return prefix[:-1]
+        return ROOT_UNIT
+
+    return unit_of
+
+
+def _unit_policy(model: nn.Module, units: str | Callable[[str], str] | None) -> Callable[[str], str]:
+    if units is None or units == "module_list":
+        return module_list_units(model)
+    if units == "single":
+        return lambda name: ROOT_UNIT
+    if units == "param":
+        return lambda name: name
+    if callable(units):
+        return units
+    raise ValueError(f"units must be None, 'module_list', 'single', 'param' or a callable, got {units!r}")
+
+
+def from_module(
+    model: nn.Module,
+    *,
+    world: int,
+    align: int = 16,
+    units: str | Callable[[str], str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Layout:
+    """Lay out a module's parameters; works on a `meta`-device model (only shapes and dtypes are read).
+
+    Trainable parameters go into the flat buffer in `named_parameters()` order; frozen parameters and buffers are
+    recorded for the state to carry; tied parameters are recorded as aliases of their first name.
+
+    Raises:
+      TypeError: a parameter is not floating point (integer data belongs in a buffer).
+      ValueError: the model has no trainable parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    trainable: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    frozen: list[TensorSpec] = []
+    canonical: dict[int, str] = {}
+    aliases: list[tuple[str, str]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases.append((name, canonical[id(p)]))
+            continue
+        canonical[id(p)] = name
+        if not p.is_floating_point():
+            raise TypeError(
+                f"parameter {name!r} has dtype {p.dtype}; fzero trains floating-point parameters only. "
+                "Integer or boolean data belongs in a buffer (module.register_buffer)."
+            )
+        if p.requires_grad:
+            trainable.append((name, tuple(p.shape), p.dtype))
+        else:
+            frozen.append(TensorSpec(name, tuple(p.shape), _dtype_name(p.dtype)))
+    if not trainable:
+        what = "frozen parameters only" if frozen else "no parameters"
+        raise ValueError(f"{type(model).__name__} has {what}: there is nothing to train")
+    buffers = [TensorSpec(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in model.named_buffers()]
+    return make_layout(
+        trainable,
+        world=world,
+        align=align,
+        unit_of=_unit_policy(model, units),
+        dtype=dtype,
+        frozen=frozen,
+        buffers=buffers,
+        aliases=aliases,
+    )
+
+
+def flatten(layout: Layout, tensors: Mapping[str, Tensor]) -> Tensor:
+    """Copy named tensors into a new full buffer (`[numel]`, `layout.dtype`, zero padding).
+
+    Raises:
+      KeyError: a trainable parameter of the layout is missing from `tensors`.
+      ValueError: a tensor's shape differs from the layout's.
+    """
+    first = next(iter(tensors.values()), None)
+    device = first.device if first is not None else None
+    flat = torch.zeros(layout.numel, dtype=layout.torch_dtype, device=device)
+    for leaf in layout.leaves:
+        if leaf.name not in tensors:
+            raise KeyError(f"parameter {leaf.name!r} of the layout is missing from the tensors given")
+        t = tensors[leaf.name]
+        if tuple(t.shape) != leaf.shape:
+            raise ValueError(f"parameter {leaf.name!r} has shape {tuple(t.shape)}, the layout expects {leaf.shape}")
+        flat[leaf.offset : leaf.offset + leaf.numel].copy_(t.detach().reshape(-1))
+    return flat
+
+
+def unflatten(layout: Layout, flat: Tensor) -> dict[str, Tensor]:
+    """Views of a full buffer (`[numel]`) as named tensors of the layout's shapes (no copy), aliases included."""
+    if flat.shape != (layout.numel,):
+        raise ValueError(f"expected a full buffer of shape ({layout.numel},), got {tuple(flat.shape)}")
+    out = {leaf.name: flat[leaf.offset : leaf.offset + leaf.numel].view(leaf.shape) for leaf in layout.leaves}
+    for alias, name in layout.aliases:
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
+def _check_last(layout: Layout, x: Tensor, what: str) -> None:
+    if x.shape[-1:] != (layout.numel,):
+        raise ValueError(f"{what}: expected a last dimension of {layout.numel}, got shape {tuple(x.shape)}")
+
+
+def to_rank_major(layout: Layout, x: Tensor) -> Tensor:
+    """Permute the last dimension from unit-major to rank-major (a view when there is one unit)."""
+    _check_last(layout, x, "to_rank_major")
+    lead, w = x.shape[:-1], layout.world
+    if len(layout.units) == 1:
+        return x
+    parts = [x[..., layout.unit_slice(i)].unflatten(-1, (w, -1)) for i in range(len(layout.units))]
+    return torch.cat(parts, dim=-1).reshape(*lead, layout.numel)
+
+
+def to_unit_major(layout: Layout, x: Tensor) -> Tensor:
+    """Inverse of `to_rank_major`."""
+    _check_last(layout, x, "to_unit_major")
+    lead, w = x.shape[:-1], layout.world
+    if len(layout.units) == 1:
+        return x
+    by_rank = x.unflatten(-1, (w, layout.shard_numel))
+    parts = [by_rank[..., layout.unit_shard_slice(i)].flatten(-2) for i in range(len(layout.units))]
+    return torch.cat(parts, dim=-1).reshape(*lead, layout.numel)
+
+
+def shard(layout: Layout, flat: Tensor) -> Tensor:
+    """All ranks' shards of a full buffer: `[numel] -> [world, shard_numel]`."""
+    return to_rank_major(layout, flat).view(layout.world, layout.shard_numel)
+
+
+def unshard(layout: Layout, shards: Tensor) -> Tensor:
+    """Inverse of `shard`: `[world, shard_numel] -> [numel]`."""
+    if shards.shape != (layout.world, layout.shard_numel):
+        raise ValueError(
+            f"expected shards of shape ({layout.world}, {layout.shard_numel}), got {tuple(shards.shape)}"
+        )
+    return to_unit_major(layout, shards.reshape(layout.numel))

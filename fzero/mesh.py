@@ -1,0 +1,288 @@
+"""Who am I, how many are we, and the collectives, with a ledger of what they move.
+
+Every collective fzero issues goes through a `Mesh`. Values are *per-rank*:
+
+- on `DistMesh` a per-rank value is this process's tensor;
+- on `SimMesh(world=W)` it is a tensor with a leading `[W, ...]` axis, row `r` being rank `r`'s value, so W ranks
+  run exactly in one process. Reductions add the ranks' rows in rank order, so results are deterministic.
+
+Collectives act on the last dimension, split into `world` equal chunks (the chunk `r` belongs to rank `r`):
+
+=================  ==========================  =============================================
+collective         per-rank input              per-rank output
+=================  ==========================  =============================================
+`all_reduce`       `[..., n]`                  `[..., n]`, the sum (or mean) over ranks
+`reduce_scatter`   `[..., world * s]`          `[..., s]`, chunk `rank` of the sum (or mean)
+`all_gather`       `[..., s]`                  `[..., world * s]`, every rank's chunk in rank order
+`broadcast`        `[...]`                     `[...]`, rank `src`'s value
+`local_shard`      `[..., world * s]`          `[..., s]`, chunk `rank` of the rank's own value
+=================  ==========================  =============================================
+
+A mean is the rank-ordered sum divided by `world` on every implementation, so `SimMesh` and `DistMesh` agree
+bitwise wherever the backend's sum does (always for two ranks).
+
+The ledger (`Mesh.record()`) counts, per collective, calls, the logical element count of the operation
+(`elements`: the full buffer size for reduce-scatter and all-gather, twice it for an all-reduce: the ZeRO paper's
+accounting) and the elements each rank sends and receives with a bandwidth-optimal ring algorithm
+(`(world - 1) / world` of those).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["DistMesh", "Ledger", "Mesh", "SimMesh"]
+
+ReduceOp = Literal["sum", "mean"]
+
+
+@dataclass
+class Ledger:
+    """What the collectives moved while it was recording: `{collective: {calls, elements, sent, received}}`,
+    element counts per rank."""
+
+    world: int
+    entries: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, kind: str, elements: int, moved: int) -> None:
+        entry = self.entries.setdefault(kind, {"calls": 0, "elements": 0, "sent": 0, "received": 0})
+        entry["calls"] += 1
+        entry["elements"] += elements
+        entry["sent"] += moved
+        entry["received"] += moved
+
+    def total(self, key: str = "elements") -> int:
+        return sum(e[key] for e in self.entries.values())
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: dict(v) for k, v in self.entries.items()}
+
+
+@runtime_checkable
+class Mesh(Protocol):
+    """The collectives of a group of data-parallel ranks (see the module docstring for shapes)."""
+
+    world: int
+
+    @property
+    def rank(self) -> int | Tensor: ...
+
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor: ...
+
+    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor: ...
+
+    def all_gather(self, x: Tensor) -> Tensor: ...
+
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor: ...
+
+    def local_shard(self, x: Tensor) -> Tensor: ...
+
+    def map(self, fn, *args): ...
+
+    def replicate(self, x: Tensor) -> Tensor: ...
+
+    def record(self) -> contextlib.AbstractContextManager[Ledger]: ...
+
+
+class _LedgerMixin:
+    world: int
+    _ledgers: list[Ledger]
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[Ledger]:
+        """Count the collectives issued inside the `with` block into a fresh `Ledger`."""
+        ledger = Ledger(self.world)
+        self._ledgers.append(ledger)
+        try:
+            yield ledger
+        finally:
+            self._ledgers.remove(ledger)
+
+    def _log(self, kind: str, full: int) -> None:
+        """Log one collective over a buffer of `full` elements per rank (after gather / before scatter)."""
+        if not self._ledgers:
+            return
+        factor = 2 if kind == "all_reduce" else 1
+        elements = factor * full
+        moved = factor * full * (self.world - 1) // self.world
+        if kind == "broadcast":
+            moved = full if self.world > 1 else 0
+        for ledger in self._ledgers:
+            ledger.add(kind, elements, moved)
+
+
+def _check_chunks(x: Tensor, world: int, what: str) -> int:
+    if x.ndim == 0 or x.shape[-1] % world:
+        raise ValueError(f"{what}: last dimension of shape {tuple(x.shape)} is not divisible by world={world}")
+    return x.shape[-1] // world
+
+
+def _finish(total: Tensor, op: ReduceOp, world: int) -> Tensor:
+    if op == "sum":
+        return total
+    if op == "mean":
+        return total / world
+    raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+
+
+class SimMesh(_LedgerMixin):
+    """`world` ranks simulated in one process on a leading `[world, ...]` axis; deterministic.
+
+    Args:
+      world: number of simulated ranks.
+
+    Example:
+      >>> import torch
+      >>> mesh = SimMesh(world=2)
+      >>> mesh.reduce_scatter(torch.tensor([[1., 2.], [10., 20.]]))
+      tensor([[11.],
+              [22.]])
+    """
+
+    def __init__(self, world: int) -> None:
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"SimMesh(world=...) needs an int >= 1, got {world!r}")
+        self.world = world
+        self._ledgers: list[Ledger] = []
+
+    def __repr__(self) -> str:
+        return f"SimMesh(world={self.world})"
+
+    @property
+    def rank(self) -> Tensor:
+        """Each simulated rank's index, on the world axis."""
+        return torch.arange(self.world)
+
+    def _rows(self, x: Tensor, what: str) -> None:
+        if x.ndim == 0 or x.shape[0] != self.world:
+            raise ValueError(
+                f"{what}: {self!r} expects a leading world axis of size {self.world}, got shape {tuple(x.shape)}"
+            )
+
+    def _sum(self, x: Tensor) -> Tensor:
+        total = x[0]
+        for r in range(1, self.world):  # rank order, as the docstring promises
+            total = total + x[r]
+        return total
+
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+        self._rows(x, "all_reduce")
+        self._log("all_reduce", x[0].numel())
+        return _finish(self._sum(x), op, self.world).expand_as(x)
+
+    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+        self._rows(x, "reduce_scatter")
+        _check_chunks(x, self.world, "reduce_scatter")
+        self._log("reduce_scatter", x[0].numel())
+        total = _finish(self._sum(x), op, self.world)  # [..., world * s]
+        return total.unflatten(-1, (self.world, -1)).movedim(-2, 0).contiguous()
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        self._rows(x, "all_gather")
+        self._log("all_gather", x.numel())
+        full = x.movedim(0, -2).flatten(-2)
+        return full.expand(self.world, *full.shape).contiguous()
+
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+        self._rows(x, "broadcast")
+        self._log("broadcast", x[0].numel())
+        return x[src].expand_as(x).contiguous()
+
+    def local_shard(self, x: Tensor) -> Tensor:
+        self._rows(x, "local_shard")
+        _check_chunks(x, self.world, "local_shard")
+        chunks = x.unflatten(-1, (self.world, -1))  # [world, ..., world, s]
+        return torch.stack([chunks[r, ..., r, :] for r in range(self.world)]).contiguous()
+
+    def replicate(self, x: Tensor) -> Tensor:
+        """The per-rank value whose every rank holds `x` (no communication)."""
+        return x.expand(self.world, *x.shape).contiguous()
+
+    def map(self, fn, *args):
+        """Run `fn` on each rank's slice of `args` (pytrees whose leaves have the world axis), in rank order, and
+        stack the results. A Python loop rather than `vmap`, so each rank runs exactly the kernels a real
+        process would and the results are bitwise those of `DistMesh`."""
+        import optree
+
+        outs = [fn(*optree.tree_map(lambda a, r=r: a[r], args, none_is_leaf=False)) for r in range(self.world)]
+        return optree.tree_map(lambda *xs: torch.stack(xs), *outs)
+
+
+class DistMesh(_LedgerMixin):
+    """The ranks of a `torch.distributed` process group (gloo on CPU, NCCL on GPU).
+
+    Args:
+      group: the process group; default the world group. If `torch.distributed` is not initialised yet, it is,
+        from the `torchrun` environment variables, with `backend` (default: NCCL when CUDA is available, else gloo).
+      backend: the backend for that initialisation.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, backend: str | None = None) -> None:
+        if not dist.is_available():
+            raise RuntimeError("torch.distributed is not available in this torch build")
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise RuntimeError(
+                    "DistMesh() needs an initialised process group or the torchrun environment "
+                    "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); start the script with torchrun, "
+                    "or use SimMesh(world=...) in a single process"
+                )
+            dist.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        self._ledgers: list[Ledger] = []
+
+    def __repr__(self) -> str:
+        return f"DistMesh(world={self.world}, rank={self._rank}, backend={dist.get_backend(self.group)})"
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+        self._log("all_reduce", x.numel())
+        out = x.clone()  # a collective writes in place; the caller's tensor is never touched
+        dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)
+        return _finish(out, op, self.world)
+
+    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+        s = _check_chunks(x, self.world, "reduce_scatter")
+        self._log("reduce_scatter", x.numel())
+        chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
+        out = torch.empty_like(chunks[0])
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn(out, chunks, op=dist.ReduceOp.SUM, group=self.group)
+        return _finish(out, op, self.world)
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        self._log("all_gather", x.numel() * self.world)
+        src = x.contiguous()
+        out = torch.empty((self.world, *src.shape), dtype=src.dtype, device=src.device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fn(out, src, group=self.group)
+        return out.movedim(0, -2).flatten(-2)
+
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+        self._log("broadcast", x.numel())
+        out = x.clone()
+        dist.broadcast(out, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        return out
+
+    def local_shard(self, x: Tensor) -> Tensor:
+        s = _check_chunks(x, self.world, "local_shard")
+        return x[..., self._rank * s : (self._rank + 1) * s].clone()
+
+    def replicate(self, x: Tensor) -> Tensor:
+        return x
+
+    def map(self, fn, *args):
+        return fn(*args)

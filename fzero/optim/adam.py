@@ -1,0 +1,95 @@
+"""Adam and AdamW on flat tensors, in `torch.optim.Adam` / `AdamW`'s exact operation order.
+
+For step `t` (1-based), learning rate `lr`, gradient `g` and weight decay `wd`:
+
+    AdamW:  p <- p * (1 - lr * wd)                  Adam (L2):  g <- g + wd * p
+    m <- lerp(m, g, 1 - b1)                         # m + (1 - b1) (g - m)
+    v <- v * b2 + (1 - b2) g^2
+    p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+The scalar factors are computed in Python floats (doubles) exactly as torch's single-tensor implementation does,
+so on the same gradients the result equals `torch.optim.AdamW(foreach=False)` bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .base import Hyper, Optimizer, check_hyper, hyper_value
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+
+class AdamState(NamedTuple):
+    """`count`: updates applied (0-d int64); `exp_avg`, `exp_avg_sq`: the first and second moments."""
+
+    count: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+
+
+def _adam(lr: Hyper, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool) -> Optimizer:
+    check_hyper("learning rate", lr, 0.0)
+    check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
+    check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
+    check_hyper("epsilon value", eps, 0.0)
+    check_hyper("weight_decay value", weight_decay, 0.0)
+    b1, b2 = betas
+
+    def init(params: Tensor) -> AdamState:
+        return AdamState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params), torch.zeros_like(params))
+
+    def update(grads: Tensor, state: AdamState, params: Tensor, *, donate: bool = False) -> tuple[Tensor, AdamState]:
+        applied = int(state.count)
+        t = applied + 1
+        lr_t = hyper_value(lr, applied)
+        p = params
+        if weight_decay != 0:
+            if decoupled:
+                p = torch.mul(p, 1 - lr_t * weight_decay, out=p if donate else None)
+            else:
+                grads = grads.add(p, alpha=weight_decay)
+        m = torch.lerp(state.exp_avg, grads, 1 - b1, out=state.exp_avg if donate else None)
+        v = torch.mul(state.exp_avg_sq, b2, out=state.exp_avg_sq if donate else None)
+        v.addcmul_(grads, grads, value=1 - b2)  # v is ours here: donated, or fresh from the mul
+        bias_correction1 = 1 - b1**t
+        bias_correction2 = 1 - b2**t
+        step_size = lr_t / bias_correction1
+        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+        own = donate or p is not params
+        p = torch.addcdiv(p, m, denom, value=-step_size, out=p if own else None)
+        return p, AdamState(torch.tensor(t, dtype=torch.int64), m, v)
+
+    return Optimizer(init, update)
+
+
+def adamw(
+    lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+) -> Optimizer:
+    """AdamW (decoupled weight decay), matching `torch.optim.AdamW` and its defaults.
+
+    Args:
+      lr: learning rate, a float or a function of the number of updates already applied.
+      betas: coefficients of the running averages of the gradient and its square.
+      eps: added to the bias-corrected square root, for stability.
+      weight_decay: decoupled decay: `p <- p * (1 - lr * weight_decay)` before the Adam step.
+
+    Example:
+      >>> import torch
+      >>> opt = adamw(lr=0.1, weight_decay=0.0)
+      >>> p = torch.ones(3)
+      >>> p, s = opt.update(torch.ones(3), opt.init(p), p)
+      >>> p
+      tensor([0.9000, 0.9000, 0.9000])
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+
+
+def adam(
+    lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+) -> Optimizer:
+    """Adam with L2 weight decay (`g <- g + weight_decay * p`), matching `torch.optim.Adam`; see `adamw`."""
+    return _adam(lr, betas, eps, weight_decay, decoupled=False)

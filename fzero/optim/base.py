@@ -1,0 +1,51 @@
+"""The optimizer protocol shared by `adam`, `adamw` and `sgd`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from torch import Tensor
+
+__all__ = ["Hyper", "Optimizer", "hyper_value"]
+
+Hyper = float | Callable[[int], float]
+"""A hyper-parameter: a constant, or a pure function of the number of updates already applied."""
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Tensor) -> Any: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(self, grads: Tensor, state: Any, params: Tensor, *, donate: bool = False) -> tuple[Tensor, Any]: ...
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer on one flat tensor.
+
+    Attributes:
+      init: `init(params) -> state`, the state shaped like `params`.
+      update: `update(grads, state, params, *, donate=False) -> (new_params, new_state)`. Pure unless `donate`,
+        in which case `params` and the state's tensors are overwritten in place (and returned).
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+def hyper_value(h: Hyper, applied: int) -> float:
+    """The value of a hyper-parameter for the update that follows `applied` applied updates."""
+    return float(h(applied)) if callable(h) else h
+
+
+def check_hyper(name: str, value: Hyper, low: float, high: float | None = None, *, open_high: bool = True) -> None:
+    """Validate a constant hyper-parameter eagerly (schedules are checked when evaluated by torch-like rules)."""
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a callable of the step, got {type(value).__name__}")
+    bad = value < low or (high is not None and (value >= high if open_high else value > high))
+    if bad:
+        interval = f"[{low}, {high})" if high is not None and open_high else f"[{low}, {high}]" if high else f">= {low}"
+        raise ValueError(f"invalid {name}: {value} (expected {interval})")

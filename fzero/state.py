@@ -1,0 +1,82 @@
+"""The training state: one immutable pytree of per-rank flat buffers.
+
+`TrainState` is an optree dataclass in the ``"fzero"`` namespace and is also registered with
+`torch.utils._pytree`, so it crosses `torch.func` and `torch.compile` boundaries. Only tensors are leaves; the
+`Layout` is static metadata. A state is never modified: every step returns a new one, and a caller holding an old
+state keeps seeing its old values (unless it asked for buffer donation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import Tensor
+
+from .layout import Layout
+
+__all__ = ["TrainState", "pytree"]
+
+pytree = optree.pytree.reexport(namespace="fzero")
+
+
+@pytree.dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a step reads and writes.
+
+    Attributes:
+      step: micro-steps taken so far (0-d int64).
+      params: master parameters per rank: this rank's shard (`[shard_numel]`) or, for stage 0, the full buffer
+        (`[numel]`); with a leading world axis on `SimMesh`.
+      compute: the gathered compute parameters for the next forward (`[numel]` per rank), or None where the
+        stage gathers them at the start of each step (stage 3).
+      tx_state: the transform's state (a tuple for `chain`).
+      frozen: parameters with `requires_grad=False`, by name, unsharded and never updated.
+      buffers: module buffers (e.g. BatchNorm statistics), by name, per rank.
+      layout: the static map from names to flat offsets and shards.
+    """
+
+    step: Tensor
+    params: Tensor
+    compute: Tensor | None
+    tx_state: Any
+    frozen: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    layout: Layout = optree.dataclasses.field(pytree_node=False)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with some fields replaced (the state itself is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the state belongs to a `SimMesh` (per-rank values on a leading world axis)."""
+        return self.params.ndim == 2
+
+
+_FIELDS = ("step", "params", "compute", "tx_state", "frozen", "buffers")
+
+
+def _flatten(state: TrainState) -> tuple[list[Any], Layout]:
+    return [getattr(state, f) for f in _FIELDS], state.layout
+
+
+def _unflatten(values: list[Any], layout: Layout) -> TrainState:
+    return TrainState(*values, layout=layout)
+
+
+torch_pytree.register_pytree_node(
+    TrainState,
+    _flatten,
+    _unflatten,
+    serialized_type_name="fzero.TrainState",
+    flatten_with_keys_fn=lambda s: ([(torch_pytree.GetAttrKey(f), getattr(s, f)) for f in _FIELDS], s.layout),
+)
+
+
+def count(value: int = 0) -> Tensor:
+    """A 0-d int64 counter on the CPU (read on the host without a device sync)."""
+    return torch.tensor(value, dtype=torch.int64)

@@ -1,0 +1,216 @@
+"""The pure training step: `state, metrics = step(state, batch)`.
+
+One step, on every rank:
+
+1. compute parameters: `state.compute`, or (stage 3) the all-gather of the master shards;
+2. `loss, grads = torch.func.grad_and_value(loss_fn)` on this rank's batch, the parameters presented to
+   `loss_fn` as named views of one flat buffer (collectives stay outside the func transform: `torch.func` cannot
+   differentiate through them);
+3. the transform chain: accumulate, reduce, update, gather, as the preset or the user composed it.
+
+Example:
+    >>> import torch, fzero
+    >>> model = torch.nn.Linear(4, 2)
+    >>> def loss_fn(params, batch):
+    ...     out = torch.func.functional_call(model, params, (batch["x"],))
+    ...     return torch.nn.functional.mse_loss(out, batch["y"])
+    >>> mesh = fzero.SimMesh(world=2)
+    >>> tx = fzero.zero2(fzero.adamw(1e-2))
+    >>> state = fzero.init(model, tx, mesh)
+    >>> step = fzero.train_step(model, loss_fn, tx, mesh)
+    >>> batch = {"x": torch.randn(2, 8, 4), "y": torch.randn(2, 8, 2)}   # [world, per-rank batch, ...]
+    >>> state, metrics = step(state, batch)
+    >>> sorted(model.load_state_dict(fzero.state_dict(state)).missing_keys)
+    []
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from .layout import flatten, from_module, unflatten, unshard
+from .mesh import Mesh, SimMesh
+from .state import TrainState, count
+from .transforms import Context, Flow, Transform, gather_params
+
+__all__ = ["StepFn", "init", "state_dict", "train_step"]
+
+StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+
+
+def _check_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"expected a mesh (fzero.SimMesh or fzero.DistMesh), got {type(mesh).__name__}")
+
+
+def init(
+    model: nn.Module,
+    tx: Transform,
+    mesh: Mesh,
+    *,
+    units: str | Callable[[str], str] | None = None,
+    align: int = 16,
+) -> TrainState:
+    """The initial `TrainState` of `model` under `tx` on `mesh`.
+
+    The state holds copies: the model's own tensors are never referenced, and training never changes the model
+    (load `fzero.state_dict(state)` into it when you want its parameters). On `DistMesh`, rank 0's values are
+    broadcast so all ranks start equal.
+
+    Args:
+      model: the module; its trainable parameters must share one floating dtype.
+      tx: the transform (e.g. `fzero.zero2(fzero.adamw(3e-4))`).
+      mesh: `SimMesh(world=W)` or `DistMesh()`.
+      units: how parameters group into units (see `fzero.layout.from_module`).
+      align: padding quantum per rank, in elements.
+    """
+    _check_mesh(mesh)
+    if not isinstance(tx, Transform):
+        raise TypeError(f"tx must be an fzero Transform (e.g. fzero.zero2(...)), got {type(tx).__name__}")
+    layout = from_module(model, world=mesh.world, align=align, units=units)
+    named = dict(model.named_parameters())
+    if any(p.is_meta for p in named.values()):
+        raise ValueError("init: the model has parameters on the meta device; materialise it first (to_empty + init)")
+    with torch.no_grad():
+        trainable = {leaf.name: named[leaf.name] for leaf in layout.leaves}
+        flat = mesh.broadcast(mesh.replicate(flatten(layout, trainable)), src=0)
+        frozen = {s.name: mesh.replicate(named[s.name].detach().clone()) for s in layout.frozen}
+        module_buffers = dict(model.named_buffers())
+        buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
+        flow, tx_state = tx.init(Flow(None, flat, flat, {}), Context(mesh, layout))
+    return TrainState(count(0), flow.params, flow.compute, tx_state, frozen, buffers, layout)
+
+
+def _check_batch(batch: Any, mesh: Mesh) -> None:
+    if not isinstance(mesh, SimMesh):
+        return
+    for path, leaf in zip(*optree.tree_flatten_with_path(batch)[:2]):
+        where = "batch" + "".join(f"[{p!r}]" for p in path)
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; on a SimMesh every batch leaf must be a tensor")
+        if leaf.ndim == 0 or leaf.shape[0] != mesh.world:
+            raise ValueError(
+                f"{where} has shape {tuple(leaf.shape)}, but {mesh!r} needs a leading world axis of "
+                f"{mesh.world}: shape [{mesh.world}, per-rank batch, ...]"
+            )
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.ndim != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar (0-d) tensor, got shape {tuple(loss.shape)}: reduce it, e.g. .mean()"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"loss_fn must return a floating-point scalar, got dtype {loss.dtype}")
+
+
+def train_step(
+    model: nn.Module,
+    loss_fn: Callable[..., Any],
+    tx: Transform,
+    mesh: Mesh,
+    *,
+    has_aux: bool = False,
+    donate: bool = False,
+) -> StepFn:
+    """Build the pure step `step(state, batch) -> (state, metrics)`.
+
+    Args:
+      model: the module whose `init` state is trained (used by `loss_fn` through `functional_call`).
+      loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux`); `params` maps every parameter
+        and buffer name to a tensor, ready for `torch.func.functional_call(model, params, ...)`. It must return the
+        mean loss of this rank's batch: ranks' gradients are averaged.
+      tx: the transform `init` was called with.
+      mesh: the mesh `init` was called with.
+      has_aux: `loss_fn` returns `(loss, aux)`; `aux` (a pytree of tensors) appears in the metrics.
+      donate: let the step overwrite the input state's buffers in place (faster, less memory); the input state
+        must not be used afterwards.
+
+    Returns:
+      `step(state, batch)`. On a `SimMesh` every batch leaf has a leading world axis. The metrics hold `loss` (mean
+      over ranks), `applied` (whether the optimizer ran: False on micro-steps that accumulate), `comm` (the
+      ledger: elements per collective) and `aux`.
+    """
+    _check_mesh(mesh)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(tx, Transform):
+        raise TypeError(f"tx must be an fzero Transform, got {type(tx).__name__}")
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"step expects a TrainState (from fzero.init), got {type(state).__name__}")
+        layout = state.layout
+        if layout.world != mesh.world:
+            raise ValueError(f"the state was built for world {layout.world}, but the mesh has world {mesh.world}")
+        _check_batch(batch, mesh)
+
+        def local(compute: Tensor, frozen: dict, buffers: dict, batch: Any):
+            buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
+
+            def f(flat: Tensor):
+                out = loss_fn({**unflatten(layout, flat), **frozen, **buffers}, batch)
+                loss, aux = out if has_aux else (out, None)
+                _check_loss(loss)
+                return loss, ((loss.detach(), aux) if has_aux else loss.detach())
+
+            grads, out = torch.func.grad(f, has_aux=True)(compute)
+            loss, aux = out if has_aux else (out, None)
+            return grads, loss, aux, buffers
+
+        with mesh.record() as ledger:
+            compute = state.compute
+            if compute is None:
+                compute = gather_params(mesh, layout, state.params)
+            grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)
+            flow = Flow(grads, state.params, state.compute, {})
+            flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
+            loss = mesh.all_reduce(loss.detach().float(), "mean")
+        new = TrainState(state.step + 1, flow.params, flow.compute, tx_state, state.frozen, buffers, layout)
+        metrics = {
+            "loss": loss[0] if isinstance(mesh, SimMesh) else loss,
+            "applied": not flow.deferred,
+            "comm": ledger.as_dict(),
+            **flow.metrics,
+        }
+        if has_aux:
+            metrics["aux"] = aux
+        return new, metrics
+
+    return step
+
+
+def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]:
+    """The consolidated parameters (master dtype), frozen parameters and buffers, by name: what
+    `model.load_state_dict` accepts. Tied parameters appear under every name.
+
+    Args:
+      state: a `TrainState`.
+      mesh: needed for a `DistMesh` state with sharded parameters (it all-gathers them: call it on every rank).
+    """
+    layout = state.layout
+    params = state.params
+    full_form = params.shape[-1] == layout.numel
+    if state.simulated:
+        full = params[0] if full_form else unshard(layout, params)
+        first = lambda t: t[0]  # noqa: E731
+    else:
+        if not full_form and layout.world > 1:
+            if mesh is None:
+                raise ValueError("state_dict of a sharded DistMesh state needs the mesh: fzero.state_dict(state, mesh)")
+            full = gather_params(mesh, layout, params)
+        else:
+            full = params
+        first = lambda t: t  # noqa: E731
+    out: dict[str, Tensor] = {k: v.clone() for k, v in unflatten(layout, full).items()}
+    out.update({k: first(v).clone() for k, v in state.frozen.items()})
+    out.update({k: first(v).clone() for k, v in state.buffers.items()})
+    return out
+

@@ -1,0 +1,62 @@
+"""`accumulate(k)`: average the gradients of `k` micro-steps, deferring the rest of the chain until the k-th.
+
+    g = (g_1 + g_2 + ... + g_k) / k      (summed in micro-step order, then divided)
+
+Its place in the chain decides what is accumulated: before `reduce_scatter` the full local gradients (stage 1,
+one reduction per step); after it the reduced shards (stage 2, a reduction per micro-step, 1/world the memory).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..state import count
+from .base import Context, Flow, Transform, identity
+
+__all__ = ["AccumulateState", "accumulate"]
+
+
+class AccumulateState(NamedTuple):
+    """`count`: micro-steps held since the last boundary (0-d int64); `acc`: the sum of their gradients."""
+
+    count: Tensor
+    acc: Tensor
+
+
+def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
+    """Mean of `k` micro-step gradients; micro-steps before the k-th do no further work.
+
+    Args:
+      k: micro-steps per update (1: a no-op with no state).
+      dtype: accumulator dtype; default the master parameters' dtype.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"accumulate(k): k must be an int >= 1, got {k!r}")
+    if k == 1:
+        return identity()
+
+    def init(flow: Flow, ctx: Context) -> tuple[Flow, AccumulateState]:
+        return flow, AccumulateState(count(0), torch.zeros_like(flow.params, dtype=dtype or flow.params.dtype))
+
+    def update(flow: Flow, state: AccumulateState, ctx: Context) -> tuple[Flow, AccumulateState]:
+        if flow.grads.shape != state.acc.shape:
+            raise ValueError(
+                f"accumulate: gradients of shape {tuple(flow.grads.shape)} do not match the accumulator's "
+                f"{tuple(state.acc.shape)}; was the chain changed after init?"
+            )
+        n = int(state.count) + 1
+        g = flow.grads.to(state.acc.dtype)
+        if n == 1:
+            acc = state.acc.copy_(g) if ctx.donate else g
+        else:
+            acc = torch.add(state.acc, g, out=state.acc if ctx.donate else None)
+        if n < k:
+            return flow._replace(grads=None, deferred=True), AccumulateState(count(n), acc)
+        mean = acc / k
+        fresh = acc.zero_() if ctx.donate else torch.zeros_like(acc)
+        return flow._replace(grads=mean), AccumulateState(count(0), fresh)
+
+    return Transform(init, update)

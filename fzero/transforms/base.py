@@ -1,0 +1,105 @@
+"""The transform algebra: `Flow`, `Context`, `Transform` and `chain`.
+
+A step's gradient flows through a chain of transforms and changes form on the way: the full per-rank gradient
+(`[numel]`) may be accumulated, reduced, scattered to this rank's shard (`[shard_numel]`), consumed by the optimizer
+to produce new master parameters, which may be gathered back into full compute parameters. A `Flow` carries all of
+it, and each transform is a pair of pure functions in the manner of optax:
+
+    init(flow, ctx) -> (flow, state)            # at `fzero.init`: `flow.params` changes form as it will at update
+    update(flow, state, ctx) -> (flow, state)   # at every micro-step
+
+`init` sees a flow whose `params` are the full initial parameters and `grads` is None; a transform that changes the
+form of gradients at update (`reduce_scatter`) changes the form of `params` at init, so every transform sees, at
+init, parameters in the form its gradients will have at update, and sizes its state from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from ..layout import Layout
+from ..mesh import Mesh
+
+__all__ = ["Context", "Flow", "Transform", "chain", "identity"]
+
+
+class Flow(NamedTuple):
+    """The values a transform reads and returns.
+
+    Attributes:
+      grads: the gradient per rank in its current form (full or shard); None once the optimizer consumed it.
+      params: the master parameters per rank (this rank's shard, or the full buffer at stage 0).
+      compute: full compute parameters for the next forward, or None if they must be gathered first.
+      metrics: values to report (a fresh mapping per transform that adds to it).
+      deferred: True when this micro-step ends early (gradients held for accumulation): the rest of the chain
+        does nothing, and its state is unchanged.
+    """
+
+    grads: Tensor | None
+    params: Tensor
+    compute: Tensor | None
+    metrics: Mapping[str, Any]
+    deferred: bool = False
+
+    def is_full(self, layout: Layout, x: Tensor | None = None) -> bool:
+        """Whether `x` (default: `params`) is a full buffer rather than a shard (both, when world is 1)."""
+        x = self.params if x is None else x
+        return x.shape[-1] == layout.numel
+
+
+class Context(NamedTuple):
+    """Static facts every transform may read: the mesh, the layout, and whether buffers may be donated."""
+
+    mesh: Mesh
+    layout: Layout
+    donate: bool = False
+
+
+class Transform(NamedTuple):
+    """A pair of pure functions (see the module docstring)."""
+
+    init: Callable[[Flow, Context], tuple[Flow, Any]]
+    update: Callable[[Flow, Any, Context], tuple[Flow, Any]]
+
+
+def identity() -> Transform:
+    """The transform that changes nothing and holds no state."""
+    return Transform(lambda flow, ctx: (flow, ()), lambda flow, state, ctx: (flow, state))
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Compose transforms left to right; the state is the tuple of their states.
+
+    A transform that defers the micro-step (`accumulate` before its boundary) stops the chain there: the
+    transforms after it do no work and keep their state.
+
+    Example:
+      >>> import fzero
+      >>> tx = fzero.chain(fzero.reduce_scatter(), fzero.shard_update(fzero.adamw(1e-3)), fzero.gather())
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, Transform):
+            raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a Transform")
+
+    def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
+        states = []
+        for t in transforms:
+            flow, s = t.init(flow, ctx)
+            states.append(s)
+        return flow, tuple(states)
+
+    def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = len(state) if isinstance(state, tuple) else type(state).__name__
+            raise ValueError(f"chain of {len(transforms)} transforms got a state of {got} entries")
+        new = list(state)
+        for i, t in enumerate(transforms):
+            flow, new[i] = t.update(flow, state[i], ctx)
+            if flow.deferred:
+                break
+        return flow, tuple(new)
+
+    return Transform(init, update)
