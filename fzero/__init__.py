@@ -12,7 +12,7 @@ from . import layout, optim
 from .layout import Layout
 from .mesh import DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, sgd
-from .state import TrainState
+from .state import TrainState, pytree
 from .step import init, state_dict, train_step
 from .transforms import (
     Context,
@@ -54,6 +54,7 @@ __all__ = [
     "init",
     "layout",
     "optim",
+    "pytree",
     "reduce_scatter",
     "sgd",
     "shard_update",

@@ -6,7 +6,8 @@ Trainable parameters are grouped into **units** (by default one per child of eac
 everything else): the unit is what ZeRO-3 gathers at once. Three orders of the same elements exist:
 
 - *unit-major* (the **full** buffer, length `numel`): units end to end, in order of first appearance; inside a
-  unit, parameters in `named_parameters()` order, then zero padding up to a multiple of `world * align`.
+  unit, parameters in `named_parameters()` order, each starting at a multiple of `align` elements, then zero
+  padding up to a multiple of `world * align`.
 - *shard* (length `shard_numel = numel / world`): rank `r` holds, for every unit `u`, the `r`-th of its `world`
   equal chunks, units end to end. A unit's shard slice is therefore contiguous on every rank, so gathering one unit
   is one all-gather with no copy.
@@ -187,8 +188,8 @@ def make_layout(
     Args:
       params: `(name, shape, dtype)` in the model's `named_parameters()` order; this order is kept.
       world: number of ranks the buffer is sharded over.
-      align: each unit is padded to a multiple of `world * align` elements, so every shard of every unit starts
-        `align`-element aligned.
+      align: every parameter starts at a multiple of `align` elements and each unit is padded to a multiple of
+        `world * align`, so parameters and every rank's shard of every unit start `align`-aligned.
       unit_of: maps a parameter name to its unit's name; default: a single unit.
       dtype: dtype of the flat buffer; default: the parameters' common dtype.
       frozen, buffers, aliases: carried along unchanged (see `from_module`).
@@ -220,12 +221,15 @@ def make_layout(
     units: list[Unit] = []
     start = shard_start = 0
     for index, (unit_name, members) in enumerate(order.items()):
-        offset = start
+        offset, numel = start, 0
         for name, shape, dt in members:
             leaves.append(Leaf(name, shape, _dtype_name(dt), index, offset))
-            offset += math.prod(shape)
-        numel = offset - start
-        size = max(quantum, -(-numel // quantum) * quantum)
+            n = math.prod(shape)
+            numel += n
+            # Every parameter starts `align`-aligned, like a fresh allocation: BLAS kernels pick code paths by
+            # pointer alignment, so this keeps gradients bitwise those of the unflattened model.
+            offset += -(-n // align) * align
+        size = max(quantum, -(-(offset - start) // quantum) * quantum)
         units.append(Unit(unit_name, start, numel, size, shard_start))
         start += size
         shard_start += size // world

@@ -260,16 +260,16 @@ class DistMesh(_LedgerMixin):
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
         out = torch.empty_like(chunks[0])
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        fn(out, chunks, op=dist.ReduceOp.SUM, group=self.group)
+        fn(out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM, group=self.group)
         return _finish(out, op, self.world)
 
     def all_gather(self, x: Tensor) -> Tensor:
         self._log("all_gather", x.numel() * self.world)
         src = x.contiguous()
-        out = torch.empty((self.world, *src.shape), dtype=src.dtype, device=src.device)
+        out = torch.empty(self.world * src.numel(), dtype=src.dtype, device=src.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        fn(out, src, group=self.group)
-        return out.movedim(0, -2).flatten(-2)
+        fn(out, src.reshape(-1), group=self.group)
+        return out.view(self.world, *src.shape).movedim(0, -2).flatten(-2)
 
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         self._log("broadcast", x.numel())

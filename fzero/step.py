@@ -155,13 +155,13 @@ def train_step(
         def local(compute: Tensor, frozen: dict, buffers: dict, batch: Any):
             buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
 
-            def f(flat: Tensor):
+            def f(flat: Tensor, buffers: dict):  # buffers are an input: torch.func forbids mutating captures
                 out = loss_fn({**unflatten(layout, flat), **frozen, **buffers}, batch)
                 loss, aux = out if has_aux else (out, None)
                 _check_loss(loss)
                 return loss, ((loss.detach(), aux) if has_aux else loss.detach())
 
-            grads, out = torch.func.grad(f, has_aux=True)(compute)
+            grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
             loss, aux = out if has_aux else (out, None)
             return grads, loss, aux, buffers
 
