@@ -1,11 +1,11 @@
 """fzero: ZeRO stages 0-3 as a functional library on `torch.func`.
 
-    mesh = fzero.SimMesh(world=4)                       # or fzero.DistMesh() under torchrun
-    tx = fzero.zero2(fzero.adamw(3e-4), accumulate=2)   # or fzero.chain(...) of the same pieces
-    state = fzero.init(model, tx, mesh)
-    step = fzero.train_step(model, loss_fn, tx, mesh)
-    state, metrics = step(state, batch)
-    model.load_state_dict(fzero.state_dict(state))
+mesh = fzero.SimMesh(world=4)                       # or fzero.DistMesh() under torchrun
+tx = fzero.zero2(fzero.adamw(3e-4), accumulate=2)   # or fzero.chain(...) of the same pieces
+state = fzero.init(model, tx, mesh)
+step = fzero.train_step(model, loss_fn, tx, mesh)
+state, metrics = step(state, batch)
+model.load_state_dict(fzero.state_dict(state))
 """
 
 from . import layout, optim

@@ -394,7 +394,5 @@ def shard(layout: Layout, flat: Tensor) -> Tensor:
 def unshard(layout: Layout, shards: Tensor) -> Tensor:
     """Inverse of `shard`: `[world, shard_numel] -> [numel]`."""
     if shards.shape != (layout.world, layout.shard_numel):
-        raise ValueError(
-            f"expected shards of shape ({layout.world}, {layout.shard_numel}), got {tuple(shards.shape)}"
-        )
+        raise ValueError(f"expected shards of shape ({layout.world}, {layout.shard_numel}), got {tuple(shards.shape)}")
     return to_unit_major(layout, shards.reshape(layout.numel))

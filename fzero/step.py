@@ -89,7 +89,7 @@ def init(
 def _check_batch(batch: Any, mesh: Mesh) -> None:
     if not isinstance(mesh, SimMesh):
         return
-    for path, leaf in zip(*optree.tree_flatten_with_path(batch)[:2]):
+    for path, leaf in zip(*optree.tree_flatten_with_path(batch)[:2], strict=False):
         where = "batch" + "".join(f"[{p!r}]" for p in path)
         if not isinstance(leaf, Tensor):
             raise TypeError(f"{where} is a {type(leaf).__name__}; on a SimMesh every batch leaf must be a tensor")
@@ -213,4 +213,3 @@ def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]
     out.update({k: first(v).clone() for k, v in state.frozen.items()})
     out.update({k: first(v).clone() for k, v in state.buffers.items()})
     return out
-

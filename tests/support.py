@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from fzero.examples.gpt import GPT, GPTConfig
 def mlp(widths: list[int], seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.Tanh()]
     return nn.Sequential(*layers[:-1]).to(dtype)
 

@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     say = print if rank == 0 else (lambda *a, **k: None)
     n_params = state.layout.real_numel
-    say(f"fzero main job: GPT {n_params / 1e6:.2f}M params, ZeRO-{args.stage}, {world} rank(s) over {mesh!r}, "
-        f"{args.batch}x{args.seq_len} tokens/rank/micro-step, accumulate {args.accumulate}")
+    say(
+        f"fzero main job: GPT {n_params / 1e6:.2f}M params, ZeRO-{args.stage}, {world} rank(s) over {mesh!r}, "
+        f"{args.batch}x{args.seq_len} tokens/rank/micro-step, accumulate {args.accumulate}"
+    )
     tokens_per_step = args.batch * args.seq_len * args.accumulate * world
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -80,8 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             elapsed = time.perf_counter() - (timed_t0 or t0)
             done = i + 1 - (timed_from if timed_t0 else 0)
             comm = sum(e["elements"] for e in metrics["comm"].values())
-            say(f"step {i + 1:4d}  loss {loss:.4f}  tokens/s {done * tokens_per_step / elapsed:9.0f}  "
-                f"comm/step {comm / n_params:.2f} Psi")
+            say(
+                f"step {i + 1:4d}  loss {loss:.4f}  tokens/s {done * tokens_per_step / elapsed:9.0f}  "
+                f"comm/step {comm / n_params:.2f} Psi"
+            )
     total = time.perf_counter() - (timed_t0 or t0)
     timed_steps = args.steps - (timed_from if timed_t0 else 0)
     summary = {
@@ -89,9 +93,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "final_loss": sum(losses[-5:]) / len(losses[-5:]),
         "tokens_per_s": timed_steps * tokens_per_step / total,
     }
-    say(f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last 5 steps), "
+    say(
+        f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last 5 steps), "
         f"{summary['tokens_per_s']:.0f} tokens/s over {timed_steps} timed steps, "
-        f"{time.perf_counter() - t0:.1f}s in all")
+        f"{time.perf_counter() - t0:.1f}s in all"
+    )
     if distributed:
         dist.destroy_process_group()
     return summary

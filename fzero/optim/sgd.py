@@ -1,10 +1,10 @@
 """SGD with momentum, dampening, Nesterov and L2 weight decay, in `torch.optim.SGD`'s exact operation order.
 
-    g <- g + wd * p
-    b <- g                              on the first update
-    b <- momentum * b + (1 - dampening) g   afterwards
-    g <- g + momentum * b  (Nesterov)   or   g <- b
-    p <- p - lr * g
+g <- g + wd * p
+b <- g                              on the first update
+b <- momentum * b + (1 - dampening) g   afterwards
+g <- g + momentum * b  (Nesterov)   or   g <- b
+p <- p - lr * g
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ __all__ = ["shard_update"]
 def shard_update(optimizer: Optimizer) -> Transform:
     """Update the master parameters with `optimizer`; the compute copy becomes stale (None) until gathered."""
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"shard_update needs an fzero Optimizer (e.g. fzero.adamw(...)), got {type(optimizer).__name__}")
+        raise TypeError(
+            f"shard_update needs an fzero Optimizer (e.g. fzero.adamw(...)), got {type(optimizer).__name__}"
+        )
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, Any]:
         return flow._replace(compute=None), optimizer.init(flow.params)

@@ -1,0 +1,50 @@
+"""The byte ledger against the ZeRO paper's communication volumes per rank per step."""
+
+from __future__ import annotations
+
+import pytest
+
+import fzero
+from tests.support import lm_batches, lm_loss, tiny_gpt
+
+
+def elements_per_step(preset, world, micro):
+    model = tiny_gpt(0)
+    mesh = fzero.SimMesh(world)
+    tx = preset(fzero.adamw(1e-3), accumulate=micro)
+    state = fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    totals: dict[str, int] = {}
+    for batch in lm_batches(model, world, micro, 2, 1, 0):
+        state, metrics = step(state, batch)
+        for kind, entry in metrics["comm"].items():
+            totals[kind] = totals.get(kind, 0) + entry["elements"]
+    totals["all_reduce"] = totals.get("all_reduce", 0) - 2 * micro  # the reported loss: 1 element, all-reduced
+    return {k: v for k, v in totals.items() if v}, state.layout
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_volumes_match_the_zero_paper(world, micro):
+    n = {}
+    for name in ("zero0", "zero1", "zero2", "zero3"):
+        n[name], layout = elements_per_step(getattr(fzero, name), world, micro)
+    psi, padded = layout.real_numel, layout.numel
+    assert padded < 1.1 * psi  # padding aside, the counts below are the paper's Psi
+    assert n["zero0"] == {"all_reduce": 2 * padded}  # all-reduce = reduce-scatter + all-gather = 2 Psi
+    assert n["zero1"] == {"reduce_scatter": padded, "all_gather": padded}  # 2 Psi
+    # stage 2 reduces every micro-step (as DeepSpeed does), so accumulation adds (k - 1) Psi
+    assert n["zero2"] == {"reduce_scatter": micro * padded, "all_gather": padded}
+    # stage 3 gathers at every micro-step's start; the backward re-gather that makes the paper's 3 Psi belongs to
+    # per-unit gathering, which this stage does not do yet (docs/equivalence.md)
+    assert n["zero3"] == {"reduce_scatter": micro * padded, "all_gather": micro * padded}
+
+
+def test_ring_model_sent_and_received():
+    model = tiny_gpt(0)
+    mesh = fzero.SimMesh(4)
+    tx = fzero.zero2(fzero.adamw(1e-3))
+    state = fzero.init(model, tx, mesh)
+    _, metrics = fzero.train_step(model, lm_loss(model), tx, mesh)(state, lm_batches(model, 4, 1, 2, 1, 0)[0])
+    rs = metrics["comm"]["reduce_scatter"]
+    assert rs["sent"] == rs["received"] == rs["elements"] * 3 // 4

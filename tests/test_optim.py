@@ -1,0 +1,86 @@
+"""The functional optimizers against torch.optim, bitwise, on the same gradient sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+
+dtypes = st.sampled_from([torch.float32, torch.float64])
+
+
+def compare(ours, make_torch, n, steps, seed, dtype, lr_of=None, donate=False):
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=g, dtype=dtype)
+    grads = [torch.randn(n, generator=g, dtype=dtype) for _ in range(steps)]
+    ref = p0.clone().requires_grad_()
+    opt = make_torch([ref])
+    p, state = p0.clone(), ours.init(p0)
+    for t, grad in enumerate(grads):
+        if lr_of is not None:
+            opt.param_groups[0]["lr"] = lr_of(t)
+        ref.grad = grad.clone()
+        opt.step()
+        p, state = ours.update(grad, state, p, donate=donate)
+        assert torch.equal(p, ref.detach()), f"step {t + 1}"
+    assert int(state.count) == steps
+
+
+hyper = st.fixed_dictionaries(
+    {
+        "lr": st.sampled_from([1e-3, 1e-2, 0.3]),
+        "b1": st.sampled_from([0.0, 0.8, 0.9]),
+        "b2": st.sampled_from([0.95, 0.999]),
+        "eps": st.sampled_from([1e-8, 1e-6]),
+        "wd": st.sampled_from([0.0, 0.01, 0.1]),
+    }
+)
+
+
+@given(h=hyper, n=st.integers(0, 70), steps=st.integers(1, 6), seed=st.integers(0, 99), dtype=dtypes,
+       donate=st.booleans())  # fmt: skip
+def test_adamw_and_adam_bitwise(h, n, steps, seed, dtype, donate):
+    kw = {"lr": h["lr"], "betas": (h["b1"], h["b2"]), "eps": h["eps"], "weight_decay": h["wd"]}
+    compare(
+        fzero.adamw(**kw), lambda p: torch.optim.AdamW(p, **kw, foreach=False), n, steps, seed, dtype, donate=donate
+    )
+    compare(fzero.adam(**kw), lambda p: torch.optim.Adam(p, **kw, foreach=False), n, steps, seed, dtype, donate=donate)
+
+
+@given(momentum=st.sampled_from([0.0, 0.5, 0.9]), dampening=st.sampled_from([0.0, 0.1]), nesterov=st.booleans(),
+       wd=st.sampled_from([0.0, 0.01]), n=st.integers(0, 40), steps=st.integers(1, 5), seed=st.integers(0, 99),
+       dtype=dtypes, donate=st.booleans())  # fmt: skip
+def test_sgd_bitwise(momentum, dampening, nesterov, wd, n, steps, seed, dtype, donate):
+    if nesterov and (momentum == 0 or dampening != 0):
+        return
+    kw = {"lr": 0.1, "momentum": momentum, "dampening": dampening, "weight_decay": wd, "nesterov": nesterov}
+    compare(fzero.sgd(**kw), lambda p: torch.optim.SGD(p, **kw, foreach=False), n, steps, seed, dtype, donate=donate)
+
+
+def test_schedule_is_a_function_of_applied_updates():
+    schedule = lambda t: 0.1 / (1 + t)  # noqa: E731
+    compare(fzero.adamw(schedule), lambda p: torch.optim.AdamW(p, lr=1.0, foreach=False), 17, 5, 0, torch.float32,
+            lr_of=schedule)  # fmt: skip
+
+
+def test_pure_without_donation():
+    opt = fzero.adamw(0.1)
+    p = torch.ones(4)
+    state = opt.init(p)
+    new_p, new_state = opt.update(torch.ones(4), state, p)
+    assert torch.equal(p, torch.ones(4)) and not state.exp_avg.any() and int(state.count) == 0
+    assert int(new_state.count) == 1 and not torch.equal(new_p, p)
+
+
+def test_hyper_parameter_errors():
+    with pytest.raises(ValueError, match="invalid learning rate: -1"):
+        fzero.adamw(-1.0)
+    with pytest.raises(ValueError, match="beta parameter at index 1"):
+        fzero.adam(betas=(0.9, 1.0))
+    with pytest.raises(TypeError, match="learning rate must be a float"):
+        fzero.sgd("0.1")
+    with pytest.raises(ValueError, match="Nesterov"):
+        fzero.sgd(0.1, nesterov=True)
