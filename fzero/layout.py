@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -349,11 +350,37 @@ def flatten(layout: Layout, tensors: Mapping[str, Tensor]) -> Tensor:
     return flat
 
 
+@functools.lru_cache(maxsize=64)
+def _pieces(layout: Layout) -> tuple[tuple[int, ...], tuple[Leaf | None, ...]]:
+    """Split sizes covering the full buffer, and the leaf (or None for padding) each piece is."""
+    sizes: list[int] = []
+    owners: list[Leaf | None] = []
+    pos = 0
+    for leaf in sorted(layout.leaves, key=lambda x: x.offset):
+        if leaf.offset > pos:
+            sizes.append(leaf.offset - pos)
+            owners.append(None)
+        sizes.append(leaf.numel)
+        owners.append(leaf)
+        pos = leaf.offset + leaf.numel
+    if layout.numel > pos:
+        sizes.append(layout.numel - pos)
+        owners.append(None)
+    return tuple(sizes), tuple(owners)
+
+
 def unflatten(layout: Layout, flat: Tensor) -> dict[str, Tensor]:
-    """Views of a full buffer (`[numel]`) as named tensors of the layout's shapes (no copy), aliases included."""
+    """Views of a full buffer (`[numel]`) as named tensors of the layout's shapes (no copy), aliases included.
+
+    The views come from one `split`, whose backward writes every gradient into one new buffer: slicing each
+    parameter separately would make autograd sum one buffer-sized gradient per parameter.
+    """
     if flat.shape != (layout.numel,):
         raise ValueError(f"expected a full buffer of shape ({layout.numel},), got {tuple(flat.shape)}")
-    out = {leaf.name: flat[leaf.offset : leaf.offset + leaf.numel].view(leaf.shape) for leaf in layout.leaves}
+    sizes, owners = _pieces(layout)
+    pieces = flat.split(sizes)
+    out = {leaf.name: piece.view(leaf.shape) for piece, leaf in zip(pieces, owners, strict=True) if leaf is not None}
+    out = {leaf.name: out[leaf.name] for leaf in layout.leaves}  # the layout's order
     for alias, name in layout.aliases:
         if name in out:
             out[alias] = out[name]

@@ -126,7 +126,7 @@ def _check_chunks(x: Tensor, world: int, what: str) -> int:
 
 
 def _finish(total: Tensor, op: ReduceOp, world: int) -> Tensor:
-    if op == "sum":
+    if op == "sum" or (op == "mean" and world == 1):  # x / 1 == x bitwise: skip a pass over the buffer
         return total
     if op == "mean":
         return total / world
@@ -176,12 +176,16 @@ class SimMesh(_LedgerMixin):
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
         self._rows(x, "all_reduce")
         self._log("all_reduce", x[0].numel())
+        if self.world == 1:
+            return _finish(x, op, 1)
         return _finish(self._sum(x), op, self.world).expand_as(x)
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
         self._rows(x, "reduce_scatter")
         _check_chunks(x, self.world, "reduce_scatter")
         self._log("reduce_scatter", x[0].numel())
+        if self.world == 1:
+            return _finish(x, op, 1)
         total = _finish(self._sum(x), op, self.world)  # [..., world * s]
         return total.unflatten(-1, (self.world, -1)).movedim(-2, 0).contiguous()
 
@@ -213,6 +217,8 @@ class SimMesh(_LedgerMixin):
         import optree
 
         outs = [fn(*optree.tree_map(lambda a, r=r: a[r], args, none_is_leaf=False)) for r in range(self.world)]
+        if self.world == 1:
+            return optree.tree_map(lambda x: x.unsqueeze(0), outs[0])
         return optree.tree_map(lambda *xs: torch.stack(xs), *outs)
 
 
@@ -250,6 +256,8 @@ class DistMesh(_LedgerMixin):
 
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
         self._log("all_reduce", x.numel())
+        if self.world == 1:
+            return _finish(x, op, 1)
         out = x.clone()  # a collective writes in place; the caller's tensor is never touched
         dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)
         return _finish(out, op, self.world)
@@ -257,6 +265,8 @@ class DistMesh(_LedgerMixin):
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
         s = _check_chunks(x, self.world, "reduce_scatter")
         self._log("reduce_scatter", x.numel())
+        if self.world == 1:
+            return _finish(x, op, 1)
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
         out = torch.empty_like(chunks[0])
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

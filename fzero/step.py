@@ -3,9 +3,11 @@
 One step, on every rank:
 
 1. compute parameters: `state.compute`, or (stage 3) the all-gather of the master shards;
-2. `loss, grads = torch.func.grad_and_value(loss_fn)` on this rank's batch, the parameters presented to
-   `loss_fn` as named views of one flat buffer (collectives stay outside the func transform: `torch.func` cannot
-   differentiate through them);
+2. `loss, grads` of `loss_fn` on this rank's batch, the parameters presented to `loss_fn` as named views of one
+   flat buffer, so the gradient arrives as one flat buffer too. Collectives stay outside the differentiation
+   (`torch.func` cannot differentiate through them). Two interchangeable engines compute it, bitwise equal:
+   `autodiff="autograd"` (default: `torch.autograd.grad` on a fresh leaf, still pure) and `autodiff="func"`
+   (`torch.func.grad`, about 5% slower per step on the small GPT of `benchmarks/step_overhead.py`);
 3. the transform chain: accumulate, reduce, update, gather, as the preset or the user composed it.
 
 Example:
@@ -119,6 +121,7 @@ def train_step(
     *,
     has_aux: bool = False,
     donate: bool = False,
+    autodiff: str = "autograd",
 ) -> StepFn:
     """Build the pure step `step(state, batch) -> (state, metrics)`.
 
@@ -132,6 +135,7 @@ def train_step(
       has_aux: `loss_fn` returns `(loss, aux)`; `aux` (a pytree of tensors) appears in the metrics.
       donate: let the step overwrite the input state's buffers in place (faster, less memory); the input state
         must not be used afterwards.
+      autodiff: `"autograd"` or `"func"`: how gradients are computed (same values, bitwise; see above).
 
     Returns:
       `step(state, batch)`. On a `SimMesh` every batch leaf has a leading world axis. The metrics hold `loss` (mean
@@ -143,6 +147,8 @@ def train_step(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(tx, Transform):
         raise TypeError(f"tx must be an fzero Transform, got {type(tx).__name__}")
+    if autodiff not in ("autograd", "func"):
+        raise ValueError(f"autodiff must be 'autograd' or 'func', got {autodiff!r}")
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
@@ -155,13 +161,19 @@ def train_step(
         def local(compute: Tensor, frozen: dict, buffers: dict, batch: Any):
             buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
 
-            def f(flat: Tensor, buffers: dict):  # buffers are an input: torch.func forbids mutating captures
+            def f(flat: Tensor, buffers: dict):  # buffers are an input: torch.func forbids mutating captured tensors
                 out = loss_fn({**unflatten(layout, flat), **frozen, **buffers}, batch)
                 loss, aux = out if has_aux else (out, None)
                 _check_loss(loss)
                 return loss, ((loss.detach(), aux) if has_aux else loss.detach())
 
-            grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
+            if autodiff == "func":
+                grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
+            else:
+                leaf = compute.detach().requires_grad_()
+                with torch.enable_grad():
+                    loss, out = f(leaf, buffers)
+                    (grads,) = torch.autograd.grad(loss, leaf)
             loss, aux = out if has_aux else (out, None)
             return grads, loss, aux, buffers
 

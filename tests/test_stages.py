@@ -21,11 +21,11 @@ STEPS = 3
 ATOL64 = 1.3e-8 * STEPS
 
 
-def run(model, loss_of, batches, world, micro, preset, opt=None, donate=False):
+def run(model, loss_of, batches, world, micro, preset, opt=None, donate=False, autodiff="autograd"):
     mesh = fzero.SimMesh(world=world)
     tx = PRESETS[preset](opt or fzero.adamw(LR), accumulate=micro)
     state = fzero.init(model, tx, mesh)
-    step = fzero.train_step(model, loss_of(model), tx, mesh, donate=donate)
+    step = fzero.train_step(model, loss_of(model), tx, mesh, donate=donate, autodiff=autodiff)
     for batch in batches:
         state, _ = step(state, batch)
     return fzero.state_dict(state)
@@ -108,6 +108,17 @@ def test_donation_gives_the_same_parameters(preset, world, micro):
     batches = regression_batches(model, world, micro, 2, STEPS, micro)
     a = run(model, regression_loss, batches, world, micro, preset)
     b = run(model, regression_loss, batches, world, micro, preset, donate=True)
+    assert equal(a, b)
+
+
+@given(
+    preset=st.sampled_from(sorted(PRESETS)), world=st.integers(1, 3), micro=st.integers(1, 2), seed=st.integers(0, 99)
+)
+def test_func_and_autograd_engines_agree_bitwise(preset, world, micro, seed):
+    model = tiny_gpt(seed)
+    batches = lm_batches(model, world, micro, 2, 2, seed)
+    a = run(model, lm_loss, batches, world, micro, preset, autodiff="autograd")
+    b = run(model, lm_loss, batches, world, micro, preset, autodiff="func")
     assert equal(a, b)
 
 

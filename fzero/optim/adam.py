@@ -58,7 +58,7 @@ def _adam(lr: Hyper, betas: tuple[float, float], eps: float, weight_decay: float
         bias_correction1 = 1 - b1**t
         bias_correction2 = 1 - b2**t
         step_size = lr_t / bias_correction1
-        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+        denom = v.sqrt().div_(bias_correction2**0.5).add_(eps)  # in place on the fresh sqrt: one allocation
         own = donate or p is not params
         p = torch.addcdiv(p, m, denom, value=-step_size, out=p if own else None)
         return p, AdamState(torch.tensor(t, dtype=torch.int64), m, v)
