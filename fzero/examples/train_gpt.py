@@ -1,6 +1,6 @@
 """The main job: train the small GPT on the bundled corpus with fzero, on the ranks `torchrun` started.
 
-    torchrun --standalone --nproc_per_node 2 -m fzero.examples.train_gpt --stage 3 --steps 60
+    torchrun --standalone --nproc_per_node 2 -m fzero.examples.train_gpt --stage 3
 
 Each rank draws its own batches (seeded by rank), the step is `fzero.train_step` under the chosen ZeRO preset over
 a `DistMesh` (gloo on CPU, NCCL on GPU), and rank 0 prints the loss, tokens/s and the bytes the collectives moved.
@@ -25,11 +25,11 @@ PRESETS = {0: fzero.zero0, 1: fzero.zero1, 2: fzero.zero2, 3: fzero.zero3}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", type=int, default=3, choices=sorted(PRESETS))
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
