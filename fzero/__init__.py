@@ -8,10 +8,12 @@ state, metrics = step(state, batch)
 model.load_state_dict(fzero.state_dict(state))
 """
 
-from . import layout, optim
+from . import layout, loss_scale, optim, precision
 from .layout import Layout
+from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .mesh import DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, sgd
+from .precision import Policy, get_policy
 from .state import TrainState, pytree
 from .step import init, state_dict, train_step
 from .transforms import (
@@ -21,9 +23,11 @@ from .transforms import (
     accumulate,
     all_reduce,
     chain,
+    clip_by_global_norm,
     gather,
     identity,
     reduce_scatter,
+    scale_loss,
     shard_update,
     zero0,
     zero1,
@@ -36,12 +40,17 @@ __version__ = "0.1.0"
 __all__ = [
     "Context",
     "DistMesh",
+    "DynamicLossScale",
     "Flow",
     "Layout",
     "Ledger",
+    "LossScaleError",
     "Mesh",
+    "NoOpLossScale",
     "Optimizer",
+    "Policy",
     "SimMesh",
+    "StaticLossScale",
     "TrainState",
     "Transform",
     "accumulate",
@@ -49,13 +58,18 @@ __all__ = [
     "adamw",
     "all_reduce",
     "chain",
+    "clip_by_global_norm",
     "gather",
+    "get_policy",
     "identity",
     "init",
     "layout",
+    "loss_scale",
     "optim",
+    "precision",
     "pytree",
     "reduce_scatter",
+    "scale_loss",
     "sgd",
     "shard_update",
     "state_dict",

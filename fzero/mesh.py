@@ -89,6 +89,8 @@ class Mesh(Protocol):
 
     def replicate(self, x: Tensor) -> Tensor: ...
 
+    def unreplicate(self, x: Tensor) -> Tensor: ...
+
     def record(self) -> contextlib.AbstractContextManager[Ledger]: ...
 
 
@@ -210,6 +212,10 @@ class SimMesh(_LedgerMixin):
         """The per-rank value whose every rank holds `x` (no communication)."""
         return x.expand(self.world, *x.shape).contiguous()
 
+    def unreplicate(self, x: Tensor) -> Tensor:
+        """Rank 0's value of a per-rank value that every rank holds alike (after an all-reduce, say)."""
+        return x[0]
+
     def map(self, fn, *args):
         """Run `fn` on each rank's slice of `args` (pytrees whose leaves have the world axis), in rank order, and
         stack the results. A Python loop rather than `vmap`, so each rank runs exactly the kernels a real
@@ -292,6 +298,9 @@ class DistMesh(_LedgerMixin):
         return x[..., self._rank * s : (self._rank + 1) * s].clone()
 
     def replicate(self, x: Tensor) -> Tensor:
+        return x
+
+    def unreplicate(self, x: Tensor) -> Tensor:
         return x
 
     def map(self, fn, *args):

@@ -31,9 +31,11 @@ class TrainState:
       step: micro-steps taken so far (0-d int64).
       params: master parameters per rank: this rank's shard (`[shard_numel]`) or, for stage 0, the full buffer
         (`[numel]`); with a leading world axis on `SimMesh`.
-      compute: the gathered compute parameters for the next forward (`[numel]` per rank), or None where the
-        stage gathers them at the start of each step (stage 3).
+      compute: the compute parameters for the next forward, in the compute dtype: full (`[numel]` per rank), or
+        this rank's shard where the stage gathers them at the start of each step (stage 3).
       tx_state: the transform's state (a tuple for `chain`).
+      loss_scale: the loss scale (`fzero.loss_scale`), or None without `scale_loss`: the step multiplies the loss
+        by it before the backward.
       frozen: parameters with `requires_grad=False`, by name, unsharded and never updated.
       buffers: module buffers (e.g. BatchNorm statistics), by name, per rank.
       layout: the static map from names to flat offsets and shards.
@@ -43,6 +45,7 @@ class TrainState:
     params: Tensor
     compute: Tensor | None
     tx_state: Any
+    loss_scale: Any
     frozen: dict[str, Tensor]
     buffers: dict[str, Tensor]
     layout: Layout = optree.dataclasses.field(pytree_node=False)
@@ -57,24 +60,33 @@ class TrainState:
         return self.params.ndim == 2
 
 
-_FIELDS = ("step", "params", "compute", "tx_state", "frozen", "buffers")
+def register_torch_pytree(cls: type) -> type:
+    """Register an ``"fzero"`` optree dataclass with `torch.utils._pytree` too, with the same children and static
+    metadata, so `torch.func` and `torch.compile` see through it."""
+    fields = dataclasses.fields(cls)
+    nodes = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    static = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+
+    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return [getattr(obj, n) for n in nodes], tuple(getattr(obj, n) for n in static)
+
+    def unflatten(values: Any, meta: tuple[Any, ...]) -> Any:
+        return cls(**dict(zip(nodes, values, strict=True)), **dict(zip(static, meta, strict=True)))
+
+    torch_pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        serialized_type_name=f"fzero.{cls.__name__}",
+        flatten_with_keys_fn=lambda obj: (
+            [(torch_pytree.GetAttrKey(n), getattr(obj, n)) for n in nodes],
+            tuple(getattr(obj, n) for n in static),
+        ),
+    )
+    return cls
 
 
-def _flatten(state: TrainState) -> tuple[list[Any], Layout]:
-    return [getattr(state, f) for f in _FIELDS], state.layout
-
-
-def _unflatten(values: list[Any], layout: Layout) -> TrainState:
-    return TrainState(*values, layout=layout)
-
-
-torch_pytree.register_pytree_node(
-    TrainState,
-    _flatten,
-    _unflatten,
-    serialized_type_name="fzero.TrainState",
-    flatten_with_keys_fn=lambda s: ([(torch_pytree.GetAttrKey(f), getattr(s, f)) for f in _FIELDS], s.layout),
-)
+register_torch_pytree(TrainState)
 
 
 def count(value: int = 0) -> Tensor:

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,7 @@ def init(
         module_buffers = dict(model.named_buffers())
         buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
         flow, tx_state = tx.init(Flow(None, flat, flat, {}), Context(mesh, layout))
-    return TrainState(count(0), flow.params, flow.compute, tx_state, frozen, buffers, layout)
+    return TrainState(count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, layout)
 
 
 def _check_batch(batch: Any, mesh: Mesh) -> None:
@@ -158,6 +159,8 @@ def train_step(
             raise ValueError(f"the state was built for world {layout.world}, but the mesh has world {mesh.world}")
         _check_batch(batch, mesh)
 
+        scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
+
         def local(compute: Tensor, frozen: dict, buffers: dict, batch: Any):
             buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
 
@@ -165,33 +168,36 @@ def train_step(
                 out = loss_fn({**unflatten(layout, flat), **frozen, **buffers}, batch)
                 loss, aux = out if has_aux else (out, None)
                 _check_loss(loss)
-                return loss, ((loss.detach(), aux) if has_aux else loss.detach())
+                scaled = loss.float() * scale if scale != 1.0 else loss  # unscaled later: Flow.grad_factor
+                return scaled, ((loss.detach(), aux) if has_aux else loss.detach())
 
             if autodiff == "func":
                 grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
             else:
                 leaf = compute.detach().requires_grad_()
                 with torch.enable_grad():
-                    loss, out = f(leaf, buffers)
-                    (grads,) = torch.autograd.grad(loss, leaf)
+                    scaled, out = f(leaf, buffers)
+                    (grads,) = torch.autograd.grad(scaled, leaf)
             loss, aux = out if has_aux else (out, None)
             return grads, loss, aux, buffers
 
         with mesh.record() as ledger:
             compute = state.compute
-            if compute is None:
-                compute = gather_params(mesh, layout, state.params)
+            if compute is None:  # a chain without gather(): the master parameters are the compute parameters
+                compute = state.params
+            if compute.shape[-1] != layout.numel:  # sharded at rest (stage 3)
+                compute = gather_params(mesh, layout, compute)
             grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)
-            flow = Flow(grads, state.params, state.compute, {})
+            flow = Flow(grads, state.params, state.compute, {}, grad_factor=1.0 / scale, loss_scale=state.loss_scale)
             flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
             loss = mesh.all_reduce(loss.detach().float(), "mean")
-        new = TrainState(state.step + 1, flow.params, flow.compute, tx_state, state.frozen, buffers, layout)
-        metrics = {
-            "loss": loss[0] if isinstance(mesh, SimMesh) else loss,
-            "applied": not flow.deferred,
-            "comm": ledger.as_dict(),
-            **flow.metrics,
-        }
+        new = TrainState(
+            state.step + 1, flow.params, flow.compute, tx_state, flow.loss_scale, state.frozen, buffers, layout
+        )
+        metrics = {"loss": mesh.unreplicate(loss), "applied": not flow.deferred, "comm": ledger.as_dict()}
+        if flow.stats is not None:
+            metrics["grad_norm"] = math.sqrt(flow.stats.sumsq) / scale
+        metrics.update(flow.metrics)
         if has_aux:
             metrics["aux"] = aux
         return new, metrics

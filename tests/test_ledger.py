@@ -19,7 +19,10 @@ def elements_per_step(preset, world, micro):
         state, metrics = step(state, batch)
         for kind, entry in metrics["comm"].items():
             totals[kind] = totals.get(kind, 0) + entry["elements"]
-    totals["all_reduce"] = totals.get("all_reduce", 0) - 2 * micro  # the reported loss: 1 element, all-reduced
+    # one-element all-reduces: the reported loss (every micro-step) and the gradients' global sum of squares for the
+    # non-finite check (once per step, where gradients are sharded)
+    scalars = micro + (preset is not fzero.zero0)
+    totals["all_reduce"] = totals.get("all_reduce", 0) - 2 * scalars
     return {k: v for k, v in totals.items() if v}, state.layout
 
 

@@ -1,23 +1,29 @@
 """Composable pieces of a training step, and the ZeRO presets built from them."""
 
 from .accumulate import AccumulateState, accumulate
-from .base import Context, Flow, Transform, chain, identity
+from .base import Context, Flow, GradStats, Transform, chain, grad_stats, identity
+from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, gather_params, reduce_scatter
 from .presets import zero0, zero1, zero2, zero3
+from .scaling import scale_loss
 from .update import shard_update
 
 __all__ = [
     "AccumulateState",
     "Context",
     "Flow",
+    "GradStats",
     "Transform",
     "accumulate",
     "all_reduce",
     "chain",
+    "clip_by_global_norm",
     "gather",
     "gather_params",
+    "grad_stats",
     "identity",
     "reduce_scatter",
+    "scale_loss",
     "shard_update",
     "zero0",
     "zero1",

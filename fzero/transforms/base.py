@@ -15,15 +15,30 @@ init, parameters in the form its gradients will have at update, and sizes its st
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from ..layout import Layout
 from ..mesh import Mesh
 
-__all__ = ["Context", "Flow", "Transform", "chain", "identity"]
+__all__ = ["Context", "Flow", "GradStats", "Transform", "chain", "grad_stats", "identity"]
+
+
+class GradStats(NamedTuple):
+    """Global statistics of the reduced gradients, computed once per step by whichever transform asks first.
+
+    Attributes:
+      sumsq: sum of squares over all ranks' shards (float64; padding is zero and adds nothing), of the gradients
+        as they flow, before `Flow.grad_factor`.
+      finite: whether every element on every rank is finite (the sum is inf or nan otherwise).
+    """
+
+    sumsq: float
+    finite: bool
 
 
 class Flow(NamedTuple):
@@ -32,10 +47,16 @@ class Flow(NamedTuple):
     Attributes:
       grads: the gradient per rank in its current form (full or shard); None once the optimizer consumed it.
       params: the master parameters per rank (this rank's shard, or the full buffer at stage 0).
-      compute: full compute parameters for the next forward, or None if they must be gathered first.
+      compute: compute parameters for the next forward (full, or this rank's shard to be gathered at the next
+        step's start), or None if stale.
       metrics: values to report (a fresh mapping per transform that adds to it).
-      deferred: True when this micro-step ends early (gradients held for accumulation): the rest of the chain
-        does nothing, and its state is unchanged.
+      deferred: True when this micro-step ends early (gradients held for accumulation, or a non-finite step
+        skipped): the rest of the chain does nothing, and its state is unchanged.
+      reduced: whether `grads` have been averaged over ranks.
+      grad_factor: a multiplier the gradients still owe (1 / loss scale, times the clipping coefficient): folded
+        into the optimizer's read of the gradients, so unscaling and clipping cost no pass of their own.
+      loss_scale: the loss scale value (see `fzero.loss_scale`), or None.
+      stats: the step's `GradStats`, once computed.
     """
 
     grads: Tensor | None
@@ -43,11 +64,18 @@ class Flow(NamedTuple):
     compute: Tensor | None
     metrics: Mapping[str, Any]
     deferred: bool = False
+    reduced: bool = False
+    grad_factor: float = 1.0
+    loss_scale: Any = None
+    stats: GradStats | None = None
 
     def is_full(self, layout: Layout, x: Tensor | None = None) -> bool:
         """Whether `x` (default: `params`) is a full buffer rather than a shard (both, when world is 1)."""
         x = self.params if x is None else x
         return x.shape[-1] == layout.numel
+
+    def with_metrics(self, **values: Any) -> Flow:
+        return self._replace(metrics={**self.metrics, **values})
 
 
 class Context(NamedTuple):
@@ -103,3 +131,17 @@ def chain(*transforms: Transform) -> Transform:
         return flow, tuple(new)
 
     return Transform(init, update)
+
+
+def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
+    """The step's global gradient statistics: computed on first use (one pass over this rank's gradients and a
+    one-element all-reduce when they are sharded), then carried in the flow for the transforms after."""
+    if flow.stats is not None:
+        return flow, flow.stats
+    if not flow.reduced:
+        raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
+    local = torch.linalg.vector_norm(flow.grads, dim=-1, dtype=torch.float64) ** 2
+    total = local if flow.is_full(ctx.layout, flow.grads) else ctx.mesh.all_reduce(local, "sum")
+    sumsq = float(ctx.mesh.unreplicate(total))
+    stats = GradStats(sumsq, math.isfinite(sumsq))
+    return flow._replace(stats=stats), stats

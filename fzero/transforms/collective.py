@@ -3,11 +3,12 @@
 - `all_reduce()`: full gradients -> their mean over ranks, on every rank (stage 0).
 - `reduce_scatter()`: full gradients -> this rank's shard of their mean (stages 1-3); at init it turns the master
   parameters into this rank's shard, so what follows holds 1/world of the state.
-- `gather()`: after the update, the new master shards -> full compute parameters on every rank (stages 0-2; stage 3
-  leaves it out and gathers at the start of the next step instead).
+- `gather()`: after the update, the new master shards -> full compute parameters on every rank (stages 0-2);
+  `gather(lazy=True)` keeps them as this rank's shard, and the step all-gathers them before the next forward
+  (stage 3: parameters sharded at rest).
 
 Means are the rank-ordered sum divided by `world` (see `fzero.mesh`), so per element an all-reduce and a
-reduce-scatter give the same value, bitwise.
+reduce-scatter give the same value, bitwise. Gradients travel in `dtype` (the policy's reduce dtype).
 """
 
 from __future__ import annotations
@@ -30,45 +31,54 @@ def _require_full(flow: Flow, ctx: Context, what: str) -> None:
         )
 
 
-def all_reduce() -> Transform:
-    """Average full gradients over ranks (plain data parallelism)."""
+def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return x if dtype is None else x.to(dtype)
+
+
+def all_reduce(dtype: torch.dtype | None = None) -> Transform:
+    """Average full gradients over ranks (plain data parallelism), communicating in `dtype`."""
 
     def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
         _require_full(flow, ctx, "all_reduce")
-        return flow._replace(grads=ctx.mesh.all_reduce(flow.grads, "mean")), state
+        grads = ctx.mesh.all_reduce(_cast(flow.grads, dtype), "mean")
+        return flow._replace(grads=grads, reduced=True), state
 
     return Transform(lambda flow, ctx: (flow, ()), update)
 
 
-def reduce_scatter() -> Transform:
-    """Average full gradients over ranks, keeping only this rank's shard; shards the parameters at init."""
+def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
+    """Average full gradients over ranks, keeping this rank's shard (communicating in `dtype`); shards the
+    parameters at init."""
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
-        if not flow.is_full(ctx.layout) or ctx.layout.world == 1:
-            if ctx.layout.world == 1:
-                return flow, ()
+        if ctx.layout.world == 1:
+            return flow, ()
+        if not flow.is_full(ctx.layout):
             raise ValueError("reduce_scatter() appears twice in the chain: the parameters are already sharded")
         return flow._replace(params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params))), ()
 
     def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
         _require_full(flow, ctx, "reduce_scatter")
-        return flow._replace(grads=ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, flow.grads), "mean")), state
+        grads = ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), "mean")
+        return flow._replace(grads=grads, reduced=True), state
 
     return Transform(init, update)
 
 
 def gather_params(mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Full (unit-major) parameters from master params in either form, cast to `dtype`."""
-    full = params if params.shape[-1] == layout.numel else to_unit_major(layout, mesh.all_gather(params))
-    return full.to(dtype) if dtype is not None else full
+    """Full (unit-major) parameters from parameters in either form, cast to `dtype` before communicating."""
+    params = _cast(params, dtype)
+    return params if params.shape[-1] == layout.numel else to_unit_major(layout, mesh.all_gather(params))
 
 
-def gather(dtype: torch.dtype | None = None) -> Transform:
-    """Gather updated master shards into full compute parameters (in `dtype`, default the master dtype)."""
+def gather(dtype: torch.dtype | None = None, lazy: bool = False) -> Transform:
+    """Compute parameters (in `dtype`, default the master dtype) from the updated master parameters: gathered now,
+    or with `lazy=True` kept as this rank's shard until the next step's start."""
 
     def apply(flow: Flow, ctx: Context) -> Flow:
         if flow.compute is not None:
             return flow
-        return flow._replace(compute=gather_params(ctx.mesh, ctx.layout, flow.params, dtype))
+        compute = _cast(flow.params, dtype) if lazy else gather_params(ctx.mesh, ctx.layout, flow.params, dtype)
+        return flow._replace(compute=compute)
 
     return Transform(lambda flow, ctx: (apply(flow, ctx), ()), lambda flow, state, ctx: (apply(flow, ctx), state))

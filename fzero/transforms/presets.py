@@ -1,43 +1,88 @@
 """ZeRO stages 0-3 as chains of the same transforms.
 
-| preset  | chain                                                         | at rest per rank              |
-|---------|---------------------------------------------------------------|-------------------------------|
-| `zero0` | accumulate, all_reduce, shard_update, gather                  | params, grads, state: full    |
-| `zero1` | accumulate, reduce_scatter, shard_update, gather              | optimizer state and master: 1/W |
-| `zero2` | reduce_scatter, accumulate, shard_update, gather              | + accumulated gradients: 1/W  |
-| `zero3` | reduce_scatter, accumulate, shard_update (gather at step start) | + compute parameters: 1/W   |
+| preset  | chain                                                          | sharded per rank at rest        |
+|---------|----------------------------------------------------------------|---------------------------------|
+| `zero0` | accumulate, all_reduce, scale_loss, [clip], shard_update, gather | nothing                       |
+| `zero1` | accumulate, reduce_scatter, scale_loss, [clip], shard_update, gather | optimizer state, master     |
+| `zero2` | reduce_scatter, accumulate, scale_loss, [clip], shard_update, gather | + accumulated gradients     |
+| `zero3` | reduce_scatter, accumulate, scale_loss, [clip], shard_update, gather(lazy) | + compute parameters  |
 
 Stage 1 accumulates full local gradients and reduce-scatters once per step; stage 2 reduce-scatters every
 micro-step and accumulates shards. (DeepSpeed's stage 1 all-reduces and keeps its slice: the same values for the
-owned slice, twice the traffic.)
+owned slice, twice the traffic.) Every preset takes:
+
+- `accumulate`: micro-steps per update;
+- `precision`: None (the model's dtype throughout), `"fp32"`, `"bf16"`, `"fp16"` or a `Policy` (master and
+  optimizer state in `param_dtype`, the gathered compute copy in `compute_dtype`, reductions in `reduce_dtype`,
+  accumulation in `accum_dtype`);
+- `loss_scale`: default `"dynamic"` under fp16, none otherwise (see `scale_loss`);
+- `clip`: the global-norm bound, or None;
+- `skip_nonfinite`: skip steps with inf/nan gradients on every rank (default on).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..optim import Optimizer
+from ..precision import Policy, get_policy
 from .accumulate import accumulate as accumulate_
-from .base import Transform, chain
+from .base import Transform, chain, identity
+from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, reduce_scatter
+from .scaling import scale_loss
 from .update import shard_update
 
 __all__ = ["zero0", "zero1", "zero2", "zero3"]
 
 
-def zero0(optimizer: Optimizer, accumulate: int = 1) -> Transform:
+def _preset(
+    stage: int,
+    optimizer: Optimizer,
+    accumulate: int,
+    precision: str | Policy | None,
+    loss_scale: Any,
+    clip: float | None,
+    skip_nonfinite: bool,
+) -> Transform:
+    policy = get_policy(precision)
+    if loss_scale is None:
+        loss_scale = "dynamic" if policy.half else "none"
+    acc = accumulate_(accumulate, dtype=policy.accum_dtype)
+    if stage == 0:
+        reduce = [acc, all_reduce(policy.reduce_dtype)]
+    elif stage == 1:
+        reduce = [acc, reduce_scatter(policy.reduce_dtype)]
+    else:
+        reduce = [reduce_scatter(policy.reduce_dtype), acc]
+    return chain(
+        *reduce,
+        scale_loss(loss_scale, skip_nonfinite=skip_nonfinite),
+        clip_by_global_norm(clip) if clip else identity(),
+        shard_update(optimizer, dtype=policy.param_dtype),
+        gather(policy.compute_dtype, lazy=stage == 3),
+    )
+
+
+def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
+          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
     """Plain data parallelism: gradients all-reduced, everything replicated."""
-    return chain(accumulate_(accumulate), all_reduce(), shard_update(optimizer), gather())
+    return _preset(0, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
 
 
-def zero1(optimizer: Optimizer, accumulate: int = 1) -> Transform:
+def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
+          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally."""
-    return chain(accumulate_(accumulate), reduce_scatter(), shard_update(optimizer), gather())
+    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
 
 
-def zero2(optimizer: Optimizer, accumulate: int = 1) -> Transform:
+def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
+          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards."""
-    return chain(reduce_scatter(), accumulate_(accumulate), shard_update(optimizer), gather())
+    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
 
 
-def zero3(optimizer: Optimizer, accumulate: int = 1) -> Transform:
-    """ZeRO-3: parameters also sharded at rest, gathered at the start of every step."""
-    return chain(reduce_scatter(), accumulate_(accumulate), shard_update(optimizer))
+def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
+          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
+    """ZeRO-3: compute parameters also sharded at rest, all-gathered at the start of every micro-step."""
+    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
