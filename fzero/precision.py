@@ -22,7 +22,9 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import optree
 import torch
 
 __all__ = ["Policy", "get_policy"]
@@ -65,6 +67,14 @@ class Policy:
             f"Policy(param={short(self.param_dtype)}, compute={short(self.compute_dtype)}, "
             f"reduce={short(self.reduce_dtype)}, accum={short(self.accum_dtype)})"
         )
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Cast the floating-point tensors of a pytree (e.g. a batch's inputs) to the compute dtype; the step does
+        not cast inputs itself, since a batch also holds targets whose precision is the loss's business."""
+        if self.compute_dtype is None:
+            return tree
+        cast = lambda x: x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+        return optree.tree_map(cast, tree)
 
     @property
     def half(self) -> bool:

@@ -140,8 +140,10 @@ def train_step(
 
     Returns:
       `step(state, batch)`. On a `SimMesh` every batch leaf has a leading world axis. The metrics hold `loss` (mean
-      over ranks), `applied` (whether the optimizer ran: False on micro-steps that accumulate), `comm` (the
-      ledger: elements per collective) and `aux`.
+      over ranks), `applied` (whether the optimizer ran: False on micro-steps that accumulate and on skipped
+      steps), `skipped` (a non-finite step skipped on every rank), `loss_scale` (the scale this step used),
+      `grad_norm` (unscaled global norm, where the chain computed it), `comm` (the ledger: elements per
+      collective) and `aux`.
     """
     _check_mesh(mesh)
     if not callable(loss_fn):
@@ -194,7 +196,13 @@ def train_step(
         new = TrainState(
             state.step + 1, flow.params, flow.compute, tx_state, flow.loss_scale, state.frozen, buffers, layout
         )
-        metrics = {"loss": mesh.unreplicate(loss), "applied": not flow.deferred, "comm": ledger.as_dict()}
+        metrics = {
+            "loss": mesh.unreplicate(loss),
+            "applied": not flow.deferred,
+            "skipped": False,
+            "loss_scale": scale,
+            "comm": ledger.as_dict(),
+        }
         if flow.stats is not None:
             metrics["grad_norm"] = math.sqrt(flow.stats.sumsq) / scale
         metrics.update(flow.metrics)

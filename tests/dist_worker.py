@@ -12,12 +12,27 @@ from safetensors.torch import save_file
 import fzero
 from tests.support import lm_batches, lm_loss, tiny_gpt
 
-CASES = [(preset, micro) for preset in ("zero0", "zero1", "zero2", "zero3") for micro in (1, 2)]
+CASES = [(preset, micro, poison) for preset in ("zero0", "zero1", "zero2", "zero3") for micro in (1, 2)
+         for poison in (False, True)]  # fmt: skip
 STEPS = 3
 
 
-def sim_batches(world: int, micro: int):
-    return lm_batches(tiny_gpt(0), world, micro, 2, STEPS, 7)
+def sim_batches(world: int, micro: int, poison: bool):
+    """The batches; with `poison`, the last rank's loss is inf on the second optimizer step's micro-steps."""
+    batches = lm_batches(tiny_gpt(0), world, micro, 2, STEPS, 7)
+    for i, batch in enumerate(batches):
+        bad = poison and i // micro == 1
+        batch["poison"] = torch.tensor([1.0] * (world - 1) + [float("inf") if bad else 1.0])
+    return batches
+
+
+def loss_of(model):
+    inner = lm_loss(model)
+    return lambda params, batch: inner(params, batch) * batch["poison"]
+
+
+def name(preset: str, micro: int, poison: bool) -> str:
+    return f"{preset}-{micro}" + ("-poison" if poison else "")
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
@@ -25,21 +40,22 @@ def run(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     mesh = fzero.DistMesh()
     ledgers = {}
-    for preset, micro in CASES:
+    for preset, micro, poison in CASES:
         model = tiny_gpt(0)
         if rank:  # only rank 0's initial values count: init broadcasts them
             torch.nn.init.zeros_(model.blocks[0].fc.weight)
         tx = getattr(fzero, preset)(fzero.adamw(1e-2), accumulate=micro)
         state = fzero.init(model, tx, mesh)
-        step = fzero.train_step(model, lm_loss(model), tx, mesh)
-        for batch in sim_batches(world, micro):
+        step = fzero.train_step(model, loss_of(model), tx, mesh)
+        skipped = []
+        for batch in sim_batches(world, micro, poison):
             state, metrics = step(state, {k: v[rank] for k, v in batch.items()})
+            skipped.append(bool(metrics["skipped"]))
         full = fzero.state_dict(state, mesh)
-        ledgers[f"{preset}-{micro}"] = metrics["comm"]
+        ledgers[name(preset, micro, poison)] = {"comm": metrics["comm"], "skipped": skipped}
         if rank == 0:
-            save_file(
-                {k: v.contiguous() for k, v in full.items() if k != "head.weight"}, f"{out_dir}/{preset}-{micro}.st"
-            )
+            tensors = {k: v.contiguous() for k, v in full.items() if k != "head.weight"}
+            save_file(tensors, f"{out_dir}/{name(preset, micro, poison)}.st")
     if rank == 0:
         with open(os.path.join(out_dir, "ledgers.json"), "w") as f:
             json.dump(ledgers, f)

@@ -1,4 +1,5 @@
-"""DistMesh over real gloo process groups (2 and 3 ranks) gives the parameters SimMesh gives, for every stage."""
+"""DistMesh over real gloo process groups (2 and 3 ranks) gives the parameters SimMesh gives, for every stage; an
+inf in one rank's gradients makes every rank skip."""
 
 from __future__ import annotations
 
@@ -11,41 +12,46 @@ from safetensors.torch import load_file
 
 import fzero
 from tests import dist_worker
-from tests.support import lm_loss, tiny_gpt
+from tests.support import tiny_gpt
 
 
-def sim(preset: str, micro: int, world: int):
+def sim(preset: str, micro: int, poison: bool, world: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: matmul's reduction order may depend on the thread count
     try:
-        return _sim(preset, micro, world)
+        return _sim(preset, micro, poison, world)
     finally:
         torch.set_num_threads(threads)
 
 
-def _sim(preset: str, micro: int, world: int):
+def _sim(preset: str, micro: int, poison: bool, world: int):
     model = tiny_gpt(0)
     mesh = fzero.SimMesh(world)
     tx = getattr(fzero, preset)(fzero.adamw(1e-2), accumulate=micro)
     state = fzero.init(model, tx, mesh)
-    step = fzero.train_step(model, lm_loss(model), tx, mesh)
-    for batch in dist_worker.sim_batches(world, micro):
+    step = fzero.train_step(model, dist_worker.loss_of(model), tx, mesh)
+    skipped = []
+    for batch in dist_worker.sim_batches(world, micro, poison):
         state, metrics = step(state, batch)
-    return fzero.state_dict(state), metrics["comm"]
+        skipped.append(bool(metrics["skipped"]))
+    return fzero.state_dict(state), {"comm": metrics["comm"], "skipped": skipped}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dist_matches_sim(world, tmp_path):
     mp.start_processes(dist_worker.run, args=(world, str(tmp_path)), nprocs=world, start_method="spawn")
     ledgers = json.loads((tmp_path / "ledgers.json").read_text())
-    for preset, micro in dist_worker.CASES:
-        got = load_file(tmp_path / f"{preset}-{micro}.st")
-        want, ledger = sim(preset, micro, world)
-        assert ledgers[f"{preset}-{micro}"] == ledger  # the same collectives, the same volumes
+    for preset, micro, poison in dist_worker.CASES:
+        case = dist_worker.name(preset, micro, poison)
+        got = load_file(tmp_path / f"{case}.st")
+        want, record = sim(preset, micro, poison, world)
+        # the same collectives, the same volumes; an inf on the last rank only skips the step on every rank
+        assert ledgers[case] == record
+        assert any(record["skipped"]) == poison
         for name, value in got.items():
             if world == 2:
                 # a + b == b + a: gloo's two-rank sum is the rank-ordered sum, so every stage is bitwise equal
-                assert torch.equal(value, want[name]), (preset, micro, name)
+                assert torch.equal(value, want[name]), (case, name)
             else:
                 # gloo's ring adds three ranks' chunks in a rank-dependent order, SimMesh in rank order: float32
                 # rounding of the mean gradient (<= 2 ulp), through 3 Adam steps at lr 1e-2 (see test_stages)

@@ -6,6 +6,22 @@ is elementwise, so an update of a shard equals the same slice of the update of t
 
 from .adam import AdamState, adam, adamw
 from .base import Hyper, Optimizer, hyper_value
+from .schedules import constant, one_cycle, one_cycle_momentum, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from .sgd import SGDState, sgd
 
-__all__ = ["AdamState", "Hyper", "Optimizer", "SGDState", "adam", "adamw", "hyper_value", "sgd"]
+__all__ = [
+    "AdamState",
+    "Hyper",
+    "Optimizer",
+    "SGDState",
+    "adam",
+    "adamw",
+    "constant",
+    "hyper_value",
+    "one_cycle",
+    "one_cycle_momentum",
+    "sgd",
+    "warmup_cosine_lr",
+    "warmup_decay_lr",
+    "warmup_lr",
+]

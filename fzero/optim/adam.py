@@ -31,13 +31,12 @@ class AdamState(NamedTuple):
     exp_avg_sq: Tensor
 
 
-def _adam(lr: Hyper, betas: tuple[float, float], eps: float, weight_decay: float, decoupled: bool) -> Optimizer:
+def _adam(lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool) -> Optimizer:
     check_hyper("learning rate", lr, 0.0)
     check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
     check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
     check_hyper("epsilon value", eps, 0.0)
     check_hyper("weight_decay value", weight_decay, 0.0)
-    b1, b2 = betas
 
     def init(params: Tensor) -> AdamState:
         return AdamState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params), torch.zeros_like(params))
@@ -46,6 +45,7 @@ def _adam(lr: Hyper, betas: tuple[float, float], eps: float, weight_decay: float
         applied = int(state.count)
         t = applied + 1
         lr_t = hyper_value(lr, applied)
+        b1, b2 = hyper_value(betas[0], applied), hyper_value(betas[1], applied)
         p = params
         if weight_decay != 0:
             if decoupled:
@@ -67,13 +67,13 @@ def _adam(lr: Hyper, betas: tuple[float, float], eps: float, weight_decay: float
 
 
 def adamw(
-    lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+    lr: Hyper = 1e-3, betas: tuple[Hyper, Hyper] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
 ) -> Optimizer:
     """AdamW (decoupled weight decay), matching `torch.optim.AdamW` and its defaults.
 
     Args:
-      lr: learning rate, a float or a function of the number of updates already applied.
-      betas: coefficients of the running averages of the gradient and its square.
+      lr: learning rate, a float or a function of the number of updates already applied (`fzero.optim.schedules`).
+      betas: coefficients of the running averages of the gradient and its square (each may be a schedule too).
       eps: added to the bias-corrected square root, for stability.
       weight_decay: decoupled decay: `p <- p * (1 - lr * weight_decay)` before the Adam step.
 
@@ -89,7 +89,7 @@ def adamw(
 
 
 def adam(
-    lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+    lr: Hyper = 1e-3, betas: tuple[Hyper, Hyper] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
 ) -> Optimizer:
     """Adam with L2 weight decay (`g <- g + weight_decay * p`), matching `torch.optim.Adam`; see `adamw`."""
     return _adam(lr, betas, eps, weight_decay, decoupled=False)
