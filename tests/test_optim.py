@@ -84,3 +84,23 @@ def test_hyper_parameter_errors():
         fzero.sgd("0.1")
     with pytest.raises(ValueError, match="Nesterov"):
         fzero.sgd(0.1, nesterov=True)
+
+
+def test_beta_schedules_follow_torch():
+    """OneCycle drives Adam's beta1 (DeepSpeed writes `betas` into the param group each step)."""
+    from fzero.optim.schedules import one_cycle_momentum
+
+    mom = one_cycle_momentum(0.8, 0.95, cycle_first_step_size=3)
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(33, generator=g)
+    ref = p0.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=0.01, foreach=False)
+    ours = fzero.adamw(0.01, betas=(mom, 0.99))
+    p, state = p0.clone(), ours.init(p0)
+    for t in range(8):
+        grad = torch.randn(33, generator=g)
+        opt.param_groups[0]["betas"] = (mom(t), 0.99)
+        ref.grad = grad.clone()
+        opt.step()
+        p, state = ours.update(grad, state, p)
+        assert torch.equal(p, ref.detach())
