@@ -41,7 +41,7 @@ from .mesh import Mesh, SimMesh
 from .state import TrainState, count
 from .transforms import Context, Flow, Transform, gather_params
 
-__all__ = ["StepFn", "init", "state_dict", "train_step"]
+__all__ = ["StepFn", "apply_gradients", "compute_params", "init", "state_dict", "train_step"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
@@ -184,33 +184,60 @@ def train_step(
             return grads, loss, aux, buffers
 
         with mesh.record() as ledger:
-            compute = state.compute
-            if compute is None:  # a chain without gather(): the master parameters are the compute parameters
-                compute = state.params
-            if compute.shape[-1] != layout.numel:  # sharded at rest (stage 3)
-                compute = gather_params(mesh, layout, compute)
+            compute = compute_params(state, mesh)
             grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)
-            flow = Flow(grads, state.params, state.compute, {}, grad_factor=1.0 / scale, loss_scale=state.loss_scale)
-            flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
-            loss = mesh.all_reduce(loss.detach().float(), "mean")
-        new = TrainState(
-            state.step + 1, flow.params, flow.compute, tx_state, flow.loss_scale, state.frozen, buffers, layout
-        )
-        metrics = {
-            "loss": mesh.unreplicate(loss),
-            "applied": not flow.deferred,
-            "skipped": False,
-            "loss_scale": scale,
-            "comm": ledger.as_dict(),
-        }
-        if flow.stats is not None:
-            metrics["grad_norm"] = math.sqrt(flow.stats.sumsq) / scale
-        metrics.update(flow.metrics)
+            new, metrics = apply_gradients(state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate)
+        metrics["comm"] = ledger.as_dict()
         if has_aux:
             metrics["aux"] = aux
         return new, metrics
 
     return step
+
+
+def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
+    """The full compute parameters per rank for the next forward: `state.compute`, all-gathered where the stage
+    keeps them sharded at rest (the first half of a step; `apply_gradients` is the second)."""
+    compute = state.compute
+    if compute is None:  # a chain without gather(): the master parameters are the compute parameters
+        compute = state.params
+    if compute.shape[-1] != state.layout.numel:  # sharded at rest (stage 3)
+        compute = gather_params(mesh, state.layout, compute)
+    return compute
+
+
+def apply_gradients(
+    state: TrainState, grads: Tensor, loss: Tensor, tx: Transform, mesh: Mesh, *, donate: bool = False
+) -> tuple[TrainState, dict[str, Any]]:
+    """The second half of a step: run per-rank gradients through the transform chain.
+
+    Args:
+      state: the state the gradients were computed from (its `buffers` already the forward's updated ones).
+      grads: per rank, the gradient of `loss * state.loss_scale` with respect to `compute_params(state, mesh)`.
+      loss: per rank, the unscaled loss (reported as its mean over ranks).
+      tx, mesh, donate: as for `train_step`.
+
+    Returns:
+      The new state and the metrics (all of `train_step`'s but `comm` and `aux`).
+    """
+    layout = state.layout
+    scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
+    flow = Flow(grads, state.params, state.compute, {}, grad_factor=1.0 / scale, loss_scale=state.loss_scale)
+    flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
+    loss = mesh.all_reduce(loss.detach().float(), "mean")
+    new = TrainState(
+        state.step + 1, flow.params, flow.compute, tx_state, flow.loss_scale, state.frozen, state.buffers, layout
+    )
+    metrics: dict[str, Any] = {
+        "loss": mesh.unreplicate(loss),
+        "applied": not flow.deferred,
+        "skipped": False,
+        "loss_scale": scale,
+    }
+    if flow.stats is not None:
+        metrics["grad_norm"] = math.sqrt(flow.stats.sumsq) / scale
+    metrics.update(flow.metrics)
+    return new, metrics
 
 
 def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]:

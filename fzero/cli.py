@@ -1,0 +1,34 @@
+"""`fzero COMMAND ...`: one entry point; each command lives in `fzero.commands.<name>` with
+`add_arguments(parser)` and `run(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "train": "train the small GPT on the bundled corpus (the main job)",
+    "consolidate": "write a checkpoint's consolidated parameters to one safetensors file",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fzero", description="ZeRO stages 0-3 as a functional library")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    modules = {}
+    for name, help_text in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"fzero.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"fzero.commands.{name}":
+                raise
+            continue  # not built yet
+        modules[name] = module
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `fzero` commands (see `fzero.cli`)."""
