@@ -34,6 +34,7 @@ from .transforms import (
     zero2,
     zero3,
 )
+from .zero3 import GatherPolicy
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "DistMesh",
     "DynamicLossScale",
     "Flow",
+    "GatherPolicy",
     "Layout",
     "Ledger",
     "LossScaleError",

@@ -39,9 +39,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DistMesh", "Ledger", "Mesh", "SimMesh"]
+__all__ = ["DistMesh", "Ledger", "Mesh", "SimMesh", "Work", "done"]
 
 ReduceOp = Literal["sum", "mean"]
+
+
+class Work(Protocol):
+    """A collective in flight: `wait()` blocks until its output is written."""
+
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """A collective that completed synchronously."""
+
+    def wait(self) -> bool:
+        return True
+
+
+done = _Done()
 
 
 @dataclass
@@ -81,6 +97,8 @@ class Mesh(Protocol):
 
     def all_gather(self, x: Tensor) -> Tensor: ...
 
+    def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work: ...
+
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor: ...
 
     def local_shard(self, x: Tensor) -> Tensor: ...
@@ -107,6 +125,11 @@ class _LedgerMixin:
             yield ledger
         finally:
             self._ledgers.remove(ledger)
+
+    def account(self, kind: str, full: int) -> None:
+        """Count one collective over a buffer of `full` elements per rank (after gather / before scatter) in the
+        active ledgers; for code that moves the data itself (`SimMesh` simulations of per-rank collectives)."""
+        self._log(kind, full)
 
     def _log(self, kind: str, full: int) -> None:
         """Log one collective over a buffer of `full` elements per rank (after gather / before scatter)."""
@@ -197,6 +220,14 @@ class SimMesh(_LedgerMixin):
         full = x.movedim(0, -2).flatten(-2)
         return full.expand(self.world, *full.shape).contiguous()
 
+    def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work:
+        """Write the all-gather of `x` (`[world, s]`, every rank's chunk) into `out` (`[world * s]`, the value every
+        rank receives); synchronous, the returned handle is already complete."""
+        self._rows(x, "all_gather_into")
+        self._log("all_gather", x.numel())
+        out.copy_(x.reshape(-1))
+        return done
+
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         self._rows(x, "broadcast")
         self._log("broadcast", x[0].numel())
@@ -286,6 +317,17 @@ class DistMesh(_LedgerMixin):
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fn(out, src.reshape(-1), group=self.group)
         return out.view(self.world, *src.shape).movedim(0, -2).flatten(-2)
+
+    def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work:
+        """All-gather the 1-D `x` into the preallocated 1-D `out` (`world * x.numel()` elements), in place; with
+        `async_op` the returned handle must be waited on before `out` is read."""
+        self._log("all_gather", x.numel() * self.world)
+        if self.world == 1:
+            out.copy_(x)
+            return done
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = fn(out, x.contiguous(), group=self.group, async_op=async_op)
+        return work if async_op else _Done()
 
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         self._log("broadcast", x.numel())

@@ -39,6 +39,7 @@ class TrainState:
       frozen: parameters with `requires_grad=False`, by name, unsharded and never updated.
       buffers: module buffers (e.g. BatchNorm statistics), by name, per rank.
       layout: the static map from names to flat offsets and shards.
+      reduce_dtype: the dtype gradients are reduce-scattered in (static; None: the compute dtype).
     """
 
     step: Tensor
@@ -49,6 +50,7 @@ class TrainState:
     frozen: dict[str, Tensor]
     buffers: dict[str, Tensor]
     layout: Layout = optree.dataclasses.field(pytree_node=False)
+    reduce_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields replaced (the state itself is frozen)."""

@@ -40,6 +40,7 @@ from .layout import flatten, from_module, unflatten, unshard
 from .mesh import Mesh, SimMesh
 from .state import TrainState, count
 from .transforms import Context, Flow, Transform, gather_params
+from .zero3 import GatherPolicy, sharded_backward
 
 __all__ = ["StepFn", "apply_gradients", "compute_params", "init", "state_dict", "train_step"]
 
@@ -86,7 +87,9 @@ def init(
         module_buffers = dict(model.named_buffers())
         buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
         flow, tx_state = tx.init(Flow(None, flat, flat, {}), Context(mesh, layout))
-    return TrainState(count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, layout)
+    return TrainState(
+        count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, layout, flow.reduce_dtype
+    )
 
 
 def _check_batch(batch: Any, mesh: Mesh) -> None:
@@ -123,6 +126,7 @@ def train_step(
     has_aux: bool = False,
     donate: bool = False,
     autodiff: str = "autograd",
+    gather: GatherPolicy | None = None,
 ) -> StepFn:
     """Build the pure step `step(state, batch) -> (state, metrics)`.
 
@@ -137,6 +141,10 @@ def train_step(
       donate: let the step overwrite the input state's buffers in place (faster, less memory); the input state
         must not be used afterwards.
       autodiff: `"autograd"` or `"func"`: how gradients are computed (same values, bitwise; see above).
+      gather: for states whose compute parameters are sharded at rest (stage 3): prefetch and persistence of the
+        unit-at-a-time gathering (`fzero.zero3.GatherPolicy`); the default prefetches one unit. With
+        `autodiff="func"` stage 3 gathers all units at the step's start instead (torch.func cannot differentiate
+        through the per-unit collectives).
 
     Returns:
       `step(state, batch)`. On a `SimMesh` every batch leaf has a leading world axis. The metrics hold `loss` (mean
@@ -152,6 +160,24 @@ def train_step(
         raise TypeError(f"tx must be an fzero Transform, got {type(tx).__name__}")
     if autodiff not in ("autograd", "func"):
         raise ValueError(f"autodiff must be 'autograd' or 'func', got {autodiff!r}")
+
+    policy = gather or GatherPolicy()
+
+    def _per_unit(state: TrainState, batch: Any):
+        scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
+        simulated = isinstance(mesh, SimMesh)
+
+        def run(params: dict[str, Tensor], rank: int):
+            pick = (lambda t: t[rank]) if simulated else (lambda t: t)
+            frozen = {k: pick(v) for k, v in state.frozen.items()}
+            buffers = {k: pick(v).clone() for k, v in state.buffers.items()}
+            out = loss_fn({**params, **frozen, **buffers}, optree.tree_map(pick, batch) if simulated else batch)
+            loss, aux = out if has_aux else (out, None)
+            _check_loss(loss)
+            scaled = loss.float() * scale if scale != 1.0 else loss
+            return scaled, (loss.detach(), aux, buffers)
+
+        return sharded_backward(mesh, state.layout, model, state.compute, policy, state.reduce_dtype, run)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
@@ -184,15 +210,34 @@ def train_step(
             return grads, loss, aux, buffers
 
         with mesh.record() as ledger:
-            compute = compute_params(state, mesh)
-            grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)
-            new, metrics = apply_gradients(state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate)
+            sharded = state.compute is not None and state.compute.shape[-1] != layout.numel
+            if sharded and autodiff == "autograd":
+                grads, outs, peak = _per_unit(state, batch)
+                loss = torch.stack([o[0] for o in outs]) if isinstance(mesh, SimMesh) else outs[0][0]
+                aux = _stack(mesh, [o[1] for o in outs])
+                buffers = _stack(mesh, [o[2] for o in outs])
+                new, metrics = apply_gradients(
+                    state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=True
+                )
+                metrics["gathered_peak"] = peak
+            else:
+                compute = compute_params(state, mesh)
+                grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)
+                new, metrics = apply_gradients(state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate)
+                metrics["gathered_peak"] = layout.numel
         metrics["comm"] = ledger.as_dict()
         if has_aux:
             metrics["aux"] = aux
         return new, metrics
 
     return step
+
+
+def _stack(mesh: Mesh, values: list[Any]) -> Any:
+    """Per-rank values from each rank's value (a SimMesh stacks them on the world axis)."""
+    if not isinstance(mesh, SimMesh):
+        return values[0]
+    return optree.tree_map(lambda *xs: torch.stack(xs), *values) if values[0] is not None else None
 
 
 def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
@@ -207,7 +252,14 @@ def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
 
 
 def apply_gradients(
-    state: TrainState, grads: Tensor, loss: Tensor, tx: Transform, mesh: Mesh, *, donate: bool = False
+    state: TrainState,
+    grads: Tensor,
+    loss: Tensor,
+    tx: Transform,
+    mesh: Mesh,
+    *,
+    donate: bool = False,
+    reduced: bool = False,
 ) -> tuple[TrainState, dict[str, Any]]:
     """The second half of a step: run per-rank gradients through the transform chain.
 
@@ -216,17 +268,21 @@ def apply_gradients(
       grads: per rank, the gradient of `loss * state.loss_scale` with respect to `compute_params(state, mesh)`.
       loss: per rank, the unscaled loss (reported as its mean over ranks).
       tx, mesh, donate: as for `train_step`.
+      reduced: the gradients are already this rank's shard of the mean over ranks (stage 3's unit-by-unit
+        reduction during the backward).
 
     Returns:
       The new state and the metrics (all of `train_step`'s but `comm` and `aux`).
     """
     layout = state.layout
     scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
-    flow = Flow(grads, state.params, state.compute, {}, grad_factor=1.0 / scale, loss_scale=state.loss_scale)
+    flow = Flow(
+        grads, state.params, state.compute, {}, reduced=reduced, grad_factor=1.0 / scale, loss_scale=state.loss_scale
+    )
     flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
     loss = mesh.all_reduce(loss.detach().float(), "mean")
-    new = TrainState(
-        state.step + 1, flow.params, flow.compute, tx_state, flow.loss_scale, state.frozen, state.buffers, layout
+    new = state.replace(
+        step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state, loss_scale=flow.loss_scale
     )
     metrics: dict[str, Any] = {
         "loss": mesh.unreplicate(loss),

@@ -8,12 +8,12 @@ import fzero
 from tests.support import lm_batches, lm_loss, tiny_gpt
 
 
-def elements_per_step(preset, world, micro):
+def elements_per_step(preset, world, micro, gather=None):
     model = tiny_gpt(0)
     mesh = fzero.SimMesh(world)
     tx = preset(fzero.adamw(1e-3), accumulate=micro)
     state = fzero.init(model, tx, mesh)
-    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh, gather=gather)
     totals: dict[str, int] = {}
     for batch in lm_batches(model, world, micro, 2, 1, 0):
         state, metrics = step(state, batch)
@@ -38,9 +38,12 @@ def test_volumes_match_the_zero_paper(world, micro):
     assert n["zero1"] == {"reduce_scatter": padded, "all_gather": padded}  # 2 Psi
     # stage 2 reduces every micro-step (as DeepSpeed does), so accumulation adds (k - 1) Psi
     assert n["zero2"] == {"reduce_scatter": micro * padded, "all_gather": padded}
-    # stage 3 gathers at every micro-step's start; the backward re-gather that makes the paper's 3 Psi belongs to
-    # per-unit gathering, which this stage does not do yet (docs/equivalence.md)
-    assert n["zero3"] == {"reduce_scatter": micro * padded, "all_gather": micro * padded}
+    # stage 3 gathers each unit in the forward and again in the backward, and reduce-scatters each unit's gradient:
+    # 3 Psi per micro-step, less the root unit (embeddings, final norm), gathered once and kept through the backward
+    # that begins where the forward ended
+    root = layout.units[0]
+    assert root.name == fzero.layout.ROOT_UNIT
+    assert n["zero3"] == {"reduce_scatter": micro * padded, "all_gather": micro * (2 * padded - root.size)}
 
 
 def test_ring_model_sent_and_received():
@@ -51,3 +54,9 @@ def test_ring_model_sent_and_received():
     _, metrics = fzero.train_step(model, lm_loss(model), tx, mesh)(state, lm_batches(model, 4, 1, 2, 1, 0)[0])
     rs = metrics["comm"]["reduce_scatter"]
     assert rs["sent"] == rs["received"] == rs["elements"] * 3 // 4
+
+
+def test_persistent_units_are_gathered_once():
+    every_unit = fzero.GatherPolicy(persistence_threshold=10**9)
+    n, layout = elements_per_step(fzero.zero3, 2, 1, gather=every_unit)
+    assert n == {"reduce_scatter": layout.numel, "all_gather": layout.numel}

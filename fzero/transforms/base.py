@@ -57,6 +57,8 @@ class Flow(NamedTuple):
         into the optimizer's read of the gradients, so unscaling and clipping cost no pass of their own.
       loss_scale: the loss scale value (see `fzero.loss_scale`), or None.
       stats: the step's `GradStats`, once computed.
+      reduce_dtype: at init, the dtype `reduce_scatter` communicates gradients in (recorded in the state, so a
+        step that reduces gradients itself, unit by unit, does it in the same dtype).
     """
 
     grads: Tensor | None
@@ -68,6 +70,7 @@ class Flow(NamedTuple):
     grad_factor: float = 1.0
     loss_scale: Any = None
     stats: GradStats | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def is_full(self, layout: Layout, x: Tensor | None = None) -> bool:
         """Whether `x` (default: `params`) is a full buffer rather than a shard (both, when world is 1)."""

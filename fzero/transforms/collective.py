@@ -51,6 +51,7 @@ def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
     parameters at init."""
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
+        flow = flow._replace(reduce_dtype=dtype)
         if ctx.layout.world == 1:
             return flow, ()
         if not flow.is_full(ctx.layout):
@@ -58,6 +59,8 @@ def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
         return flow._replace(params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params))), ()
 
     def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
+        if flow.reduced:  # the step reduce-scattered unit by unit during the backward (stage 3)
+            return flow, state
         _require_full(flow, ctx, "reduce_scatter")
         grads = ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), "mean")
         return flow._replace(grads=grads, reduced=True), state
