@@ -34,7 +34,7 @@ from .transforms import (
     zero2,
     zero3,
 )
-from .zero3 import GatherPolicy
+from .stage3 import GatherPolicy
 
 __version__ = "0.1.0"
 

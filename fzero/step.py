@@ -36,11 +36,12 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from .construct import sharded_parameters
 from .layout import flatten, from_module, unflatten, unshard
 from .mesh import Mesh, SimMesh
 from .state import TrainState, count
 from .transforms import Context, Flow, Transform, gather_params
-from .zero3 import GatherPolicy, sharded_backward
+from .stage3 import GatherPolicy, sharded_backward
 
 __all__ = ["StepFn", "apply_gradients", "compute_params", "init", "state_dict", "train_step"]
 
@@ -59,6 +60,7 @@ def init(
     *,
     units: str | Callable[[str], str] | None = None,
     align: int = 16,
+    initializer: Callable[[nn.Module], None] | None = None,
 ) -> TrainState:
     """The initial `TrainState` of `model` under `tx` on `mesh`.
 
@@ -67,26 +69,44 @@ def init(
     broadcast so all ranks start equal.
 
     Args:
-      model: the module; its trainable parameters must share one floating dtype.
+      model: the module; its trainable parameters must share one floating dtype. On the `meta` device (e.g. built
+        under `with torch.device("meta"):`) it is constructed sharded, unit by unit, with `initializer`: the full
+        model never exists on a rank (stages 1-3).
       tx: the transform (e.g. `fzero.zero2(fzero.adamw(3e-4))`).
       mesh: `SimMesh(world=W)` or `DistMesh()`.
       units: how parameters group into units (see `fzero.layout.from_module`).
       align: padding quantum per rank, in elements.
+      initializer: for a `meta` model: `initializer(module)` initialises, in place, the parameters and buffers a
+        module owns directly (see `fzero.construct.sharded_parameters`).
     """
     _check_mesh(mesh)
     if not isinstance(tx, Transform):
         raise TypeError(f"tx must be an fzero Transform (e.g. fzero.zero2(...)), got {type(tx).__name__}")
     layout = from_module(model, world=mesh.world, align=align, units=units)
     named = dict(model.named_parameters())
-    if any(p.is_meta for p in named.values()):
-        raise ValueError("init: the model has parameters on the meta device; materialise it first (to_empty + init)")
+    meta = any(p.is_meta for p in named.values()) or any(b.is_meta for b in model.buffers())
+    if meta:
+        if initializer is None:
+            raise ValueError(
+                "init: the model is on the meta device; pass initializer=fn, where fn(module) initialises the "
+                "parameters a module owns (e.g. lambda m: m.reset_parameters() if hasattr(m, 'reset_parameters') "
+                "else None), to construct it sharded"
+            )
+        shard, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
+        flow = Flow(None, shard, None, {}, presharded=True)
+    else:
+        with torch.no_grad():
+            trainable = {leaf.name: named[leaf.name] for leaf in layout.leaves}
+            flat = mesh.broadcast(mesh.replicate(flatten(layout, trainable)), src=0)
+            frozen = {s.name: mesh.replicate(named[s.name].detach().clone()) for s in layout.frozen}
+            module_buffers = dict(model.named_buffers())
+            buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
+        flow = Flow(None, flat, flat, {})
     with torch.no_grad():
-        trainable = {leaf.name: named[leaf.name] for leaf in layout.leaves}
-        flat = mesh.broadcast(mesh.replicate(flatten(layout, trainable)), src=0)
-        frozen = {s.name: mesh.replicate(named[s.name].detach().clone()) for s in layout.frozen}
-        module_buffers = dict(model.named_buffers())
-        buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
-        flow, tx_state = tx.init(Flow(None, flat, flat, {}), Context(mesh, layout))
+        flow, tx_state = tx.init(flow, Context(mesh, layout))
+    if flow.presharded:
+        raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
+                         "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, layout, flow.reduce_dtype
     )
@@ -142,7 +162,7 @@ def train_step(
         must not be used afterwards.
       autodiff: `"autograd"` or `"func"`: how gradients are computed (same values, bitwise; see above).
       gather: for states whose compute parameters are sharded at rest (stage 3): prefetch and persistence of the
-        unit-at-a-time gathering (`fzero.zero3.GatherPolicy`); the default prefetches one unit. With
+        unit-at-a-time gathering (`fzero.GatherPolicy`); the default prefetches one unit. With
         `autodiff="func"` stage 3 gathers all units at the step's start instead (torch.func cannot differentiate
         through the per-unit collectives).
 

@@ -59,6 +59,8 @@ class Flow(NamedTuple):
       stats: the step's `GradStats`, once computed.
       reduce_dtype: at init, the dtype `reduce_scatter` communicates gradients in (recorded in the state, so a
         step that reduces gradients itself, unit by unit, does it in the same dtype).
+      presharded: at init, `params` are already this rank's shard (sharded construction from a `meta` model), so
+        `reduce_scatter` has nothing left to shard.
     """
 
     grads: Tensor | None
@@ -71,6 +73,7 @@ class Flow(NamedTuple):
     loss_scale: Any = None
     stats: GradStats | None = None
     reduce_dtype: torch.dtype | None = None
+    presharded: bool = False
 
     def is_full(self, layout: Layout, x: Tensor | None = None) -> bool:
         """Whether `x` (default: `params`) is a full buffer rather than a shard (both, when world is 1)."""

@@ -52,8 +52,8 @@ def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
         flow = flow._replace(reduce_dtype=dtype)
-        if ctx.layout.world == 1:
-            return flow, ()
+        if flow.presharded or ctx.layout.world == 1:
+            return flow._replace(presharded=False), ()
         if not flow.is_full(ctx.layout):
             raise ValueError("reduce_scatter() appears twice in the chain: the parameters are already sharded")
         return flow._replace(params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params))), ()

@@ -72,13 +72,14 @@ class GatherPolicy:
 
 
 class _Unit(torch.autograd.Function):
-    """shard slice -> the unit's full buffer (left unfilled: the gatherer fills it); backward: hand the unit's
-    complete gradient to the gatherer."""
+    """shard slice -> the unit's full buffer (an alias of the gatherer's storage for the unit, which the gatherer
+    fills and frees); backward: hand the unit's complete gradient to the gatherer."""
 
     @staticmethod
     def forward(ctx: Any, shard: Tensor, gatherer: _Gatherer, index: int) -> Tensor:
         ctx.gatherer, ctx.index = gatherer, index
-        return shard.new_empty(gatherer.layout.units[index].size)
+        store = gatherer.store[index]
+        return store.new_empty(0).set_(store.untyped_storage(), 0, store.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
@@ -116,45 +117,67 @@ class _Gatherer:
         self.mesh, self.layout, self.policy, self.reduce_dtype, self.sim = mesh, layout, policy, reduce_dtype, sim
         self.shard = shard
         modules = dict(model.named_modules())
+        unit_of = {leaf.name: leaf.unit for leaf in layout.leaves}
+        # a parameter tied across units must be reachable whenever either unit runs: keep such units gathered
+        crossed = {
+            unit_of[name]
+            for alias, name in layout.aliases
+            if not alias.startswith(f"{layout.units[unit_of[name]].name}.")
+        }
         self.modules: dict[int, nn.Module] = {
             i: modules[u.name]
             for i, u in enumerate(layout.units)
-            if u.name != ROOT_UNIT and u.name in modules and u.numel > policy.persistence_threshold
+            if u.name != ROOT_UNIT and u.name in modules and u.numel > policy.persistence_threshold and i not in crossed
         }
         self.sequence = sorted(self.modules)  # forward order of the gathered-on-demand units
-        self.full: list[Tensor | None] = [None] * len(layout.units)
-        self.live = [False] * len(layout.units)
+        n = len(layout.units)
+        self.store: list[Tensor | None] = [None] * n
+        self.views: list[dict[str, Tensor] | None] = [None] * n
+        self.swapped: dict[int, list[tuple[nn.Module, str, Tensor]]] = {}
+        self.live = [False] * n
         self.pending: dict[int, Work] = {}
-        self.done = [False] * len(layout.units)
+        self.done = [False] * n
         self.live_elements = self.peak = 0
         grad_dtype = reduce_dtype or shard.dtype
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=shard.device)
         self.unit_grads: dict[int, Tensor] = {}
 
     # -- buffers -------------------------------------------------------------------------------------------------
-    def params(self) -> dict[str, Tensor]:
-        """Named views of every unit's full buffer (unfilled; filled on demand), aliases included."""
-        out: dict[str, Tensor] = {}
-        for i, unit in enumerate(self.layout.units):
+    def _node(self, i: int) -> dict[str, Tensor]:
+        """The unit's autograd node and named views of its full buffer, created just before the unit first runs:
+        autograd orders its backward by creation, so the unit's gradient completes right after its backward."""
+        if self.views[i] is None:
+            self.materialize(i)
+            unit = self.layout.units[i]
             full = _Unit.apply(self.shard[self.layout.unit_shard_slice(i)], self, i)
+            views = {}
             for leaf in self.layout.leaves:
                 if leaf.unit == i:
                     start = leaf.offset - unit.start
-                    out[leaf.name] = full[start : start + leaf.numel].view(leaf.shape)
-            full.untyped_storage().resize_(0)  # views exist; the memory comes when the unit is gathered
-            self.full[i] = full
-        for alias, name in self.layout.aliases:
-            out[alias] = out[name]
+                    views[leaf.name] = full[start : start + leaf.numel].view(leaf.shape)
+            self.views[i] = views
+        return self.views[i]
+
+    def params(self) -> dict[str, Tensor]:
+        """Named views of the units kept gathered for the whole step; the others are swapped into their modules
+        when they run."""
+        out: dict[str, Tensor] = {}
         for i in range(len(self.layout.units)):
             if i not in self.modules:
-                self.materialize(i)
+                out.update(self._node(i))
+        for alias, name in self.layout.aliases:
+            if name in out:
+                out[alias] = out[name]
         return out
 
     def _start(self, i: int) -> None:
-        unit, full = self.layout.units[i], self.full[i]
-        full.untyped_storage().resize_(unit.size * full.element_size())
+        unit, store = self.layout.units[i], self.store[i]
+        if store is None:
+            store = self.store[i] = self.shard.new_empty(unit.size)
+        else:
+            store.untyped_storage().resize_(unit.size * store.element_size())
         # an alias of the storage: writes through it leave the version counter autograd checks untouched
-        alias = full.new_empty(0).set_(full.untyped_storage(), 0, (unit.size,))
+        alias = store.new_empty(0).set_(store.untyped_storage(), 0, (unit.size,))
         piece = self.layout.unit_shard_slice(i)
         if self.sim is None:
             self.pending[i] = self.mesh.all_gather_into(alias, self.shard[piece].detach(), async_op=True)
@@ -163,7 +186,6 @@ class _Gatherer:
             alias.copy_(shards[:, piece].reshape(-1))
             if rank == 0:  # the simulated ranks gather together: count the collective once
                 self.mesh.account("all_gather", unit.size)
-            self.pending[i] = done
         self.live[i] = True
         self.live_elements += unit.size
         self.peak = max(self.peak, self.live_elements)
@@ -178,14 +200,12 @@ class _Gatherer:
     def release(self, i: int) -> None:
         if self.live[i]:
             self.pending.pop(i, done).wait()
-            self.full[i].untyped_storage().resize_(0)
+            self.store[i].untyped_storage().resize_(0)
             self.live[i] = False
             self.live_elements -= self.layout.units[i].size
 
     def _prefetch(self, i: int, step: int) -> None:
         """Start gathering the next `prefetch` units after `i` in forward (`step=1`) or backward (`-1`) order."""
-        if i not in self.modules:
-            return
         pos = self.sequence.index(i)
         for k in range(1, self.policy.prefetch + 1):
             j = pos + step * k
@@ -201,10 +221,24 @@ class _Gatherer:
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, i: int) -> None:
+        views = self._node(i)
         self.materialize(i)
         self._prefetch(i, 1)
+        prefix = self.layout.units[i].name + "."
+        module = self.modules[i]
+        swapped = self.swapped.setdefault(i, [])
+        for name, view in views.items():
+            owner_path, _, pname = name[len(prefix) :].rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            swapped.append((owner, pname, owner._parameters[pname]))
+            owner._parameters[pname] = view  # as functional_call does: the module computes with the views
+
+    def restore(self, i: int) -> None:
+        for owner, pname, original in reversed(self.swapped.pop(i, [])):
+            owner._parameters[pname] = original
 
     def post_forward(self, i: int, output: Any) -> Any:
+        self.restore(i)
         leaves, spec = optree.tree_flatten(output)
         grads = [k for k, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad]
         if not grads:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
@@ -235,6 +269,12 @@ class _Gatherer:
         for i, unit in enumerate(self.layout.units):
             if not self.done[i]:
                 self.unit_backward(i, self.grad_shard.new_zeros(unit.size))
+            self.release(i)
+
+    def close(self) -> None:
+        for i in list(self.swapped):
+            self.restore(i)
+        for i in range(len(self.layout.units)):
             self.release(i)
 
 
@@ -279,8 +319,7 @@ def sharded_backward(
         finally:
             for h in handles:
                 h.remove()
-            for i in range(len(layout.units)):
-                g.release(i)
+            g.close()
         outs.append(out)
         gatherers.append(g)
         peak = max(peak, g.peak)
