@@ -8,12 +8,15 @@ state, metrics = step(state, batch)
 model.load_state_dict(fzero.state_dict(state))
 """
 
-from . import layout, loss_scale, optim, precision
+from . import layout, loss_scale, native, optim, precision
+from .checkpoint import consolidate, load, save
+from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .mesh import DistMesh, Ledger, Mesh, SimMesh
-from .optim import Optimizer, adam, adamw, sgd
+from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, sgd
 from .precision import Policy, get_policy
+from .stage3 import GatherPolicy
 from .state import TrainState, pytree
 from .step import init, state_dict, train_step
 from .transforms import (
@@ -34,12 +37,12 @@ from .transforms import (
     zero2,
     zero3,
 )
-from .stage3 import GatherPolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Context",
+    "DeepSpeedEngine",
     "DistMesh",
     "DynamicLossScale",
     "Flow",
@@ -58,19 +61,28 @@ __all__ = [
     "accumulate",
     "adam",
     "adamw",
+    "add_config_arguments",
     "all_reduce",
     "chain",
     "clip_by_global_norm",
+    "consolidate",
+    "cpu_adam",
+    "cpu_adamw",
     "gather",
     "get_policy",
     "identity",
     "init",
+    "init_distributed",
+    "initialize",
     "layout",
+    "load",
     "loss_scale",
+    "native",
     "optim",
     "precision",
     "pytree",
     "reduce_scatter",
+    "save",
     "scale_loss",
     "sgd",
     "shard_update",

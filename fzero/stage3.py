@@ -276,6 +276,10 @@ class _Gatherer:
             self.restore(i)
         for i in range(len(self.layout.units)):
             self.release(i)
+        # the views' autograd nodes hold this gatherer (ctx.gatherer): a reference cycle through C++ that Python's
+        # collector cannot see, so drop the views explicitly or every step would leak its gradient shard
+        self.views = [None] * len(self.views)
+        self.store = [None] * len(self.store)
 
 
 def sharded_backward(
@@ -324,7 +328,8 @@ def sharded_backward(
         gatherers.append(g)
         peak = max(peak, g.peak)
     if not simulated:
-        return gatherers[0].grad_shard, outs, peak
+        grads, gatherers[0].grad_shard = gatherers[0].grad_shard, None
+        return grads, outs, peak
     pieces = []
     for i in range(len(layout.units)):
         per_rank = torch.stack([g.unit_grads[i] for g in gatherers])

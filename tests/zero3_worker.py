@@ -1,0 +1,88 @@
+"""Worker for the ZeRO-3 memory tests: a wide MLP of `layers` units on `world` gloo processes; reports peak
+resident memory during sharded construction and during training steps (VmHWM, reset in between)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fzero
+
+
+class Wide(nn.Module):
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.norm(x)
+
+
+def initializer(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=module.in_features**-0.5)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set size (Linux >= 4.0)
+
+
+def run(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int, prefetch: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store-{stage}-{prefetch}", rank=rank,
+                            world_size=world)  # fmt: skip
+    mesh = fzero.DistMesh()
+    torch.manual_seed(0)  # the same initial model in every launch (rank 0 broadcasts it to the others anyway)
+    x = torch.randn(4, d, generator=torch.Generator().manual_seed(rank))
+    loss_fn = None
+    reset_peak()
+    baseline = peak_rss()
+    with torch.device("meta"):
+        model = Wide(d, layers)
+    tx = [fzero.zero0, fzero.zero1, fzero.zero2, fzero.zero3][stage](fzero.adamw(1e-3))
+    reset_peak()
+    state = fzero.init(model, tx, mesh, initializer=initializer)
+    init_peak = peak_rss()
+
+    def loss_fn(params, batch):
+        return torch.func.functional_call(model, params, (batch,)).square().mean()
+
+    policy = fzero.GatherPolicy(prefetch=prefetch)
+    step = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)
+    state, metrics = step(state, x)  # the first step allocates the optimizer's buffers for good
+    reset_peak()
+    for _ in range(steps):
+        state, metrics = step(state, x)
+    result = {
+        "baseline": baseline,
+        "init_peak": init_peak,
+        "step_peak": peak_rss(),
+        "gathered_peak": metrics["gathered_peak"],
+        "psi": state.layout.real_numel,
+        "numel": state.layout.numel,
+        "largest_unit": max(u.size for u in state.layout.units),
+        "loss": float(metrics["loss"]),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}-stage{stage}-prefetch{prefetch}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
