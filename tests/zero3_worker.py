@@ -53,7 +53,6 @@ def run(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int, pr
     mesh = fzero.DistMesh()
     torch.manual_seed(0)  # the same initial model in every launch (rank 0 broadcasts it to the others anyway)
     x = torch.randn(4, d, generator=torch.Generator().manual_seed(rank))
-    loss_fn = None
     reset_peak()
     baseline = peak_rss()
     with torch.device("meta"):
