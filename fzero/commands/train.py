@@ -1,0 +1,229 @@
+"""`fzero train`: the main job. A small GPT on the bundled corpus, trained through the DeepSpeed-style engine.
+
+    fzero train --nproc 2 --stage 3 --steps 50                  # launches torchrun itself (gloo on CPU)
+    fzero train --config ds_config.json --precision bf16        # a DeepSpeed JSON config; flags override it
+
+Without `--config` the run's DeepSpeed config is built from the flags; with it, the file is the base and only the
+flags given explicitly override it. Each rank draws its own batches (seeded by rank). Rank 0 shows a progress bar,
+prints a metrics line every `--print-every` steps, writes `OUT/metrics.jsonl` (one line per optimizer step) and
+`OUT/loss.png`, and ends with a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "stage": 3, "precision": "fp32", "nproc": 1, "steps": 300, "offload": False, "batch": 8, "accumulate": 1,
+    "lr": 1e-2, "warmup": 30, "layers": 4, "d_model": 128, "heads": 4, "seq_len": 128, "seed": 0, "threads": 0,
+    "out": "runs/train", "print_every": 10,
+}  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's flags. Defaults are applied in `run`, so that with `--config` an absent flag leaves the file's
+    value alone."""
+    d = DEFAULTS
+    a = parser.add_argument
+    a("--stage", type=int, choices=(0, 1, 2, 3), help=f"ZeRO stage (default {d['stage']})")
+    a("--precision", choices=("fp32", "bf16", "fp16"), help=f"training precision (default {d['precision']})")
+    a("--nproc", type=int, help="processes; > 1 launches torchrun (default 1)")
+    a("--steps", type=int, help=f"optimizer steps (default {d['steps']})")
+    a("--offload", action="store_true", default=None, help="optimizer state and step on the CPU (ZeRO-Offload)")
+    a("--config", metavar="DS_CONFIG_JSON", help="a DeepSpeed JSON config: the base the flags override")
+    a("--batch", type=int, help=f"sequences per rank per micro-step (default {d['batch']})")
+    a("--accumulate", type=int, help="micro-steps per optimizer step (default 1)")
+    a("--lr", type=float, help=f"peak learning rate (AdamW, default {d['lr']})")
+    a("--warmup", type=int, help=f"linear warm-up steps (default {d['warmup']})")
+    a("--layers", type=int, help=f"transformer blocks (default {d['layers']})")
+    a("--d-model", type=int, help=f"hidden size (default {d['d_model']})")
+    a("--heads", type=int, help=f"attention heads (default {d['heads']})")
+    a("--seq-len", type=int, help=f"tokens per sequence (default {d['seq_len']})")
+    a("--seed", type=int, help="seed of the model and the data (default 0)")
+    a("--threads", type=int, help="torch threads per rank (default: cores / ranks)")
+    a("--out", help=f"directory for metrics.jsonl and loss.png (default {d['out']})")
+    a("--print-every", type=int, help=f"a metrics line every N steps (default {d['print_every']})")
+    a("--no-progress", action="store_true", help="no progress bar")
+
+
+def _given(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) is not None
+
+
+def _opt(args: argparse.Namespace, name: str) -> Any:
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
+
+
+def build_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's DeepSpeed config: `--config`'s file (if any) with the explicitly given flags applied, or the flags
+    and their defaults."""
+    from ..config import load_json
+
+    base = args.config is not None
+    cfg: dict[str, Any] = copy.deepcopy(load_json(args.config)) if base else {}
+
+    def want(name: str) -> bool:  # apply this flag: given, or no file to take the value from
+        return _given(args, name) or not base
+
+    if want("batch") or want("accumulate"):
+        if base and ("train_batch_size" in cfg) and (_given(args, "batch") or _given(args, "accumulate")):
+            del cfg["train_batch_size"]  # the flags redefine the triad
+        if want("batch"):
+            cfg["train_micro_batch_size_per_gpu"] = _opt(args, "batch")
+        if want("accumulate"):
+            cfg["gradient_accumulation_steps"] = _opt(args, "accumulate")
+
+    def section(key: str) -> dict[str, Any]:
+        value = cfg.get(key)
+        if key == "zero_optimization" and isinstance(value, bool):  # DeepSpeed's legacy form
+            value = {"stage": 1 if value else 0}
+        cfg[key] = value if isinstance(value, dict) else {}
+        return cfg[key]
+
+    if want("stage"):
+        section("zero_optimization")["stage"] = _opt(args, "stage")
+    if _given(args, "offload"):
+        section("zero_optimization")["offload_optimizer"] = {"device": "cpu"}
+    if want("precision"):
+        precision = _opt(args, "precision")
+        for key in ("fp16", "bf16", "bfloat16"):
+            if isinstance(cfg.get(key), dict):
+                cfg[key]["enabled"] = False
+        if precision != "fp32":
+            cfg.setdefault(precision, {})["enabled"] = True
+    if want("lr") or "optimizer" not in cfg:
+        opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.1}})
+        opt.setdefault("params", {})["lr"] = _opt(args, "lr")
+    if want("warmup"):
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_num_steps": max(1, _opt(args, "warmup")), "warmup_type": "linear"},
+        }
+    if not base:
+        cfg["gradient_clipping"] = 1.0
+    if want("print_every"):
+        cfg["steps_per_print"] = _opt(args, "print_every")
+    out = Path(_opt(args, "out"))
+    metrics = cfg.setdefault("fzero_metrics", {})
+    metrics.update(
+        jsonl=str(out / "metrics.jsonl"),
+        seq_length=_opt(args, "seq_len"),
+        num_layers=_opt(args, "layers"),
+        hidden_size=_opt(args, "d_model"),
+    )
+    return cfg
+
+
+def _relaunch_argv(args: argparse.Namespace) -> list[str]:
+    """The command line for each torchrun worker: the same flags, without `--nproc`."""
+    argv = []
+    for action_name in ("stage", "precision", "steps", "config", "batch", "accumulate", "lr", "warmup", "layers",
+                        "d_model", "heads", "seq_len", "seed", "threads", "out", "print_every"):  # fmt: skip
+        value = getattr(args, action_name, None)
+        if value is not None:
+            argv += [f"--{action_name.replace('_', '-')}", str(value)]
+    if args.offload:
+        argv.append("--offload")
+    if args.no_progress:
+        argv.append("--no-progress")
+    return argv
+
+
+def _launch(args: argparse.Namespace, nproc: int) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "fzero.cli", "train", *_relaunch_argv(args)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train (or launch torchrun to train); returns the exit code."""
+    from ..config import ConfigError
+
+    nproc = _opt(args, "nproc")
+    if nproc < 1:
+        print(f"fzero train: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args, nproc)
+    try:
+        summary = train(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"fzero train: error: {e}", file=sys.stderr)
+        return 2
+    return 0 if summary is not None else 1
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """The training loop on this process's rank; returns the summary (rank 0's figures on every rank)."""
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    import fzero
+    from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, sample_batch
+    from fzero.metrics import plot_loss_curve
+
+    config = build_config(args)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    torch.set_num_threads(_opt(args, "threads") or max(1, (os.cpu_count() or 1) // world))
+    seed, steps, seq_len = _opt(args, "seed"), _opt(args, "steps"), _opt(args, "seq_len")
+    torch.manual_seed(seed)  # the same initial model on every rank (rank 0's is broadcast anyway)
+    model = GPT(GPTConfig(seq_len=seq_len, n_layer=_opt(args, "layers"), n_head=_opt(args, "heads"),
+                          d_model=_opt(args, "d_model")))  # fmt: skip
+    show = rank == 0 and not args.no_progress
+    bar = tqdm(total=steps, disable=not show, unit="step", dynamic_ncols=True, file=sys.stderr)
+    say = (lambda *a: tqdm.write(" ".join(map(str, a)), file=sys.stdout)) if rank == 0 else (lambda *a: None)
+    start = time.perf_counter()
+    engine, _, _, _ = fzero.initialize(model=model, config=config, printer=say)
+    c = engine.config
+    if c.precision == "fp16" and engine.device.type == "cpu":
+        say("note: fp16 matrix multiplications are very slow on CPUs without native fp16; bf16 is the fast choice")
+    say(
+        f"fzero train: GPT {engine.state.layout.real_numel / 1e6:.2f}M params, ZeRO-{c.stage}, {c.precision}"
+        f"{', optimizer offload' if c.offload else ''}, {engine.world_size} rank(s) over {engine.mesh!r}, "
+        f"{c.micro_batch}x{seq_len} tokens/rank/micro-step, accumulate {c.gas}"
+        + (f", config {args.config}" if args.config else "")
+    )
+    tokens = corpus_tokens()
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    for _ in range(steps):
+        for _ in range(c.gas):
+            batch = sample_batch(tokens, c.micro_batch, seq_len, gen)
+            logits = engine(batch["x"])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten())
+            engine.backward(loss)
+            engine.step()
+        rec = engine.last_record
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}", refresh=False)
+        bar.update()
+    bar.close()
+    summary = engine.summary()
+    engine.close()
+    total = time.perf_counter() - start
+    if rank == 0:
+        out = Path(_opt(args, "out"))
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        title = f"fzero train: ZeRO-{c.stage}, {c.precision}, {engine.world_size} rank(s)"
+        png = plot_loss_curve(out / "metrics.jsonl", out / "loss.png", title=title)
+        tflops = f", {summary['tflops']:.3f} TFLOPS/rank" if summary["tflops"] is not None else ""
+        rate = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] is not None else "untimed"
+        say(
+            f"done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the last 5 steps), "
+            f"{rate}{tflops} over {summary['timed_steps']} timed steps, {summary['skipped']} skipped, "
+            f"{total:.1f}s in all\nmetrics: {out / 'metrics.jsonl'}  loss curve: {png}"
+        )
+    summary["total_s"] = total
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary

@@ -1,0 +1,425 @@
+"""The DeepSpeed JSON config keys fzero reads, with DeepSpeed 0.19's defaults, declared as one schema.
+
+Three kinds of keys:
+
+- keys fzero implements (the batch triad, `zero_optimization.stage`, `fp16`, `bf16`, `optimizer`, `scheduler`,
+  `gradient_clipping`, `steps_per_print`, `wall_clock_breakdown`, ...): DeepSpeed's meaning and default;
+- keys accepted with no effect, because they tune how DeepSpeed schedules its communication (bucket sizes,
+  `overlap_comm`, `contiguous_gradients`, ...) and fzero's flat buffers make them moot: values are still checked;
+- known features fzero does not implement (parameter offload, NVMe, quantized or hierarchical ZeRO, MiCS, 1-bit
+  optimizers, AMP, pipeline/tensor/sequence parallelism, monitors, ...): only their disabled value is accepted,
+  anything else is an `UnsupportedConfigError` naming the key.
+
+`fzero_metrics` is fzero's own block (DeepSpeed ignores it): the JSONL metrics file and the shape of a dense
+transformer for the tokens/s and TFLOPS estimate (see `fzero.metrics`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .schema import (
+    REQUIRED,
+    Bool,
+    ConfigError,
+    Field,
+    Int,
+    ListOf,
+    Nullable,
+    Num,
+    Section,
+    Str,
+    Tagged,
+)
+
+__all__ = ["SCHEMA"]
+
+MOOT = "no effect: fzero reduces and gathers each flat buffer in one collective"
+NVME = "no effect (NVMe only)"
+GATHER = "no effect: the engine gathers stage 3's parameters at each micro-step's start (see docs/engine.md)"
+INT_MAX = 2**63 - 1
+DTYPES = ("fp32", "fp16", "bf16")
+_DTYPE_NAMES = ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16")
+
+
+def _feature(reason: str, flag: str = "enabled", **fields: Field) -> Section:
+    """A DeepSpeed feature block fzero does not implement: accepted only while `flag` is false."""
+    return Section({flag: Field(Bool(), False, unsupported=reason), **fields}, open=True)
+
+
+def _off(reason: str) -> Field:
+    return Field(Bool(), False, unsupported=reason)
+
+
+def _device(what: str) -> Field:
+    return Field(Str(("none", "cpu", "nvme")), "none", unsupported=what)
+
+
+# ----------------------------------------------------------------------------------------------------------- fp16
+def _fp16_checks(values: dict[str, Any], path: str) -> None:
+    if (
+        values["enabled"]
+        and values["loss_scale"] == 0
+        and values["min_loss_scale"] > 2.0 ** values["initial_scale_power"]
+    ):
+        raise ConfigError(
+            f"{path}.min_loss_scale",
+            f"min_loss_scale {values['min_loss_scale']:g} exceeds the initial scale 2**{values['initial_scale_power']}",
+        )
+
+
+FP16 = Section(
+    {
+        "enabled": Field(Bool(), False),
+        "auto_cast": Field(Bool(), False, effect="cast floating-point inputs of engine(...) to fp16"),
+        "loss_scale": Field(Num(0, 3e38), 0, effect="0: dynamic loss scaling; > 0: a static scale"),
+        "initial_scale_power": Field(Int(0, 127), 16),
+        "loss_scale_window": Field(Int(1), 1000),
+        "hysteresis": Field(Int(1), 2),
+        "consecutive_hysteresis": Field(Bool(), False),
+        "min_loss_scale": Field(Num(0, 3e38, low_open=True), 1),
+        "fp16_master_weights_and_grads": _off("master weights and gradients are kept in fp32"),
+    },
+    checks=(_fp16_checks,),
+)
+
+BF16 = Section(
+    {
+        "enabled": Field(Bool(), False),
+        "immediate_grad_update": Field(Bool(), False, effect="no effect: gradients are accumulated in fp32"),
+        "check_grad_overflow": Field(Bool(), True, effect="skip steps with inf/nan gradients (every stage)"),
+        "bf16_master_weights_and_grads": _off("master weights and gradients are kept in fp32"),
+        "bf16_optimizer_states": _off("optimizer states are kept in fp32"),
+    }
+)
+
+
+# -------------------------------------------------------------------------------------------------- zero_optimization
+def _legacy_offload(value: Any) -> dict[str, Any] | None:
+    # `"cpu_offload": true` (DeepSpeed's deprecated alias) means the CPU device
+    if isinstance(value, bool):
+        return {"device": "cpu" if value else "none"}
+    return None
+
+
+_OFFLOAD_OPTIMIZER = Section(
+    {
+        "device": Field(
+            Str(("none", "cpu", "nvme")),
+            "none",
+            unsupported="NVMe offload is not implemented (device 'cpu' is)",
+            supported=lambda v: v != "nvme",
+        ),
+        "nvme_path": Field(Nullable(Str()), None, effect=NVME),
+        "buffer_count": Field(Int(1), 4, effect=NVME),
+        "pin_memory": Field(Bool(), False, effect="no effect: host buffers are pinned whenever an accelerator is"),
+        "pipeline": Field(Bool(), False, effect=NVME),
+        "pipeline_read": Field(Bool(), False, effect=NVME),
+        "pipeline_write": Field(Bool(), False, effect=NVME),
+        "fast_init": Field(Bool(), False, effect=NVME),
+        "ratio": Field(Num(0, 1), 1.0, unsupported="partial offload is not implemented"),
+    },
+    coerce=_legacy_offload,
+)
+
+_OFFLOAD_PARAM = Section(
+    {
+        "device": _device("parameter offload is not implemented (optimizer offload is)"),
+        "nvme_path": Field(Nullable(Str()), None),
+        "buffer_count": Field(Int(1), 5),
+        "buffer_size": Field(Int(1), 100_000_000),
+        "max_in_cpu": Field(Int(0), 1_000_000_000),
+        "pin_memory": Field(Bool(), False),
+    },
+    coerce=_legacy_offload,
+)
+
+
+def _zero_coerce(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, bool):  # DeepSpeed's legacy form: true means stage 1
+        return {"stage": 1 if value else 0}
+    return None
+
+
+def _zero_checks(values: dict[str, Any], path: str) -> None:
+    if values["allgather_bucket_size"] % 2:
+        raise ConfigError(f"{path}.allgather_bucket_size", "must be a multiple of 2 (DeepSpeed's rule)")
+
+
+ZERO = Section(
+    {
+        "stage": Field(Int(0, 3), 0),
+        "contiguous_gradients": Field(Bool(), True, effect=MOOT),
+        "reduce_scatter": Field(Bool(), True, effect=MOOT),
+        "reduce_bucket_size": Field(Int(1), 500_000_000, effect=MOOT),
+        "use_multi_rank_bucket_allreduce": Field(Bool(), True, effect=MOOT),
+        "allgather_partitions": Field(Bool(), True, effect=MOOT),
+        "allgather_bucket_size": Field(Int(1), 500_000_000, effect=MOOT),
+        "overlap_comm": Field(Nullable(Bool()), None, effect=MOOT),
+        "load_from_fp32_weights": Field(Bool(), True, effect="no effect (checkpoints hold fp32 master weights)"),
+        "elastic_checkpoint": Field(Bool(), False, effect="no effect (fzero's checkpoints reshard on load)"),
+        "offload_optimizer": Field(_OFFLOAD_OPTIMIZER, effect="device 'cpu': optimizer step on the CPU"),
+        "offload_param": Field(_OFFLOAD_PARAM),
+        "sub_group_size": Field(Int(1), 1_000_000_000, effect=MOOT),
+        "stage3_prefetch_bucket_size": Field(Int(0), 50_000_000, effect=GATHER),
+        "stage3_param_persistence_threshold": Field(Int(0), 100_000, effect=GATHER),
+        "stage3_model_persistence_threshold": Field(Int(0), INT_MAX, effect=MOOT),
+        "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect=GATHER),
+        "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=MOOT),
+        "stage3_gather_16bit_weights_on_model_save": Field(Bool(), False, effect="no effect"),
+        "stage3_module_granularity_threshold": Field(Int(0), 0, effect=MOOT),
+        "ignore_unused_parameters": Field(
+            Bool(), True, unsupported="raising on unused parameters (they get zero gradients)", effect="always true"
+        ),
+        "round_robin_gradients": Field(Bool(), False, effect=MOOT),
+        "memory_efficient_linear": Field(Bool(), True, effect=MOOT),
+        "enable_sanity_checks": Field(Bool(), False, effect="no effect"),
+        "zero_hpz_partition_size": Field(Int(1), 1, unsupported="hierarchical partitioning (ZeRO++ hpZ)"),
+        "zero_quantized_weights": _off("quantized weights (ZeRO++ qwZ)"),
+        "zero_quantized_nontrainable_weights": _off("quantized weights (ZeRO++ qwZ)"),
+        "zero_quantized_gradients": _off("quantized gradients (ZeRO++ qgZ)"),
+        "mics_shard_size": Field(Int(), -1, unsupported="MiCS sharding"),
+        "mics_hierarchical_params_gather": _off("MiCS sharding"),
+        "log_trace_cache_warnings": Field(Bool(), False, effect="no effect"),
+    },
+    aliases={
+        "cpu_offload": "offload_optimizer",
+        "cpu_offload_param": "offload_param",
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "model_persistence_threshold": "stage3_model_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    },
+    coerce=_zero_coerce,
+    checks=(_zero_checks,),
+)
+
+
+# ------------------------------------------------------------------------------------------------------- optimizer
+_BETA = Num(0, 1, high_open=True)
+_MAX_GRAD_NORM = Field(
+    Num(),
+    None,
+    unsupported="DeepSpeed rejects optimizer.params.max_grad_norm; use the top-level 'gradient_clipping'",
+    supported=lambda v: v is None,
+)
+
+
+def _adam_params(decoupled_default: bool) -> Section:
+    return Section(
+        {
+            "lr": Field(Num(0), 1e-3),
+            "betas": Field(ListOf(_BETA, 2), [0.9, 0.999]),
+            "eps": Field(Num(0), 1e-8),
+            "weight_decay": Field(Num(0), 0.0),
+            "adam_w_mode": Field(Bool(), decoupled_default, effect="Adam: decoupled weight decay (AdamW) unless false"),
+            "torch_adam": Field(Bool(), False, effect="no effect: fzero's Adam follows torch.optim's arithmetic"),
+            "fused": Field(Nullable(Bool()), None, effect="no effect"),
+            "foreach": Field(Nullable(Bool()), None, effect="no effect"),
+            "bias_correction": Field(Bool(), True, unsupported="Adam without bias correction"),
+            "amsgrad": _off("AMSGrad"),
+            "maximize": _off("maximize"),
+            "max_grad_norm": _MAX_GRAD_NORM,
+        }
+    )
+
+
+def _sgd_checks(values: dict[str, Any], path: str) -> None:
+    if values["nesterov"] and (values["momentum"] <= 0 or values["dampening"] != 0):
+        raise ConfigError(f"{path}.nesterov", "Nesterov momentum needs momentum > 0 and dampening 0")
+
+
+SGD_PARAMS = Section(
+    {
+        "lr": Field(Num(0), 1e-3),
+        "momentum": Field(Num(0), 0.0),
+        "dampening": Field(Num(0), 0.0),
+        "weight_decay": Field(Num(0), 0.0),
+        "nesterov": Field(Bool(), False),
+        "foreach": Field(Nullable(Bool()), None, effect="no effect"),
+        "maximize": _off("maximize"),
+        "max_grad_norm": _MAX_GRAD_NORM,
+    },
+    checks=(_sgd_checks,),
+)
+
+_NOT_OPTIMIZERS = "fzero implements Adam, AdamW and SGD"
+OPTIMIZER = Tagged(
+    {"Adam": _adam_params(True), "AdamW": _adam_params(True), "SGD": SGD_PARAMS},
+    unsupported={
+        name: _NOT_OPTIMIZERS
+        for name in (
+            "Lamb",
+            "OneBitAdam",
+            "ZeroOneAdam",
+            "OneBitLamb",
+            "Adagrad",
+            "Lion",
+            "Muon",
+            "MuAdam",
+            "MuAdamW",
+            "MuSGD",
+            "RMSprop",
+            "Adamax",
+            "NAdam",
+            "RAdam",
+            "Adadelta",
+            "LBFGS",
+            "SparseAdam",
+            "ASGD",
+            "Rprop",
+            "CPUAdam",
+            "FusedAdam",
+        )
+    },
+    fold=True,
+    extra={"legacy_fusion": Field(Bool(), False, effect="no effect")},
+)
+
+# ------------------------------------------------------------------------------------------------------- scheduler
+_LAST = Field(Int(), -1, unsupported="resuming a schedule from last_batch_iteration (load a checkpoint instead)")
+_WARMUP_TYPE = Field(Str(("log", "linear")), "log")
+
+
+def _warmup(total: bool, max_lr_default: float | None) -> Section:
+    fields: dict[str, Field] = {}
+    if total:
+        fields["total_num_steps"] = Field(Int(1), REQUIRED)
+    fields.update(
+        {
+            "warmup_min_lr": Field(Num(0), 0.0),
+            "warmup_max_lr": Field(Nullable(Num(0)), max_lr_default),
+            "warmup_num_steps": Field(Int(1), 1000),
+            "warmup_type": _WARMUP_TYPE,
+            "last_batch_iteration": _LAST,
+        }
+    )
+    return Section(fields)
+
+
+WARMUP_COSINE = Section(
+    {
+        "total_num_steps": Field(Int(1), REQUIRED),
+        "warmup_min_ratio": Field(Num(0, 1), 0.0),
+        "warmup_num_steps": Field(Int(1), 1000),
+        "cos_min_ratio": Field(Num(0, 1), 0.0001),
+        "warmup_type": _WARMUP_TYPE,
+        "last_batch_iteration": _LAST,
+    }
+)
+
+ONE_CYCLE = Section(
+    {
+        "cycle_min_lr": Field(Num(0), REQUIRED),
+        "cycle_max_lr": Field(Num(0), REQUIRED),
+        "decay_lr_rate": Field(Num(0), 0.0),
+        "cycle_first_step_size": Field(Int(1), 2000),
+        "cycle_second_step_size": Field(Nullable(Int(1)), None),
+        "cycle_first_stair_count": Field(Int(0), 0),
+        "cycle_second_stair_count": Field(Nullable(Int(0)), None),
+        "decay_step_size": Field(Int(0), 0),
+        "cycle_momentum": Field(Bool(), True),
+        "cycle_min_mom": Field(_BETA, 0.8),
+        "cycle_max_mom": Field(_BETA, 0.9),
+        "decay_mom_rate": Field(Num(0), 0.0),
+        "last_batch_iteration": _LAST,
+    }
+)
+
+SCHEDULER = Tagged(
+    {
+        "WarmupLR": _warmup(False, None),
+        "WarmupDecayLR": _warmup(True, 0.001),
+        "WarmupCosineLR": WARMUP_COSINE,
+        "OneCycle": ONE_CYCLE,
+    },
+    unsupported={"LRRangeTest": "the LR range test is not implemented"},
+)
+
+# ------------------------------------------------------------------------------------------------ fzero's own block
+FZERO_METRICS = Section(
+    {
+        "jsonl": Field(Nullable(Str()), None, effect="append one JSON line of metrics per optimizer step (rank 0)"),
+        "warmup_steps": Field(Int(0), 2, effect="optimizer steps left out of the timings"),
+        "seq_length": Field(Nullable(Int(1)), None, effect="tokens per sample: enables tokens/s"),
+        "num_layers": Field(Nullable(Int(1)), None, effect="with hidden_size and seq_length: enables TFLOPS"),
+        "hidden_size": Field(Nullable(Int(1)), None),
+        "activation_checkpointing": Field(Bool(), False, effect="TFLOPS counts 4 passes instead of 3"),
+    }
+)
+
+
+# ------------------------------------------------------------------------------------------------------ top level
+def _top_checks(values: dict[str, Any], path: str) -> None:
+    if values["fp16"]["enabled"] and values["bf16"]["enabled"]:
+        raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled")
+
+
+_MONITOR = "monitors are not implemented; use fzero_metrics.jsonl"
+SCHEMA = Section(
+    {
+        "train_batch_size": Field(Nullable(Int()), None),
+        "train_micro_batch_size_per_gpu": Field(Nullable(Int()), None),
+        "gradient_accumulation_steps": Field(Nullable(Int()), None),
+        "steps_per_print": Field(Nullable(Int(1)), None, effect="one console line every N optimizer steps (rank 0)"),
+        "wall_clock_breakdown": Field(Bool(), False, effect="forward/backward/step times in the line and the JSONL"),
+        "gradient_clipping": Field(Num(0), 1.0, effect="global-norm clipping; 0 turns it off"),
+        "communication_data_type": Field(
+            Nullable(Str(_DTYPE_NAMES)), None, effect="dtype gradients are reduced in (default fp32)"
+        ),
+        "data_types": Section({"grad_accum_dtype": Field(Nullable(Str(_DTYPE_NAMES)), None)}),
+        "prescale_gradients": _off("gradient pre-scaling"),
+        "gradient_predivide_factor": Field(Num(0, low_open=True), 1.0, unsupported="gradient pre-division"),
+        "sparse_gradients": _off("sparse gradients"),
+        "dataloader_drop_last": Field(Bool(), False, effect="the training_data loader drops a last short batch"),
+        "memory_breakdown": _off("memory breakdown printing"),
+        "dump_state": Field(Bool(), False, effect="no effect"),
+        "zero_allow_untested_optimizer": Field(Bool(), False, effect="no effect"),
+        "zero_force_ds_cpu_optimizer": Field(Bool(), True, effect="no effect"),
+        "seq_parallel_communication_data_type": Field(Nullable(Str(_DTYPE_NAMES)), None, effect="no effect"),
+        "sequence_parallel_size": Field(Int(1), 1, unsupported="sequence parallelism"),
+        "fp16": FP16,
+        "bf16": BF16,
+        "data_efficiency": _feature("data efficiency (curriculum, random-LTD)"),
+        "curriculum_learning": _feature("curriculum learning"),
+        "amp": _feature("NVIDIA Apex AMP; use 'bf16' or 'fp16'"),
+        "torch_autocast": _feature("torch.autocast mode; use 'bf16' or 'fp16'"),
+        "zero_optimization": ZERO,
+        "optimizer": Field(Nullable(OPTIMIZER), None),
+        "scheduler": Field(Nullable(SCHEDULER), None),
+        "flops_profiler": _feature("the FLOPs profiler; fzero_metrics estimates TFLOPS of dense transformers"),
+        "tensorboard": _feature(_MONITOR),
+        "wandb": _feature(_MONITOR),
+        "csv_monitor": _feature(_MONITOR),
+        "comet": _feature(_MONITOR),
+        "comms_logger": _feature("the communication logger; Mesh.record() gives fzero's ledger"),
+        "elasticity": _feature("elastic training"),
+        "autotuning": _feature("autotuning"),
+        "eigenvalue": _feature("eigenvalue computation"),
+        "progressive_layer_drop": _feature("progressive layer drop"),
+        "compression_training": Section({}, open=True),
+        "nebula": _feature("Nebula checkpointing"),
+        "compile": Section({"deepcompile": _off("DeepCompile")}, open=True),
+        "hybrid_engine": _feature("the hybrid engine"),
+        "aio": Section({}, open=True),
+        "sparse_attention": Field(
+            Nullable(Section({}, open=True)), None, unsupported="sparse attention", supported=lambda v: v is None
+        ),
+        "pipeline": Section({}, open=True),
+        "activation_checkpointing": Section(
+            {
+                "partition_activations": _off("partitioned activation checkpointing"),
+                "cpu_checkpointing": _off("activation checkpointing to the CPU"),
+            },
+            open=True,
+        ),
+        "checkpoint": Section({}, open=True),
+        "tensor_parallel": Section({"autotp_size": Field(Int(0), 0, unsupported="tensor parallelism")}, open=True),
+        "fzero_metrics": FZERO_METRICS,
+    },
+    aliases={"bfloat16": "bf16"},
+    checks=(_top_checks,),
+)

@@ -1,0 +1,277 @@
+"""`fzero.initialize`: DeepSpeed's entry point, so that `import fzero as deepspeed` runs a DeepSpeed script.
+
+    engine, optimizer, dataloader, lr_scheduler = fzero.initialize(model=model, config="ds_config.json",
+                                                                   model_parameters=model.parameters())
+    for x, y in batches:
+        loss = criterion(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+The mesh: under `torchrun` (or with a process group already initialised) a `DistMesh` over the world group, created
+from the environment if needed; in a plain single process a one-rank `SimMesh`: no process group, no port, no
+global `torch.distributed` state left behind, and at world 1 every collective is the identity, so the arithmetic is
+that of a `DistMesh` of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config, ConfigError, ConfigWarning, parse_config
+from ..config.build import OptimizerSpec, build_schedule, build_transform, optimizer_spec
+from ..mesh import DistMesh, Mesh, SimMesh
+from .client import OptimizerView, check_params, client_spec, live, trainable_params
+from .engine import Engine
+
+__all__ = ["DeepSpeedEngine", "Engine", "SchedulerView", "add_config_arguments", "init_distributed", "initialize"]
+
+DeepSpeedEngine = Engine
+
+
+class SchedulerView:
+    """The `lr_scheduler` `initialize` returns for a config `scheduler` block. The engine steps the schedule
+    (after applied updates only); this object reports it."""
+
+    def __init__(self, engine: Engine, kind: str) -> None:
+        self.engine = engine
+        self.kind = kind
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self.engine.applied_updates() - 1
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of the next update."""
+        return self.engine.get_lr()
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rate the engine's optimizer holds now (DeepSpeed's: the last one the scheduler set)."""
+        return self.engine.get_lr()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"the engine steps the configured {self.kind} schedule after every applied update: do not call "
+            "lr_scheduler.step() (in DeepSpeed that would advance it twice)"
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def __repr__(self) -> str:
+        return f"fzero.SchedulerView({self.kind}, last_batch_iteration={self.last_batch_iteration})"
+
+
+def default_mesh() -> Mesh:
+    """`DistMesh()` under torchrun or an initialised process group, else a one-rank `SimMesh`."""
+    if dist.is_available() and (dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)):
+        return DistMesh()
+    return SimMesh(1)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is not None and from_args is not None:
+        raise ValueError(
+            "Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments and "
+            "deepspeed.initialize() function call"
+        )
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("DeepSpeed requires --deepspeed_config to specify configuration file")
+    return config
+
+
+def _view_defaults(spec: OptimizerSpec) -> dict[str, Any]:
+    h = dict(spec.hypers)
+    if "betas" in h:
+        h["betas"] = tuple(float(b(0)) if callable(b) else float(b) for b in h["betas"])
+    return {"lr": float(spec.lr(0)) if callable(spec.lr) else float(spec.lr), **h}
+
+
+def _optimizer(
+    model: nn.Module, cfg: Config, optimizer: Any, model_parameters: Any
+) -> tuple[OptimizerSpec, OptimizerView | torch.optim.Optimizer]:
+    """The optimizer to build and the object `initialize` returns as the optimizer."""
+    if optimizer is None:
+        spec = optimizer_spec(cfg)
+        if spec is None:
+            raise ConfigError(
+                "optimizer", 'no optimizer: add an "optimizer" block to the config or pass optimizer= to initialize'
+            )
+        check_params(model, model_parameters, "model_parameters")
+        return spec, OptimizerView(trainable_params(model), _view_defaults(spec), spec.kind)
+    if cfg["optimizer"] is not None:
+        warnings.warn(
+            "a client optimizer was passed to initialize: the config's optimizer block is ignored (as in DeepSpeed)",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        optimizer = optimizer(model_parameters if model_parameters is not None else trainable_params(model))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a callable returning one, got {type(optimizer).__name__}"
+        )
+    spec = client_spec(model, optimizer)
+    if cfg["scheduler"] is not None:  # DeepSpeed builds the config's scheduler on the client optimizer
+        lr, mom = build_schedule(cfg, spec.base_lr)
+        hypers = dict(spec.hypers)
+        if mom is not None and "betas" in hypers:
+            hypers["betas"] = (mom, 0.99)
+        spec = replace(spec, lr=lr, hypers=hypers)
+    return spec, optimizer
+
+
+def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:
+    if data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    if isinstance(mesh, SimMesh):
+        sampler = RandomSampler(data)
+    else:
+        sampler = DistributedSampler(data, num_replicas=mesh.world, rank=int(mesh.rank))
+    return DataLoader(
+        data, batch_size=cfg.micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=cfg["dataloader_drop_last"]
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: dict[str, Any] | str | os.PathLike[str] | None = None,
+    mesh_param: Any = None,
+    config_params: dict[str, Any] | None = None,
+    *,
+    mesh: Mesh | None = None,
+    printer: Any = print,
+) -> tuple[Engine, Any, Any, Any]:
+    """DeepSpeed's `deepspeed.initialize`, over fzero's functional ZeRO.
+
+    Args:
+      args: an argparse namespace; its `deepspeed_config` names the config file if `config` is not given.
+      model: the `nn.Module` to train (moved to the device; from now on the engine owns its parameters).
+      optimizer: None (the config's `optimizer` block), a `torch.optim.Adam` / `AdamW` / `SGD` (translated), or a
+        callable building one from `model_parameters`.
+      model_parameters: the parameters to train; they must be the model's `requires_grad` parameters (fzero
+        trains those; freeze the rest with `requires_grad_(False)`).
+      training_data: a torch `Dataset`: a `DataLoader` of micro-batches, each rank its share, is returned.
+      lr_scheduler: a client scheduler (an object with `step()`, or a callable building one from the optimizer);
+        the engine steps it after every applied update, and the learning rate is read from the optimizer's param
+        group at every update.
+      distributed_port, dist_init_required: accepted for compatibility (the mesh decides; see the module doc).
+      mpu, mesh_param: model parallelism, not supported (must be None).
+      collate_fn: the data loader's `collate_fn`.
+      config: the DeepSpeed config: a dict or the path of a JSON file.
+      config_params: DeepSpeed's older name for `config`.
+      mesh: fzero only: the mesh to train on (default: see the module docstring).
+      printer: fzero only: where the engine's console lines go (rank 0).
+
+    Returns:
+      `(engine, optimizer, dataloader, lr_scheduler)`: the `Engine`; the optimizer object (an `OptimizerView`, or
+      the client optimizer); the data loader or None; the scheduler (a `SchedulerView` for a config `scheduler`,
+      the client scheduler, or None).
+    """
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model parallelism (mpu / mesh_param) is not supported by fzero: pass None")
+    source = _config_source(args, config, config_params)
+    device = _device()
+    mesh = mesh if mesh is not None else default_mesh()
+    cfg = parse_config(source, world=mesh.world)
+    model.to(device)
+    spec, view = _optimizer(model, cfg, optimizer, model_parameters)
+    scheduler = None
+    if lr_scheduler is not None:
+        if cfg["scheduler"] is not None:
+            warnings.warn(
+                "a client lr_scheduler was passed to initialize: the config's scheduler block is ignored",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        scheduler = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(view)
+        group = view.param_groups[0]
+        hypers = dict(spec.hypers)
+        if "betas" in hypers:
+            hypers["betas"] = (live(group, "betas", 0), live(group, "betas", 1))
+        spec = replace(spec, lr=live(group, "lr"), hypers=hypers)
+    tx = build_transform(cfg, spec.build(offload=cfg.offload))
+    engine = Engine(
+        model, cfg, mesh, tx, view, lr=spec.lr, betas=spec.hypers.get("betas"), client_scheduler=scheduler,
+        device=device, printer=printer,
+    )  # fmt: skip
+    if scheduler is None and cfg["scheduler"] is not None:
+        scheduler = SchedulerView(engine, cfg["scheduler"]["type"])
+    return engine, view, _dataloader(training_data, cfg, mesh, collate_fn), scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's `--deepspeed` and `--deepspeed_config` arguments (and their old `deepscale` names)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="enable DeepSpeed (a flag for your code)"
+    )
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: Any = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """DeepSpeed's `init_distributed`: initialise the default process group from the torchrun environment, or as
+    a group of one (rank 0, `127.0.0.1:distributed_port`) in a plain process. No-op if already initialised."""
+    if dist.is_initialized():
+        return
+    if rank >= 0 and world_size > 0:
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+    if "RANK" not in os.environ:
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", str(distributed_port))):  # fmt: skip
+            os.environ.setdefault(key, value)
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(**kwargs)

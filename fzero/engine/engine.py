@@ -1,0 +1,453 @@
+"""`Engine`: DeepSpeed's `engine(batch)`, `engine.backward(loss)`, `engine.step()` over fzero's functional core.
+
+The engine holds a `TrainState` and rebinds it; every number comes from the core:
+
+    engine(*args)          functional_call(model, views of leaf, ...) where leaf = compute_params(state).detach(),
+                           requires grad (one leaf per micro-step, shared by every forward until step())
+    engine.backward(loss)  g += autograd.grad(loss * S, leaf)        S: the state's loss scale (1 unless fp16)
+    engine.step()          state, metrics = apply_gradients(state, g, loss, tx, mesh)   on every micro-step
+
+so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset.
+
+Gradient accumulation: DeepSpeed divides each micro-batch's gradients by `gradient_accumulation_steps` (GAS) in a
+hook and sums them; the chain's `accumulate(GAS)` sums and then divides: the same mean, so `backward` does not
+divide. `backward(loss, scale_wrt_gas=False)` in DeepSpeed skips the division, leaving the *sum* of the micro-batch
+gradients; here the micro-step's gradient is multiplied by GAS in the accumulation dtype instead (exact when GAS is
+a power of two), so the chain's mean is that sum. Two `backward` calls before a `step` add their gradients (the
+second needs the graph: `retain_graph=True` on the first, as in torch).
+
+Counters follow DeepSpeed 0.19: `micro_steps` counts `step()` calls; on the boundary (`(micro_steps + 1) % GAS ==
+0`) `global_steps` and `global_samples` advance even when a non-finite step is skipped (`skipped_steps`), while the
+optimizer's update count and hence the LR schedule advance only on applied updates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from ..config import Config
+from ..config.build import build_policy
+from ..layout import unflatten
+from ..mesh import Mesh, SimMesh
+from ..metrics import Monitor, transformer_flops
+from ..optim import AdamState, Hyper, SGDState, hyper_value
+from ..state import TrainState
+from ..step import apply_gradients, compute_params, init
+from ..step import state_dict as consolidated
+from ..transforms import Transform
+from .client import OptimizerView
+
+__all__ = ["Engine"]
+
+
+class Engine(nn.Module):
+    """The DeepSpeed-compatible training engine (built by `fzero.initialize`).
+
+    Attributes:
+      state: the current `TrainState` (rebound by every `step()`).
+      mesh, tx: the mesh and transform chain the state belongs to.
+      config: the validated `fzero.config.Config`.
+      optimizer: the `OptimizerView` (hyper-parameters of the next update).
+      global_steps, global_samples, micro_steps, skipped_steps: DeepSpeed's counters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        mesh: Mesh,
+        tx: Transform,
+        optimizer: OptimizerView,
+        *,
+        lr: Hyper,
+        betas: tuple[Hyper, Hyper] | None = None,
+        client_scheduler: Any = None,
+        device: torch.device | None = None,
+        printer: Any = print,
+    ) -> None:
+        super().__init__()
+        self._modules["module"] = model  # a submodule, as in DeepSpeed: train()/eval() and "module." keys
+        self.config = config
+        self.mesh = mesh
+        self.tx = tx
+        self.optimizer = optimizer
+        self.client_scheduler = client_scheduler
+        self._lr, self._betas = lr, betas
+        self._device = device or next(model.parameters()).device
+        self._policy = build_policy(config)
+        self._sim = isinstance(mesh, SimMesh)
+        if self._sim and mesh.world != 1:
+            raise ValueError(f"the engine runs one rank per process: SimMesh(world={mesh.world}) is not one")
+        self.state: TrainState = init(model, tx, mesh)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._leaf: Tensor | None = None
+        self._micro_buffers: dict[str, Tensor] | None = None
+        self._grad: Tensor | None = None
+        self._loss: Tensor | None = None
+        self._step_losses: list[Tensor] = []
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._t_step: float | None = None
+        self._applied_fallback = 0
+        self.last_record: dict[str, Any] | None = None
+        self._step_applied = False
+        self.monitor = self._make_monitor(printer)
+        self._sync_module()
+        self._sync_view()
+
+    # ------------------------------------------------------------------------------------------ DeepSpeed accessors
+    @property
+    def module(self) -> nn.Module:
+        """The user's model. Its parameters are views of the engine's current compute parameters (stages 0-2,
+        in the compute dtype); at stage 3 they are empty, as DeepSpeed leaves them (use `module_state_dict()`)."""
+        return self._modules["module"]  # type: ignore[return-value]
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world
+
+    dp_world_size = world_size
+
+    @property
+    def global_rank(self) -> int:
+        return 0 if self._sim else int(self.mesh.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gas
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    bf16_enabled = bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step()` updates the parameters: `(micro_steps + 1) % GAS == 0`."""
+        return (self.micro_steps + 1) % self.config.gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        raise NotImplementedError(
+            "set_gradient_accumulation_boundary: fzero's accumulation counts micro-steps in the transform chain "
+            "(accumulate(gradient_accumulation_steps)); call step() after every micro-batch"
+        )
+
+    def applied_updates(self) -> int:
+        """Updates the optimizer applied (skipped steps excluded): what the LR schedule is a function of."""
+        counts = [
+            int(x.count)
+            for x in optree.tree_leaves(
+                self.state.tx_state, is_leaf=lambda x: isinstance(x, (AdamState, SGDState)), none_is_leaf=False
+            )
+            if isinstance(x, (AdamState, SGDState))
+        ]
+        return counts[0] if counts else self._applied_fallback
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of the next update, per param group (DeepSpeed's `engine.get_lr()`)."""
+        return [float(hyper_value(self._lr, self.applied_updates()))]
+
+    def get_mom(self) -> list[Any]:
+        """Adam's betas (or SGD's momentum) of the next update, per param group."""
+        n = self.applied_updates()
+        if self._betas is not None:
+            return [tuple(float(hyper_value(b, n)) for b in self._betas)]
+        return [self.optimizer.param_groups[0].get("momentum")]
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` updated the parameters (a boundary step that was not skipped)."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (unscaled, before clipping) of the last boundary step; None before the first."""
+        return self._global_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1 unless fp16)."""
+        return 1.0 if self.state.loss_scale is None else self.state.loss_scale.loss_scale
+
+    # ------------------------------------------------------------------------------------- forward, backward, step
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward with the current compute parameters."""
+        t0 = time.perf_counter()
+        if self._t_step is None:
+            self._t_step = t0
+        if self._leaf is None:
+            self._begin_micro_step()
+        params = {**unflatten(self.state.layout, self._leaf), **self._frozen(), **self._micro_buffers}
+        if self.config["fp16"]["auto_cast"]:
+            args, kwargs = self._policy.cast_to_compute((args, kwargs))
+        out = torch.func.functional_call(self._modules["module"], params, args, kwargs)
+        self._times["forward"] += time.perf_counter() - t0
+        return out
+
+    def _begin_micro_step(self) -> None:
+        compute = compute_params(self.state, self.mesh)
+        self._leaf = self._local(compute).detach().requires_grad_()
+        # the forward may update buffers in place (BatchNorm): the state's own stay untouched until step()
+        self._micro_buffers = {k: self._local(v).clone() for k, v in self.state.buffers.items()}
+
+    def _local(self, x: Tensor) -> Tensor:
+        """This rank's value of a per-rank tensor (the single row of a one-rank SimMesh)."""
+        return x[0] if self._sim else x
+
+    def _per_rank(self, x: Tensor) -> Tensor:
+        return x.unsqueeze(0) if self._sim else x
+
+    def _frozen(self) -> dict[str, Tensor]:
+        return {k: self._local(v) for k, v in self.state.frozen.items()}
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """`loss` times the current loss scale, for a manual `scale(loss).backward()` (fp16); `step()` then uses
+        the gradients the backward left."""
+        s = self.loss_scale
+        return loss.float() * s if s != 1.0 else loss
+
+    def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
+        """Gradients of `loss` (times the loss scale) for this micro-step, added to any from an earlier `backward`
+        since the last `step()`.
+
+        Args:
+          loss: the scalar loss computed from `engine(...)`'s outputs.
+          retain_graph: keep the graph for another backward through it.
+          scale_wrt_gas: DeepSpeed's: average the micro-batches' gradients (True) or sum them (False).
+
+        Returns:
+          The loss divided by the accumulation steps (or the loss, with `scale_wrt_gas=False`), for logging.
+        """
+        t0 = time.perf_counter()
+        if not isinstance(loss, Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {shape}")
+        if self._leaf is None:
+            raise RuntimeError("engine.backward(loss): no engine(...) forward since the last engine.step()")
+        if not loss.requires_grad:
+            raise RuntimeError(
+                "engine.backward(loss): the loss does not depend on the engine's parameters "
+                "(computed under torch.no_grad(), or not from engine(...)'s outputs?)"
+            )
+        (grad,) = torch.autograd.grad(self.scale(loss), self._leaf, retain_graph=retain_graph, allow_unused=True)
+        if grad is None:
+            grad = torch.zeros_like(self._leaf)
+        gas = self.config.gas
+        if not scale_wrt_gas and gas > 1:
+            grad = grad.to(self._policy.accum_dtype or grad.dtype) * gas
+        self._grad = grad if self._grad is None else self._grad + grad
+        self._loss = loss.detach()
+        self._times["backward"] += time.perf_counter() - t0
+        out = loss.detach()
+        return out / gas if scale_wrt_gas else out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of the current micro-step (DeepSpeed's `engine.zero_grad()`)."""
+        self._grad = None
+        if self._leaf is not None:
+            self._leaf.grad = None
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """End the micro-step: the chain accumulates its gradients and, on the boundary, updates the parameters."""
+        t0 = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        grads = self._take_grads()
+        loss = self._loss if self._loss is not None else torch.tensor(math.nan)
+        buffers = {k: self._per_rank(v) for k, v in self._micro_buffers.items()}
+        state = self.state.replace(buffers=buffers)
+        self._leaf = self._micro_buffers = self._grad = self._loss = None
+        new, metrics = apply_gradients(state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh)
+        self.state = new
+        self._step_losses.append(metrics["loss"])
+        applied, skipped = bool(metrics["applied"]), bool(metrics["skipped"])
+        self._step_applied = applied
+        if boundary != (applied or skipped):
+            raise RuntimeError(
+                f"the transform chain and the engine disagree on the accumulation boundary at micro-step "
+                f"{self.micro_steps}: was the state changed outside the engine?"
+            )
+        self._times["step"] += time.perf_counter() - t0
+        if boundary:
+            self._end_global_step(metrics, applied, skipped, lr_kwargs)
+        self._sync_module()
+        self.micro_steps += 1
+
+    def _take_grads(self) -> Tensor:
+        grads = self._grad
+        direct = self._leaf.grad if self._leaf is not None else None
+        if direct is not None:  # a manual loss.backward() (or engine.scale(loss).backward())
+            grads = direct if grads is None else grads + direct
+        if grads is None:
+            raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
+        return grads
+
+    def _end_global_step(self, metrics: dict[str, Any], applied: bool, skipped: bool, lr_kwargs: Any) -> None:
+        lr_used = float(hyper_value(self._lr, self.applied_updates() - applied))
+        self._global_grad_norm = metrics.get("grad_norm")
+        self.optimizer.overflow = skipped
+        if skipped:
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                self.monitor.printer(self._overflow_message(float(metrics["loss_scale"])))
+        else:
+            self._applied_fallback += 1
+            if self.client_scheduler is not None:
+                self._step_scheduler(lr_kwargs)
+            elif lr_kwargs:
+                raise ValueError(
+                    "engine.step(lr_kwargs=...): the configured schedule is a function of the applied updates and "
+                    "takes no arguments (lr_kwargs go to a client lr_scheduler)"
+                )
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        self._sync_view()
+        self._report(lr_used, metrics)
+
+    def _overflow_message(self, attempted: float) -> str:
+        """DeepSpeed's overflow line, so that logs read the same."""
+        head = f"fzero: OVERFLOW! Skipping step {self.global_steps + 1} (inf/nan gradients)."
+        ls = self.state.loss_scale
+        if self.loss_scale != attempted:
+            return f"{head} Attempted loss scale: {attempted:g}, reducing to {self.loss_scale:g}"
+        if hasattr(ls, "cur_hysteresis"):
+            h = int(ls.cur_hysteresis)
+            return f"{head} Attempted loss scale: {attempted:g}, but hysteresis is {h + 1}. Reducing hysteresis to {h}"
+        return head
+
+    def _step_scheduler(self, lr_kwargs: dict[str, Any] | None) -> None:
+        # torch's schedulers warn unless the optimizer stepped first: the engine's update was that step
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        try:
+            self.client_scheduler.step(**(lr_kwargs or {}))
+        except TypeError:
+            if lr_kwargs:
+                raise
+            self.client_scheduler.step(self.config.train_batch_size)  # DeepSpeed's fallback
+
+    # --------------------------------------------------------------------------------------------------- reporting
+    def _make_monitor(self, printer: Any) -> Monitor:
+        m = self.config["fzero_metrics"]
+        flops = None
+        if m["seq_length"] and m["num_layers"] and m["hidden_size"]:
+            flops = transformer_flops(
+                self.state.layout.real_numel, m["num_layers"], m["hidden_size"], m["seq_length"], 1,
+                m["activation_checkpointing"],
+            )  # fmt: skip
+        return Monitor(
+            self.config.train_batch_size,
+            self.mesh.world,
+            steps_per_print=self.config.steps_per_print,
+            jsonl=m["jsonl"],
+            warmup_steps=m["warmup_steps"],
+            seq_length=m["seq_length"],
+            flops_per_sample=flops,
+            enabled=self.global_rank == 0,
+            printer=printer,
+        )
+
+    def _report(self, lr: float, metrics: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        step_time = now - (self._t_step or now)
+        self._t_step = now
+        losses = self._step_losses
+        self._step_losses = []
+        values: dict[str, Any] = {
+            "loss": float(sum(float(x) for x in losses) / len(losses)),
+            "lr": lr,
+            "loss_scale": float(metrics["loss_scale"]),
+            "skipped": bool(metrics["skipped"]),
+            "grad_norm": metrics.get("grad_norm"),
+        }
+        if self.config.wall_clock_breakdown:
+            values.update({f"{k}_ms": v * 1e3 for k, v in self._times.items()})
+        self._times = dict.fromkeys(self._times, 0.0)
+        self.last_record = self.monitor.record(self.global_steps, step_time, **values)
+
+    # ------------------------------------------------------------------------------------------- the user's model
+    def _sync_module(self) -> None:
+        """Point the module's parameters at the state's compute parameters (stages 0-2; no copy), empty them at
+        stage 3 (they are sharded), and its buffers at the state's."""
+        compute = self.state.compute
+        full = compute is not None and compute.shape[-1] == self.state.layout.numel
+        views = unflatten(self.state.layout, self._local(compute)) if full else {}
+        named = dict(self._modules["module"].named_parameters())
+        with torch.no_grad():
+            for leaf in self.state.layout.leaves:
+                p = named[leaf.name]
+                p.data = views[leaf.name] if full else torch.empty(0, dtype=p.dtype, device=p.device)
+            for name, value in self.state.frozen.items():
+                if name in named:
+                    named[name].data = self._local(value)
+            module_buffers = dict(self._modules["module"].named_buffers())
+            for name, value in self.state.buffers.items():
+                if name in module_buffers:
+                    module_buffers[name].data = self._local(value)
+
+    def _sync_view(self) -> None:
+        """Show the next update's hyper-parameters in the optimizer view (unless a client scheduler drives them)."""
+        self.optimizer.cur_scale = self.loss_scale
+        if self.client_scheduler is not None:
+            return
+        n = self.applied_updates()
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(hyper_value(self._lr, n))
+            if self._betas is not None:
+                group["betas"] = tuple(float(hyper_value(b, n)) for b in self._betas)
+
+    def module_state_dict(self) -> dict[str, Tensor]:
+        """The consolidated parameters (fp32 master), frozen parameters and buffers: what the model's
+        `load_state_dict` accepts. At stage 3 on several processes this all-gathers: call it on every rank."""
+        return consolidated(self.state, None if self._sim else self.mesh)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's totals so far (see `fzero.metrics.Monitor.summary`)."""
+        return self.monitor.summary()
+
+    def close(self) -> None:
+        """Close the metrics file."""
+        self.monitor.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"fzero.Engine(ZeRO-{c.stage}, {c.precision}, {self.mesh!r}, micro batch {c.micro_batch}, "
+            f"accumulate {c.gas}, {self.state.layout.real_numel:,} parameters)"
+        )
