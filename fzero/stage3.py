@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from .layout import ROOT_UNIT, Layout
 from .mesh import Mesh, SimMesh, Work, done
 
-__all__ = ["GatherPolicy", "sharded_backward"]
+__all__ = ["GatherPolicy", "UnitGathering", "sharded_backward"]
 
 
 @dataclass(frozen=True)
@@ -250,18 +250,18 @@ class _Gatherer:
         return optree.tree_unflatten(spec, leaves)
 
     def before_backward(self, i: int) -> None:
+        self.materialize(i)  # also after the unit's gradient was reduced: a second backward through the graph
         if not self.done[i]:
-            self.materialize(i)
             self._prefetch(i, -1)
 
     def unit_backward(self, i: int, grad: Tensor) -> None:
         """The unit's gradient is complete: reduce it (on a real mesh, now) and free the unit."""
         self.done[i] = True
         grad = grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)
-        if self.sim is None:
-            self.grad_shard[self.layout.unit_shard_slice(i)] = self.mesh.reduce_scatter(grad, "mean")
+        if self.sim is None:  # added: a second backward (retain_graph) accumulates, as autograd would
+            self.grad_shard[self.layout.unit_shard_slice(i)] += self.mesh.reduce_scatter(grad, "mean")
         else:
-            self.unit_grads[i] = grad
+            self.unit_grads[i] = grad if i not in self.unit_grads else self.unit_grads[i] + grad
         self.release(i)
 
     def finish(self) -> None:
@@ -280,6 +280,59 @@ class _Gatherer:
         # collector cannot see, so drop the views explicitly or every step would leak its gradient shard
         self.views = [None] * len(self.views)
         self.store = [None] * len(self.store)
+
+
+class UnitGathering:
+    """One rank's unit-at-a-time gathering across an imperative forward and backward (for the engine).
+
+    Create it before the forward, run the forward with `params()` (the units kept gathered; the others are swapped
+    into their modules by hooks), run `torch.autograd.grad(loss, [gathering.shard])` one or more times, then
+    `finish()` returns this rank's reduced gradient shard and removes the hooks. Real meshes only: on a `SimMesh`
+    the ranks run one after another (see `sharded_backward`).
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        layout: Layout,
+        model: nn.Module,
+        compute: Tensor,
+        policy: GatherPolicy,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        if isinstance(mesh, SimMesh):
+            raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
+        self.shard = compute.detach().requires_grad_()
+        self._g = _Gatherer(mesh, layout, model, self.shard, policy, reduce_dtype, None)
+        self._handles = []
+        for i, module in self._g.modules.items():
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, i=i, g=self._g: g.pre_forward(i)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, i=i, g=self._g: g.post_forward(i, o)))
+        self._params = self._g.params()
+
+    def params(self) -> dict[str, Tensor]:
+        return self._params
+
+    @property
+    def peak(self) -> int:
+        """The most gathered elements alive at once so far."""
+        return self._g.peak
+
+    def finish(self) -> Tensor:
+        """Reduce what no gradient reached, free everything, remove the hooks; this rank's gradient shard."""
+        try:
+            self._g.finish()
+            grads, self._g.grad_shard = self._g.grad_shard, None
+            return grads
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._g.close()
+        self._params = {}
 
 
 def sharded_backward(
@@ -305,19 +358,26 @@ def sharded_backward(
       This rank's reduced gradient shards (`[world, shard_numel]` on a SimMesh), each rank's `out`, and the peak
       number of gathered elements alive at once on a rank.
     """
-    simulated = isinstance(mesh, SimMesh)
-    ranks = range(mesh.world) if simulated else [None]
+    if not isinstance(mesh, SimMesh):
+        gathering = UnitGathering(mesh, layout, model, compute, policy, reduce_dtype)
+        try:
+            with torch.enable_grad():
+                scaled, out = run(gathering.params(), 0)
+                torch.autograd.grad(scaled, [gathering.shard], allow_unused=True)
+            return gathering.finish(), [out], gathering.peak
+        finally:
+            gathering.close()
     outs, gatherers, peak = [], [], 0
-    for rank in ranks:
-        shard = (compute[rank] if simulated else compute).detach().requires_grad_()
-        g = _Gatherer(mesh, layout, model, shard, policy, reduce_dtype, (compute, rank) if simulated else None)
+    for rank in range(mesh.world):
+        shard = compute[rank].detach().requires_grad_()
+        g = _Gatherer(mesh, layout, model, shard, policy, reduce_dtype, (compute, rank))
         handles = []
         for i, module in g.modules.items():
             handles.append(module.register_forward_pre_hook(lambda m, a, i=i, g=g: g.pre_forward(i)))
             handles.append(module.register_forward_hook(lambda m, a, o, i=i, g=g: g.post_forward(i, o)))
         try:
             with torch.enable_grad():
-                scaled, out = run(g.params(), 0 if rank is None else rank)
+                scaled, out = run(g.params(), rank)
                 torch.autograd.grad(scaled, [shard], allow_unused=True)
             g.finish()
         finally:
@@ -327,9 +387,6 @@ def sharded_backward(
         outs.append(out)
         gatherers.append(g)
         peak = max(peak, g.peak)
-    if not simulated:
-        grads, gatherers[0].grad_shard = gatherers[0].grad_shard, None
-        return grads, outs, peak
     pieces = []
     for i in range(len(layout.units)):
         per_rank = torch.stack([g.unit_grads[i] for g in gatherers])

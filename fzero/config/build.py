@@ -28,6 +28,7 @@ from .. import optim
 from ..loss_scale import DynamicLossScale
 from ..optim import Hyper, Optimizer
 from ..precision import Policy, get_policy
+from ..stage3 import GatherPolicy
 from ..transforms import (
     Transform,
     accumulate,
@@ -144,6 +145,18 @@ def build_policy(cfg: Config) -> Policy:
     if accum is not None:
         policy = replace(policy, accum_dtype=_DTYPES[accum])
     return policy
+
+
+def build_gather_policy(cfg: Config) -> GatherPolicy:
+    """Stage 3's unit gathering from DeepSpeed's knobs: a prefetch bucket of 0 disables prefetching (otherwise one
+    unit ahead), `stage3_max_live_parameters` bounds the gathered elements, `stage3_param_persistence_threshold`
+    keeps small units gathered for the whole step."""
+    zero = cfg["zero_optimization"]
+    return GatherPolicy(
+        prefetch=1 if zero["stage3_prefetch_bucket_size"] > 0 else 0,
+        max_live_elements=max(1, int(zero["stage3_max_live_parameters"])),
+        persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
+    )
 
 
 def build_loss_scale(cfg: Config) -> Any:

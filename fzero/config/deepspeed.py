@@ -36,7 +36,7 @@ __all__ = ["SCHEMA"]
 
 MOOT = "no effect: fzero reduces and gathers each flat buffer in one collective"
 NVME = "no effect (NVMe only)"
-GATHER = "no effect: the engine gathers stage 3's parameters at each micro-step's start (see docs/engine.md)"
+GATHER = "stage 3 gathers one unit at a time: 0 disables prefetching (else one unit ahead); see fzero.GatherPolicy"
 INT_MAX = 2**63 - 1
 DTYPES = ("fp32", "fp16", "bf16")
 _DTYPE_NAMES = ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16")
@@ -162,9 +162,9 @@ ZERO = Section(
         "offload_param": Field(_OFFLOAD_PARAM),
         "sub_group_size": Field(Int(1), 1_000_000_000, effect=MOOT),
         "stage3_prefetch_bucket_size": Field(Int(0), 50_000_000, effect=GATHER),
-        "stage3_param_persistence_threshold": Field(Int(0), 100_000, effect=GATHER),
+        "stage3_param_persistence_threshold": Field(Int(0), 100_000, effect="units this small stay gathered"),
         "stage3_model_persistence_threshold": Field(Int(0), INT_MAX, effect=MOOT),
-        "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect=GATHER),
+        "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect="bounds the gathered elements alive"),
         "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=MOOT),
         "stage3_gather_16bit_weights_on_model_save": Field(Bool(), False, effect="no effect"),
         "stage3_module_granularity_threshold": Field(Int(0), 0, effect=MOOT),

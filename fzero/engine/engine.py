@@ -33,11 +33,12 @@ import torch
 from torch import Tensor, nn
 
 from ..config import Config
-from ..config.build import build_policy
+from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
 from ..mesh import Mesh, SimMesh
 from ..metrics import Monitor, transformer_flops
 from ..optim import AdamState, Hyper, SGDState, hyper_value
+from ..stage3 import UnitGathering
 from ..state import TrainState
 from ..step import apply_gradients, compute_params, init
 from ..step import state_dict as consolidated
@@ -82,6 +83,7 @@ class Engine(nn.Module):
         self._lr, self._betas = lr, betas
         self._device = device or next(model.parameters()).device
         self._policy = build_policy(config)
+        self._gather_policy = build_gather_policy(config)
         self._sim = isinstance(mesh, SimMesh)
         if self._sim and mesh.world != 1:
             raise ValueError(f"the engine runs one rank per process: SimMesh(world={mesh.world}) is not one")
@@ -92,6 +94,9 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self._leaf: Tensor | None = None
+        self._params: dict[str, Tensor] = {}
+        self._gathering: UnitGathering | None = None
+        self._gas_factor = 1.0
         self._micro_buffers: dict[str, Tensor] | None = None
         self._grad: Tensor | None = None
         self._loss: Tensor | None = None
@@ -215,7 +220,7 @@ class Engine(nn.Module):
             self._t_step = t0
         if self._leaf is None:
             self._begin_micro_step()
-        params = {**unflatten(self.state.layout, self._leaf), **self._frozen(), **self._micro_buffers}
+        params = {**self._params, **self._frozen(), **self._micro_buffers}
         if self.config["fp16"]["auto_cast"]:
             args, kwargs = self._policy.cast_to_compute((args, kwargs))
         out = torch.func.functional_call(self._modules["module"], params, args, kwargs)
@@ -223,8 +228,17 @@ class Engine(nn.Module):
         return out
 
     def _begin_micro_step(self) -> None:
-        compute = compute_params(self.state, self.mesh)
-        self._leaf = self._local(compute).detach().requires_grad_()
+        state = self.state
+        if not self._sim and state.compute is not None and state.compute.shape[-1] != state.layout.numel:
+            # stage 3: gather one unit at a time inside the forward and the backward (fzero.stage3)
+            self._gathering = UnitGathering(
+                self.mesh, state.layout, self._modules["module"], state.compute, self._gather_policy, state.reduce_dtype
+            )
+            self._leaf, self._params = self._gathering.shard, self._gathering.params()
+        else:
+            compute = compute_params(state, self.mesh)
+            self._leaf = self._local(compute).detach().requires_grad_()
+            self._params = unflatten(state.layout, self._leaf)
         # the forward may update buffers in place (BatchNorm): the state's own stay untouched until step()
         self._micro_buffers = {k: self._local(v).clone() for k, v in self.state.buffers.items()}
 
@@ -268,12 +282,15 @@ class Engine(nn.Module):
                 "(computed under torch.no_grad(), or not from engine(...)'s outputs?)"
             )
         (grad,) = torch.autograd.grad(self.scale(loss), self._leaf, retain_graph=retain_graph, allow_unused=True)
-        if grad is None:
-            grad = torch.zeros_like(self._leaf)
         gas = self.config.gas
-        if not scale_wrt_gas and gas > 1:
-            grad = grad.to(self._policy.accum_dtype or grad.dtype) * gas
-        self._grad = grad if self._grad is None else self._grad + grad
+        if self._gathering is not None:  # the units' gradients were reduced into the gathering during the backward
+            self._gas_factor = gas if not scale_wrt_gas and gas > 1 else 1.0
+        else:
+            if grad is None:
+                grad = torch.zeros_like(self._leaf)
+            if not scale_wrt_gas and gas > 1:
+                grad = grad.to(self._policy.accum_dtype or grad.dtype) * gas
+            self._grad = grad if self._grad is None else self._grad + grad
         self._loss = loss.detach()
         self._times["backward"] += time.perf_counter() - t0
         out = loss.detach()
@@ -281,6 +298,9 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the current micro-step (DeepSpeed's `engine.zero_grad()`)."""
+        if self._gathering is not None:
+            self._gathering.close()
+            self._gathering = self._leaf = None
         self._grad = None
         if self._leaf is not None:
             self._leaf.grad = None
@@ -289,12 +309,16 @@ class Engine(nn.Module):
         """End the micro-step: the chain accumulates its gradients and, on the boundary, updates the parameters."""
         t0 = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
+        reduced = self._gathering is not None
         grads = self._take_grads()
         loss = self._loss if self._loss is not None else torch.tensor(math.nan)
         buffers = {k: self._per_rank(v) for k, v in self._micro_buffers.items()}
         state = self.state.replace(buffers=buffers)
-        self._leaf = self._micro_buffers = self._grad = self._loss = None
-        new, metrics = apply_gradients(state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh)
+        self._leaf = self._micro_buffers = self._grad = self._loss = self._gathering = None
+        self._params = {}
+        new, metrics = apply_gradients(
+            state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh, reduced=reduced
+        )
         self.state = new
         self._step_losses.append(metrics["loss"])
         applied, skipped = bool(metrics["applied"]), bool(metrics["skipped"])
@@ -311,6 +335,9 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _take_grads(self) -> Tensor:
+        if self._gathering is not None:
+            grads = self._gathering.finish()
+            return grads * self._gas_factor if self._gas_factor != 1.0 else grads
         grads = self._grad
         direct = self._leaf.grad if self._leaf is not None else None
         if direct is not None:  # a manual loss.backward() (or engine.scale(loss).backward())
