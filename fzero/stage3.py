@@ -27,6 +27,7 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,11 +52,14 @@ class GatherPolicy:
         [`stage3_max_live_parameters`]. None: no bound beyond `prefetch`.
       persistence_threshold: units with at most this many elements stay gathered for the whole step
         [`stage3_param_persistence_threshold`].
+      timings: report each gathered-on-demand unit's forward and backward wall time (seconds, rank 0's on a
+        SimMesh) in the step's metrics as `unit_times`: `{unit name: (forward, backward)}`.
     """
 
     prefetch: int = 1
     max_live_elements: int | None = None
     persistence_threshold: int = 0
+    timings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "persistence_threshold"):
@@ -141,6 +145,8 @@ class _Gatherer:
         grad_dtype = reduce_dtype or shard.dtype
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=shard.device)
         self.unit_grads: dict[int, Tensor] = {}
+        self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
+        self.times = {layout.units[i].name: [0.0, 0.0] for i in self.modules} if policy.timings else None
 
     # -- buffers -------------------------------------------------------------------------------------------------
     def _node(self, i: int) -> dict[str, Tensor]:
@@ -220,7 +226,18 @@ class _Gatherer:
             self._start(nxt)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
+    def _tick(self, i: int, phase: int | None) -> None:
+        """Start (`phase=None`) or stop (0: forward, 1: backward) unit `i`'s clock."""
+        if self.times is None:
+            return
+        now = time.perf_counter()
+        if phase is None:
+            self.clock[i] = now
+        elif i in self.clock:
+            self.times[self.layout.units[i].name][phase] += now - self.clock.pop(i)
+
     def pre_forward(self, i: int) -> None:
+        self._tick(i, None)
         views = self._node(i)
         self.materialize(i)
         self._prefetch(i, 1)
@@ -239,6 +256,7 @@ class _Gatherer:
 
     def post_forward(self, i: int, output: Any) -> Any:
         self.restore(i)
+        self._tick(i, 0)
         leaves, spec = optree.tree_flatten(output)
         grads = [k for k, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad]
         if not grads:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
@@ -250,12 +268,14 @@ class _Gatherer:
         return optree.tree_unflatten(spec, leaves)
 
     def before_backward(self, i: int) -> None:
+        self._tick(i, None)
         self.materialize(i)  # also after the unit's gradient was reduced: a second backward through the graph
         if not self.done[i]:
             self._prefetch(i, -1)
 
     def unit_backward(self, i: int, grad: Tensor) -> None:
         """The unit's gradient is complete: reduce it (on a real mesh, now) and free the unit."""
+        self._tick(i, 1)
         self.done[i] = True
         grad = grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)
         if self.sim is None:  # added: a second backward (retain_graph) accumulates, as autograd would
@@ -318,6 +338,11 @@ class UnitGathering:
         """The most gathered elements alive at once so far."""
         return self._g.peak
 
+    @property
+    def times(self) -> dict[str, list[float]] | None:
+        """Per-unit forward and backward seconds, with `GatherPolicy(timings=True)`."""
+        return self._g.times
+
     def finish(self) -> Tensor:
         """Reduce what no gradient reached, free everything, remove the hooks; this rank's gradient shard."""
         try:
@@ -343,7 +368,7 @@ def sharded_backward(
     policy: GatherPolicy,
     reduce_dtype: torch.dtype | None,
     run: Callable[[dict[str, Tensor], int], tuple[Tensor, Any]],
-) -> tuple[Tensor, list[Any], int]:
+) -> tuple[Tensor, list[Any], dict[str, Any]]:
     """Forward and backward of every rank with unit-at-a-time gathering.
 
     Args:
@@ -355,8 +380,9 @@ def sharded_backward(
         is returned as is.
 
     Returns:
-      This rank's reduced gradient shards (`[world, shard_numel]` on a SimMesh), each rank's `out`, and the peak
-      number of gathered elements alive at once on a rank.
+      This rank's reduced gradient shards (`[world, shard_numel]` on a SimMesh), each rank's `out`, and metrics:
+      `gathered_peak` (the most gathered elements alive at once on a rank) and, with `policy.timings`,
+      `unit_times`.
     """
     if not isinstance(mesh, SimMesh):
         gathering = UnitGathering(mesh, layout, model, compute, policy, reduce_dtype)
@@ -364,7 +390,10 @@ def sharded_backward(
             with torch.enable_grad():
                 scaled, out = run(gathering.params(), 0)
                 torch.autograd.grad(scaled, [gathering.shard], allow_unused=True)
-            return gathering.finish(), [out], gathering.peak
+            info = {"gathered_peak": gathering.peak}
+            if gathering.times is not None:
+                info["unit_times"] = {k: tuple(v) for k, v in gathering.times.items()}
+            return gathering.finish(), [out], info
         finally:
             gathering.close()
     outs, gatherers, peak = [], [], 0
@@ -391,4 +420,7 @@ def sharded_backward(
     for i in range(len(layout.units)):
         per_rank = torch.stack([g.unit_grads[i] for g in gatherers])
         pieces.append(mesh.reduce_scatter(per_rank, "mean"))
-    return torch.cat(pieces, dim=-1), outs, peak
+    info = {"gathered_peak": peak}
+    if gatherers[0].times is not None:
+        info["unit_times"] = {k: tuple(v) for k, v in gatherers[0].times.items()}
+    return torch.cat(pieces, dim=-1), outs, info

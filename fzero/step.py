@@ -39,9 +39,9 @@ from torch import Tensor, nn
 from .construct import sharded_parameters
 from .layout import flatten, from_module, unflatten, unshard
 from .mesh import Mesh, SimMesh
+from .stage3 import GatherPolicy, sharded_backward
 from .state import TrainState, count
 from .transforms import Context, Flow, Transform, gather_params
-from .stage3 import GatherPolicy, sharded_backward
 
 __all__ = ["StepFn", "apply_gradients", "compute_params", "init", "state_dict", "train_step"]
 
@@ -232,14 +232,14 @@ def train_step(
         with mesh.record() as ledger:
             sharded = state.compute is not None and state.compute.shape[-1] != layout.numel
             if sharded and autodiff == "autograd":
-                grads, outs, peak = _per_unit(state, batch)
+                grads, outs, info = _per_unit(state, batch)
                 loss = torch.stack([o[0] for o in outs]) if isinstance(mesh, SimMesh) else outs[0][0]
                 aux = _stack(mesh, [o[1] for o in outs])
                 buffers = _stack(mesh, [o[2] for o in outs])
                 new, metrics = apply_gradients(
                     state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=True
                 )
-                metrics["gathered_peak"] = peak
+                metrics.update(info)
             else:
                 compute = compute_params(state, mesh)
                 grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)

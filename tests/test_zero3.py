@@ -139,3 +139,16 @@ def test_memory_on_two_gloo_processes(tmp_path):
         assert z2["step_peak"] > z3["step_peak"] + 2 * psi  # stage 2 keeps >= full params + full grads extra
         assert z3["init_peak"] <= init_bound
         assert z3["loss"] == z2["loss"]  # same training either way
+
+
+def test_unit_timings_on_request():
+    model = GPT(CFG)
+    mesh = fzero.SimMesh(2)
+    tx = fzero.zero3(fzero.adamw(1e-2))
+    state = fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh, gather=fzero.GatherPolicy(timings=True))
+    _, metrics = step(state, lm_batches(model, 2, 1, 2, 1, 0)[0])
+    assert set(metrics["unit_times"]) == {"blocks.0", "blocks.1", "blocks.2"}
+    assert all(f > 0 and b > 0 for f, b in metrics["unit_times"].values())
+    _, metrics = fzero.train_step(model, lm_loss(model), tx, mesh)(state, lm_batches(model, 2, 1, 2, 1, 0)[0])
+    assert "unit_times" not in metrics
