@@ -1,0 +1,90 @@
+"""Sharded checkpoints: safe (safetensors and JSON, never pickle), atomic, checksummed, resumable at any world size
+and stage, and consolidated without a conversion step.
+
+    path = fzero.save(state, "ckpts", data_position=i)              # ckpts/step{N}/, then ckpts/latest -> step{N}
+    state, extra = fzero.load("ckpts", like=fzero.init(model, tx, mesh))   # any world size, any stage
+    model.load_state_dict(fzero.consolidate("ckpts"))               # a plain state_dict
+
+A checkpoint directory holds one safetensors file per rank (``rank-00000-of-00004.safetensors``: the rank's
+shards, and the process's random generator states) and ``manifest.json`` (format version, layout, world size,
+step, precision, how each leaf is stored, every file's size and sha256, the data position, user state and
+config), written last. See ``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+from .atomic import read_latest, resolve
+from .consolidate import consolidate, write_consolidated
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from .load import load
+from .manifest import FORMAT, VERSION, Manifest, read_manifest
+from .reader import Checkpoint
+from .reshard import build_leaves
+from .save import save
+from .sources import MemorySource, decide_storage, named
+from .tree import PARAM_SPACE, flatten_state
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "Manifest",
+    "consolidate",
+    "load",
+    "named_leaves",
+    "read_latest",
+    "read_manifest",
+    "reshard",
+    "resolve",
+    "save",
+    "write_consolidated",
+]
+
+
+def _memory(state: Any) -> MemorySource:
+    flat = flatten_state(state)
+    if not flat.simulated and flat.world > 1:
+        raise ValueError("this needs every rank's values: a SimMesh state, or world 1 (save and load a DistMesh one)")
+    return MemorySource(flat, decide_storage(flat))
+
+
+def reshard(state: Any, like: Any, *, strict: bool = True) -> Any:
+    """`state` (a `SimMesh` state, or world 1) moved into `like`'s structure, world size and stage, in memory:
+    what `load(save(state), like)` gives, without the files."""
+    flat = flatten_state(like)
+    ranks = list(range(flat.world)) if flat.simulated else [0]
+    if not flat.simulated and flat.world > 1:
+        raise ValueError("reshard targets a SimMesh state or world 1; use save and load for a DistMesh")
+    return optree.tree_unflatten(flat.treespec, build_leaves(_memory(state), flat, ranks, strict=strict))
+
+
+def named_leaves(state: Any) -> dict[str, Any]:
+    """Every leaf of a state (a `SimMesh` state, or world 1) in a form independent of world size and stage:
+    param-space leaves as `{parameter name: tensor}`, the others as rank 0's value, and leaves whose ranks hold
+    different values (local accumulators mid-step, per-rank buffers) as the list of the ranks' values. Two states
+    hold the same training state, whatever their meshes and stages, exactly when these are equal."""
+    source = _memory(state)
+    out: dict[str, Any] = {}
+    for key, e in source.entries.items():
+        if e.storage == "per_rank":
+            out[key] = [source.read(key, r).clone() for r in range(source.layout.world)]
+        elif e.kind in PARAM_SPACE:
+            out[key] = dict(named(source, key))
+        else:
+            out[key] = source.read(key, 0).clone()
+    return out

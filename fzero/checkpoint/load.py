@@ -1,0 +1,101 @@
+"""`load(directory, like)`: a checkpoint into the structure of `like`, at `like`'s world size and stage.
+
+Everything is checked before anything is applied: the manifest (format version), every file's size and sha256,
+the files' headers, that the checkpoint is of `like`'s model and structure. A failure raises an error naming the
+file or leaf at fault, and changes nothing (the state is built anew; the generators are restored last).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+from . import rng
+from .coord import Coordinator
+from .reader import Checkpoint
+from .reshard import build_leaves, check_compatible
+from .tree import flatten_state
+
+__all__ = ["load"]
+
+
+def load(
+    directory: str | os.PathLike[str],
+    like: Any,
+    mesh: Any = None,
+    *,
+    tag: str | None = None,
+    restore_rng: bool = False,
+    strict: bool = True,
+    select: Callable[[str], bool] | None = None,
+    verify: bool = True,
+) -> tuple[Any, dict[str, Any]]:
+    """Load a checkpoint into the structure, forms and world size of `like`.
+
+    The checkpoint may come from any world size and any stage: each leaf is resharded to `like`'s layout (see
+    `fzero.checkpoint.reshard`). Loading into the same world size and stage gives back the saved tensors bitwise.
+
+    Args:
+      directory: a root of tagged checkpoints (its ``latest`` is loaded unless `tag` says otherwise) or a
+        checkpoint directory itself.
+      like: a `TrainState` of the target run, e.g. `fzero.init(model, tx, mesh)`: it gives the structure, the
+        static configuration and the layout; the values come from the files.
+      mesh: the target's `DistMesh` (every rank calls `load`); not needed on a `SimMesh`.
+      tag: which checkpoint of the root.
+      restore_rng: set this process's random generators (torch, CUDA, Python, NumPy) to the saved ones: on a
+        `DistMesh`, rank `r` gets those of saved process `r % processes`.
+      strict: the checkpoint and `like` must have the same leaves; with False, leaves missing from the checkpoint
+        keep `like`'s values and extra ones are ignored.
+      select: load only the leaves whose key it accepts (e.g. `lambda k: not k.startswith("tx_state")` to load the
+        model but keep `like`'s fresh optimizer state); the others keep `like`'s values.
+      verify: check every shard file's sha256 first (reads every byte once more; leave on).
+
+    Returns:
+      `(state, extra)`: the new state, and a dict with ``step``, ``data_position``, ``user_state``, ``config``,
+      ``tag``, ``path``, ``world`` (the saved world size), ``rng`` (the generator states this process would
+      restore) and ``manifest``.
+
+    Raises:
+      CheckpointNotFoundError, CorruptCheckpointError, CheckpointVersionError, IncompatibleCheckpointError.
+    """
+    flat = flatten_state(like)
+    coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
+    ckpt = None
+    error: BaseException | None = None
+    try:
+        ckpt = Checkpoint(directory, tag, verify=False)
+        check_compatible(ckpt, flat, strict=strict, select=select)  # cheap, from the manifest: before reading
+        if verify:  # each rank checks a share of the files; they all learn the verdict
+            share = [i for i in range(ckpt.manifest.world) if not coord.distributed or i % coord.world == coord.rank]
+            ckpt.verify(share)
+    except Exception as e:
+        error = e
+    coord.agree(error, "checking the checkpoint")
+    assert ckpt is not None
+    try:
+        with ckpt:
+            leaves = build_leaves(ckpt, flat, coord.ranks, strict=strict, select=select)
+            processes = ckpt.manifest.processes
+            states = ckpt.rng(coord.rank % processes if coord.distributed else 0)
+    except Exception as e:
+        error = e
+    coord.agree(error, "loading the checkpoint")
+    state = optree.tree_unflatten(flat.treespec, leaves)
+    m = ckpt.manifest
+    if restore_rng:
+        rng.restore(states)
+    extra = {
+        "step": m.step,
+        "data_position": m.data_position,
+        "user_state": m.user_state,
+        "config": m.config,
+        "tag": m.tag,
+        "path": str(ckpt.path),
+        "world": m.world,
+        "rng": states,
+        "manifest": m,
+    }
+    return state, extra

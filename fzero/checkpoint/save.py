@@ -1,0 +1,216 @@
+"""`save(state, directory)`: every rank writes its own shard file, rank 0 the manifest, and the checkpoint appears
+all at once (see `fzero.checkpoint.atomic`).
+
+On a `DistMesh` every rank calls `save` with its state and the mesh; each writes its file in parallel with the
+others; the directory must be one file system that all ranks see (a shared or a local disk). On a `SimMesh` the
+one process writes every rank's file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layout import dtype_of
+from . import rng
+from .atomic import MANIFEST, check_tag, commit, fsync_dir, prepare, temp_dir
+from .coord import Coordinator
+from .errors import CheckpointError
+from .manifest import VERSION, FileInfo, Manifest, StoredEntry, file_name
+from .safetensors_io import TensorSpec, write_safetensors
+from .sources import MemorySource, decide_storage
+from .tree import FlatState, flatten_state
+
+__all__ = ["save"]
+
+
+def _json(value: Any, name: str) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save: {name} must be JSON-serialisable (checkpoints never pickle), got {e}") from None
+    return value
+
+
+def _roles(state: Any, flat: FlatState) -> dict[str, Any]:
+    """Which keys hold the master parameters, frozen parameters and buffers (read by `consolidate`)."""
+    by_id = {id(x): e.key for e, x in zip(flat.entries, flat.leaves, strict=True)}
+    roles: dict[str, Any] = {"params": by_id.get(id(getattr(state, "params", None)))}
+    for field in ("frozen", "buffers"):
+        values = getattr(state, field, None) or {}
+        roles[field] = {name: by_id[id(x)] for name, x in values.items() if id(x) in by_id}
+    return roles
+
+
+def _precision(flat: FlatState, roles: dict[str, Any]) -> dict[str, str | None]:
+    by_key = {e.key: e for e in flat.entries}
+    master = by_key.get(roles.get("params") or "")
+    compute = by_key.get("compute")
+    return {"master": master.dtype if master else None, "compute": compute.dtype if compute else None}
+
+
+def _write_rank(
+    directory: Path, source: MemorySource, rank: int, world: int, with_rng: bool, meta: dict[str, str], fsync: bool
+) -> FileInfo:
+    entries = [e for e in source.entries.values() if e.in_file(rank)]
+    specs = [TensorSpec(e.key, dtype_of(e.dtype), e.stored_shape(source.layout)) for e in entries]
+    producers = [lambda e=e: source.pieces(e.key, rank) for e in entries]
+    meta = {**meta, "fzero.rank": str(rank), "fzero.world": str(world)}
+    if with_rng:
+        tensors, rng_meta = rng.capture()
+        meta.update(rng_meta)
+        for name, t in tensors.items():
+            specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
+            producers.append(lambda t=t: t)
+    name = file_name(rank, world)
+    record = write_safetensors(directory / name, specs, lambda i: producers[i](), meta, fsync=fsync)
+    return FileInfo(name, rank, record.bytes, record.sha256)
+
+
+def save(
+    state: Any,
+    directory: str | os.PathLike[str],
+    *,
+    mesh: Any = None,
+    tag: str | None = None,
+    data_position: int | None = None,
+    user_state: Any = None,
+    config: Any = None,
+    latest: bool = True,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Path:
+    """Save a training state as a sharded, checksummed checkpoint ``DIRECTORY/TAG``.
+
+    Every leaf of the state is saved, whatever its fields (the parameters, the optimizer state with its step count
+    and hence the learning-rate schedule's position, the loss scale, the accumulation counters, frozen parameters,
+    buffers), with this process's random generators, so that `load` resumes bitwise where the save was taken.
+
+    Args:
+      state: a `TrainState` (all ranks of a `SimMesh`, or this rank's of a `DistMesh`).
+      directory: the root that holds tagged checkpoints and the ``latest`` pointer (created if needed).
+      mesh: the `DistMesh` of a distributed state (every rank must call `save`); not needed on a `SimMesh`.
+      tag: the checkpoint's name; default ``step{N}`` with `N` the state's micro-step count.
+      data_position: where the data loader stands (e.g. samples consumed), returned by `load`.
+      user_state: anything JSON-serialisable to keep with the checkpoint (DeepSpeed's `client_state`).
+      config: the run's configuration (JSON-serialisable), recorded in the manifest.
+      latest: point ``DIRECTORY/latest`` at this checkpoint.
+      overwrite: replace an existing checkpoint of the same tag (else that is an error).
+      fsync: flush files and directories to the disk (leave on unless the disk is a scratch space).
+
+    Returns:
+      The checkpoint's directory.
+
+    Raises:
+      CheckpointError: the tag exists (without `overwrite`), or a rank failed to write; nothing becomes visible.
+    """
+    flat = flatten_state(state)
+    coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
+    if data_position is not None and (isinstance(data_position, bool) or not isinstance(data_position, int)):
+        raise TypeError(f"save: data_position must be an int, got {data_position!r}")
+    user_state, config = _json(user_state, "user_state"), _json(config, "config")
+    step = int(getattr(state, "step", 0))
+    tag = check_tag(f"step{step}" if tag is None else tag)
+    root = Path(directory)
+
+    gather = (lambda mine: coord.all_gather(mine)) if coord.distributed else None
+    storage = decide_storage(flat, gather)
+    source = MemorySource(flat, storage, rank=coord.rank if coord.distributed else None)
+    tmp = temp_dir(root, tag)
+
+    error: BaseException | None = None
+    if coord.rank == 0:
+        try:
+            prepare(root, tag, overwrite)
+        except Exception as e:
+            error = e
+    coord.agree(error, "preparing the checkpoint directory")
+
+    try:
+        infos = _write_files(tmp, source, coord, tag, fsync)
+    except Exception as e:
+        error = e
+    try:
+        coord.agree(error, "writing the shard files")
+    except BaseException:
+        if coord.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if coord.distributed:  # rank 0 learns every file's size and checksum
+        texts = coord.exchange(json.dumps([vars(i) for i in infos]))
+        infos = [FileInfo(**x) for text in texts for x in json.loads(text)]
+
+    final = root / tag
+    if coord.rank == 0:
+        try:
+            manifest = _manifest(state, flat, storage, infos, coord, tag, step, data_position, user_state, config)
+            _write_manifest(tmp, manifest, fsync)
+            final = commit(root, tag, latest)
+        except Exception as e:
+            error = CheckpointError(f"committing {final}: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    coord.agree(error, "committing the checkpoint")
+    return final
+
+
+def _write_files(tmp: Path, source: MemorySource, coord: Coordinator, tag: str, fsync: bool) -> list[FileInfo]:
+    """This process's shard files, one thread per file (hashing and writing release the GIL, so a `SimMesh`'s
+    files are written side by side); the first of them also holds the process's generators."""
+    meta = {"fzero.tag": tag, "fzero.format_version": str(VERSION)}
+    world, first = source.layout.world, coord.ranks[0]
+    with ThreadPoolExecutor(min(len(coord.ranks), os.cpu_count() or 1)) as pool:
+        jobs = [pool.submit(_write_rank, tmp, source, r, world, r == first, meta, fsync) for r in coord.ranks]
+        return [job.result() for job in jobs]
+
+
+def _manifest(
+    state: Any,
+    flat: FlatState,
+    storage: dict[str, str],
+    infos: list[FileInfo],
+    coord: Coordinator,
+    tag: str,
+    step: int,
+    data_position: int | None,
+    user_state: Any,
+    config: Any,
+) -> Manifest:
+    from .. import __version__  # not at the top: fzero/__init__ imports this package before defining it
+
+    roles = _roles(state, flat)
+    return Manifest(
+        tag=tag,
+        step=step,
+        world=flat.world,
+        processes=flat.world if coord.distributed else 1,
+        simulated=flat.simulated,
+        layout=flat.layout,
+        leaves=tuple(StoredEntry(**vars(e), storage=storage[e.key]) for e in flat.entries),
+        files=tuple(sorted(infos, key=lambda i: i.rank)),
+        precision=_precision(flat, roles),
+        data_position=data_position,
+        user_state=user_state,
+        config=config,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        fzero_version=__version__,
+        torch_version=torch.__version__,
+        roles=roles,
+    )
+
+
+def _write_manifest(tmp: Path, manifest: Manifest, fsync: bool) -> None:
+    with open(tmp / MANIFEST, "w") as f:  # last: a directory without it is an unfinished save
+        f.write(manifest.to_json())
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    if fsync:
+        fsync_dir(tmp)

@@ -1,0 +1,189 @@
+"""The leaves of a `TrainState`, named and classified generically (no field of the state is hard-coded).
+
+Every tensor leaf gets a **key**, its path in the pytree with sequence positions replaced by the type of the
+sub-state found there: `"tx_state/AdamState/exp_avg"` rather than `"tx_state/4/exp_avg"`. Stages put the same
+sub-states at different chain positions (`accumulate` comes before `reduce_scatter` in stage 1, after it in stage
+2), so a key names the same quantity in every stage and a checkpoint moves between them.
+
+Every leaf also has a **kind**, told by its per-rank shape against the layout:
+
+- ``"shard"``: last dimension `layout.shard_numel`: this rank's shard, in the layout's shard order;
+- ``"full"``: last dimension `layout.numel`: a full, unit-major buffer;
+- ``"replicated"``: anything else (counters, loss-scale values, frozen parameters and buffers, which are known
+  by their names in the layout), kept as is.
+
+At world 1 a shard is the full buffer; such leaves are called shards. On a `SimMesh` a leaf carries the leading
+world axis when its first dimension is the world size and it has at least one dimension; 0-d leaves (counters)
+are shared by all ranks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from ..layout import Layout
+
+__all__ = ["FULL", "REPLICATED", "SHARD", "Entry", "FlatState", "dtype_name", "flatten_state"]
+
+SHARD, FULL, REPLICATED = "shard", "full", "replicated"
+PARAM_SPACE = (SHARD, FULL)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What one leaf is, independently of its values.
+
+    Attributes:
+      key: the leaf's stable name (see the module docstring).
+      path: where optree finds it, e.g. ``"*.tx_state[4].exp_avg"`` (for messages).
+      kind: ``"shard"``, ``"full"`` or ``"replicated"``.
+      shape: the shape on one rank (without the `SimMesh` world axis).
+      dtype: the dtype's name, e.g. ``"float32"``.
+      world_axis: whether the leaf carries the `SimMesh` world axis (False on `DistMesh`).
+    """
+
+    key: str
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    world_axis: bool
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The dimensions before the flat one, for param-space leaves."""
+        return self.shape[:-1]
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A state taken apart: entries and leaves in pytree order, the treespec to rebuild it, and its layout."""
+
+    entries: tuple[Entry, ...]
+    leaves: tuple[Tensor, ...]
+    treespec: Any
+    layout: Layout
+    simulated: bool
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives (its first leaf's device)."""
+        return self.leaves[0].device if self.leaves else torch.device("cpu")
+
+    def by_key(self) -> dict[str, tuple[Entry, Tensor]]:
+        return {e.key: (e, x) for e, x in zip(self.entries, self.leaves, strict=True)}
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%25").replace("/", "%2F")
+
+
+def _is_sequence(entry: Any) -> bool:
+    return isinstance(entry, optree.SequenceEntry) and entry.type in (tuple, list)
+
+
+def _named(entry: Any) -> str | None:
+    field = getattr(entry, "field", None)
+    return field if isinstance(field, str) else None
+
+
+def _component(entry: Any) -> str:
+    name = _named(entry)
+    if name is not None:
+        return _escape(name)
+    if isinstance(entry, optree.MappingEntry):
+        return _escape(str(entry.key))
+    return _escape(str(entry.entry))
+
+
+def _keys(accessors: list[Any]) -> list[str]:
+    """Keys for all leaves; a sequence position whose child is a named node (a NamedTuple or dataclass sub-state)
+    becomes that node's type name, with ``#n`` for the n-th sibling of the same type (n >= 1)."""
+    # First pass: for each (parent, child type), the sequence positions holding such a child, to number siblings.
+    siblings: dict[tuple[tuple[Any, ...], str], set[int]] = defaultdict(set)
+    for acc in accessors:
+        entries = list(acc)
+        for i, e in enumerate(entries[:-1]):
+            if _is_sequence(e) and entries[i + 1].type not in (tuple, list, dict):
+                siblings[(tuple(entries[:i]), entries[i + 1].type.__name__)].add(e.index)
+    keys = []
+    for acc in accessors:
+        entries = list(acc)
+        parts = []
+        for i, e in enumerate(entries):
+            if i + 1 < len(entries) and _is_sequence(e) and entries[i + 1].type not in (tuple, list, dict):
+                type_name = entries[i + 1].type.__name__
+                nth = sorted(siblings[(tuple(entries[:i]), type_name)]).index(e.index)
+                parts.append(_escape(type_name) + (f"#{nth}" if nth else ""))
+            else:
+                parts.append(_component(e))
+        keys.append("/".join(parts) if parts else "<root>")
+    return keys
+
+
+def _spec_names(layout: Layout) -> dict[str, tuple[int, ...]]:
+    return {s.name: tuple(s.shape) for s in (*layout.frozen, *layout.buffers)}
+
+
+def classify(layout: Layout, shape: tuple[int, ...], last_entry: Any) -> str:
+    """The kind of a leaf of per-rank `shape` (see the module docstring)."""
+    if isinstance(last_entry, optree.MappingEntry):
+        spec = _spec_names(layout).get(str(last_entry.key))
+        if spec is not None and spec == shape:
+            return REPLICATED  # a frozen parameter or buffer, whatever its size
+    if shape and shape[-1] == layout.shard_numel:
+        return SHARD
+    if shape and shape[-1] == layout.numel:
+        return FULL
+    return REPLICATED
+
+
+def flatten_state(state: Any) -> FlatState:
+    """Take a `TrainState` apart into named, classified leaves.
+
+    Raises:
+      TypeError: `state` has no `layout` or a leaf is not a tensor.
+      ValueError: two leaves get the same key (a state this module cannot name).
+    """
+    layout = getattr(state, "layout", None)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"expected an fzero TrainState (with a layout), got {type(state).__name__}")
+    params = getattr(state, "params", None)
+    simulated = bool(getattr(state, "simulated", isinstance(params, Tensor) and params.ndim == 2))
+    accessors, leaves, treespec = optree.tree_flatten_with_accessor(state, namespace="fzero", none_is_leaf=False)
+    keys = _keys(accessors)
+    entries = []
+    for key, acc, leaf in zip(keys, accessors, leaves, strict=True):
+        if not isinstance(leaf, Tensor):
+            what = type(leaf).__name__
+            raise TypeError(f"state leaf {acc.codify('state')} is a {what}; a checkpoint holds tensors only")
+        world_axis = simulated and leaf.ndim >= 1 and leaf.shape[0] == layout.world
+        shape = tuple(leaf.shape[1:] if world_axis else leaf.shape)
+        last = list(acc)[-1] if len(acc) else None
+        kind = classify(layout, shape, last)
+        entries.append(Entry(key, acc.codify("state"), kind, shape, dtype_name(leaf.dtype), world_axis))
+    seen: dict[str, str] = {}
+    for e in entries:
+        if e.key in seen:
+            raise ValueError(f"state leaves {seen[e.key]} and {e.path} get the same checkpoint key {e.key!r}")
+        seen[e.key] = e.path
+    return FlatState(tuple(entries), tuple(leaves), treespec, layout, simulated)
+
+
+def rank_value(flat_leaf: Tensor, entry: Entry, rank: int) -> Tensor:
+    """Rank `rank`'s value of a leaf of this process (the world-axis row on a `SimMesh`, else the leaf)."""
+    return flat_leaf[rank] if entry.world_axis else flat_leaf
