@@ -114,7 +114,7 @@ def test_memory_on_two_gloo_processes(tmp_path):
     d, layers, world, prefetch = 5600, 12, 2, 1
     results = {}
     for stage in (3, 2):
-        mp.start_processes(zero3_worker.run, args=(world, str(tmp_path), stage, d, layers, prefetch, 2), nprocs=world,
+        mp.start_processes(zero3_worker.run, args=(world, str(tmp_path), stage, d, layers, prefetch, 1), nprocs=world,
                            start_method="spawn")  # fmt: skip
         results[stage] = [json.loads((tmp_path / f"rank{r}-stage{stage}-prefetch{prefetch}.json").read_text())
                           for r in range(world)]  # fmt: skip

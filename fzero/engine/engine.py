@@ -43,6 +43,7 @@ from ..state import TrainState
 from ..step import apply_gradients, compute_params, init
 from ..step import state_dict as consolidated
 from ..transforms import Transform
+from . import checkpointing
 from .client import OptimizerView
 
 __all__ = ["Engine"]
@@ -388,6 +389,99 @@ class Engine(nn.Module):
             if lr_kwargs:
                 raise
             self.client_scheduler.step(self.config.train_batch_size)  # DeepSpeed's fallback
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        *,
+        overwrite: bool = True,
+    ) -> Any:
+        """DeepSpeed's `save_checkpoint`: the training state, the counters, the config and `client_state`, written
+        with `fzero.save` to ``save_dir/tag`` (every rank calls it; see ``docs/checkpoints.md``).
+
+        Allowed after any `step()`, inside an accumulation window too (the window's partial sums are part of the
+        state); not between a `backward` and its `step` (those gradients are not).
+
+        Args:
+          save_dir: the root of tagged checkpoints.
+          tag: the checkpoint's name (`str(tag)`); default ``global_step{global_steps}``, as DeepSpeed's.
+          client_state: a JSON-serialisable dict, returned by `load_checkpoint` (rank 0's is kept; tuples come
+            back as lists).
+          save_latest: point ``save_dir/latest`` at this checkpoint.
+          exclude_frozen_parameters: not supported (must be False).
+          overwrite: fzero only: replace an existing checkpoint of the same tag (atomically), as DeepSpeed writes
+            over it; False makes that an error.
+
+        Returns:
+          The checkpoint's directory (DeepSpeed returns True; a path is truthy too).
+        """
+        return checkpointing.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, overwrite=overwrite
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+        *,
+        restore_rng: bool | None = None,
+        verify: bool = True,
+    ) -> tuple[str | None, Any]:
+        """DeepSpeed's `load_checkpoint`, from any world size and stage (the format reshards).
+
+        Args:
+          load_dir: the root of tagged checkpoints (or one checkpoint directory).
+          tag: which checkpoint; None: the one ``load_dir/latest`` names.
+          load_module_strict: must be True (the checkpoint must be of the same model).
+          load_optimizer_states: False keeps the engine's optimizer state (moments and applied-update count, so a
+            config LR schedule restarts with it; a warning says so) and loads the rest.
+          load_lr_scheduler_states: a client scheduler's `state_dict` is loaded with it. The config's schedules are
+            functions of the optimizer's applied-update count: False with the optimizer state loaded raises (the two
+            cannot be separated).
+          load_module_only: load the parameters, frozen parameters and buffers only; the optimizer state, loss
+            scale, accumulation window, counters and schedule stay the engine's.
+          custom_load_fn: not supported (must be None).
+          restore_rng: fzero only: restore this process's random generators (default: unless `load_module_only`),
+            so that a resumed run draws what the uninterrupted one would.
+          verify: fzero only: check every file's sha256 first.
+
+        Returns:
+          `(path, client_state)`: the checkpoint's directory and the saved `client_state`; `(None, None)` with a
+          warning when there is no checkpoint (no ``latest``, or no such tag), as DeepSpeed does.
+        """
+        return checkpointing.load_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only, custom_load_fn, restore_rng=restore_rng, verify=verify,
+        )  # fmt: skip
+
+    def _check_between_steps(self, what: str) -> None:
+        """Checkpoints hold the state between micro-steps: gradients of a micro-step not yet stepped are not in it."""
+        pending = self._loss is not None or self._grad is not None
+        if self._leaf is not None and self._leaf.grad is not None:
+            pending = True
+        if pending:
+            raise RuntimeError(
+                f"engine.{what}: called between engine.backward(loss) and engine.step(); that micro-step's gradients "
+                "are not part of the training state and a checkpoint cannot hold them. Call it after engine.step() "
+                "(inside a gradient accumulation window is fine)"
+            )
+
+    def _discard_micro_step(self) -> None:
+        """Drop a forward in flight (no gradients yet): its parameters are the old state's."""
+        if self._gathering is not None:
+            self._gathering.close()
+        self._leaf = self._micro_buffers = self._grad = self._loss = self._gathering = None
+        self._params = {}
 
     # --------------------------------------------------------------------------------------------------- reporting
     def _make_monitor(self, printer: Any) -> Monitor:

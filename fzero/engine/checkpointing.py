@@ -1,0 +1,331 @@
+"""DeepSpeed's `engine.save_checkpoint` / `engine.load_checkpoint`, on top of `fzero.save` / `fzero.load`.
+
+There is one checkpoint format (see ``docs/checkpoints.md``); the engine adds what only it knows to the format's
+JSON fields:
+
+    user_state = {"client_state": <the caller's client_state>,
+                  "engine": {"format": "fzero-engine", "version": 1, "global_steps": ..., "global_samples": ...,
+                             "micro_steps": ..., "skipped_steps": ..., "gradient_accumulation_steps": ..., ...}}
+    config     = the validated DeepSpeed config (every key, defaults filled in)
+    data_position = micro_steps (micro-batches each rank has consumed)
+
+Everything numeric (parameters, optimizer moments and update count, hence the LR schedule, the accumulation window,
+the loss scale) is a leaf of the `TrainState`, saved and resharded by the format. Which leaves a load takes:
+
+    load_module_only=True          params, compute, frozen/*, buffers/*           (the rest: the engine's own)
+    load_optimizer_states=False    everything but the optimizer's state (tx_state/AdamState|SGDState/*)
+    default                        everything
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..checkpoint import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError, rng
+from ..checkpoint import load as fzero_load
+from ..checkpoint import save as fzero_save
+from ..checkpoint.coord import Coordinator
+from ..mesh import SimMesh
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["ENGINE_FORMAT", "check_json", "load_checkpoint", "save_checkpoint"]
+
+ENGINE_FORMAT = "fzero-engine"
+ENGINE_VERSION = 1
+_MODULE_ROOTS = ("params", "compute", "frozen", "buffers")
+_OPTIMIZER_STATES = ("AdamState", "SGDState")
+
+
+def check_json(value: Any, where: str) -> None:
+    """Raise if `value` would not come back from JSON as it went in, naming the offending key.
+
+    Accepted: None, bool, int, finite float, str, lists and tuples of these (tuples come back as lists), and dicts
+    with string keys. Anything else (a tensor, a NumPy scalar, NaN, an int key) raises.
+
+    Raises:
+      TypeError: a value or key of another type; ValueError: NaN or infinity.
+    """
+    if value is None or isinstance(value, (bool, str, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value!r}: JSON has no NaN or infinity (store it as a string)")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{where} has the key {key!r} ({type(key).__name__}): JSON keys are strings, and it would come "
+                    "back as one; use str keys"
+                )
+            check_json(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_json(item, f"{where}[{i}]")
+        return
+    hint = " (use .item() or .tolist())" if isinstance(value, torch.Tensor) else ""
+    raise TypeError(
+        f"{where} is a {type(value).__name__}, which is not JSON-serialisable{hint}: checkpoints never pickle; "
+        "store numbers, strings, lists and dicts"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------ save
+def _hypers(engine: Engine) -> list[dict[str, Any]]:
+    """The hyper-parameters a client scheduler moves (lr, betas), per param group, as JSON."""
+    groups = []
+    for group in engine.optimizer.param_groups:
+        g: dict[str, Any] = {}
+        if "lr" in group:
+            g["lr"] = float(group["lr"])
+        if "betas" in group:
+            g["betas"] = [float(b) for b in group["betas"]]
+        groups.append(g)
+    return groups
+
+
+def _record(engine: Engine) -> dict[str, Any]:
+    """What the engine knows beyond the `TrainState`: DeepSpeed's counters and the open window's losses."""
+    scheduler = None
+    if engine.client_scheduler is not None and hasattr(engine.client_scheduler, "state_dict"):
+        scheduler = engine.client_scheduler.state_dict()
+        check_json(scheduler, "lr_scheduler.state_dict()")
+    norm = engine._global_grad_norm
+    return {
+        "format": ENGINE_FORMAT,
+        "version": ENGINE_VERSION,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "applied_updates": engine._applied_fallback,
+        "gradient_accumulation_steps": engine.config.gas,
+        "train_batch_size": engine.config.train_batch_size,
+        "world": engine.mesh.world,
+        "stage": engine.config.stage,
+        # exact floats (hex), NaN and infinity included: the open window's losses make the next step's mean
+        "step_losses": [float(x).hex() for x in engine._step_losses],
+        "global_grad_norm": None if norm is None else float(norm).hex(),
+        "overflow": bool(engine.optimizer.overflow),
+        "param_groups": _hypers(engine),
+        "lr_scheduler": scheduler,
+    }
+
+
+def _agree_on_tag(engine: Engine, tag: str) -> None:
+    """DeepSpeed validates the tag across ranks; different tags would make the ranks write different directories."""
+    if isinstance(engine.mesh, SimMesh) or engine.mesh.world == 1:
+        return
+    coord = Coordinator(engine.mesh, distributed=True, world=engine.mesh.world, device=engine.state.params.device)
+    tags = coord.exchange(tag)
+    if len(set(tags)) != 1:
+        raise CheckpointError(
+            f"save_checkpoint: the ranks passed different tags ({', '.join(map(repr, tags))}, by rank); every rank "
+            "must save under the same tag"
+        )
+
+
+def save_checkpoint(
+    engine: Engine,
+    save_dir: str | os.PathLike[str],
+    tag: Any = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    *,
+    overwrite: bool = True,
+) -> Path:
+    """See `Engine.save_checkpoint`."""
+    if exclude_frozen_parameters:
+        raise NotImplementedError(
+            "save_checkpoint(exclude_frozen_parameters=True) is not supported: fzero checkpoints hold the whole "
+            "training state (frozen parameters are small leaves; consolidate() gives a state_dict to filter)"
+        )
+    engine._check_between_steps("save_checkpoint")
+    client_state = {} if client_state is None else client_state
+    if not isinstance(client_state, Mapping):
+        raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+    check_json(client_state, "client_state")
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # DeepSpeed's default, and str(tag)
+    _agree_on_tag(engine, tag)
+    user_state = {"client_state": dict(client_state), "engine": _record(engine)}
+    check_json(engine.config.values, "config")
+    return fzero_save(
+        engine.state,
+        save_dir,
+        mesh=None if isinstance(engine.mesh, SimMesh) else engine.mesh,
+        tag=tag,
+        data_position=engine.micro_steps,
+        user_state=user_state,
+        config=engine.config.values,
+        latest=save_latest,
+        overwrite=overwrite,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------ load
+def _is_module(key: str) -> bool:
+    return key.split("/", 1)[0] in _MODULE_ROOTS
+
+
+def _is_optimizer(key: str) -> bool:
+    parts = key.split("/")
+    return parts[0] == "tx_state" and any(p.split("#")[0] in _OPTIMIZER_STATES for p in parts[1:])
+
+
+def _accumulated(state: Any) -> int | None:
+    """The chain's micro-steps held since the last boundary (None without accumulation)."""
+    from ..transforms.accumulate import AccumulateState
+
+    for sub in state.tx_state if isinstance(state.tx_state, tuple) else (state.tx_state,):
+        if isinstance(sub, AccumulateState):
+            return int(sub.count)
+    return None
+
+
+def _counters(engine: Engine, record: dict[str, Any] | None, step: int, tag: str) -> dict[str, int]:
+    """The engine's counters after the load: the saved ones (re-based when the accumulation steps changed)."""
+    gas = engine.config.gas
+    if record is None:  # a plain fzero.save checkpoint: the state's micro-step count is all there is
+        micro = step
+        saved_gas = gas
+        record = {"global_steps": micro // gas, "skipped_steps": 0, "applied_updates": micro // gas}
+        record["global_samples"] = record["global_steps"] * engine.config.train_batch_size
+    else:
+        micro, saved_gas = record["micro_steps"], record["gradient_accumulation_steps"]
+    if saved_gas != gas:
+        if micro % saved_gas:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {tag!r} was saved inside a gradient accumulation window (micro-step {micro % saved_gas} "
+                f"of {saved_gas}); this engine accumulates {gas}: load it with gradient_accumulation_steps="
+                f"{saved_gas}, or save at an accumulation boundary"
+            )
+        micro = record["global_steps"] * gas  # the boundary falls where the new accumulation expects it
+    return {
+        "global_steps": record["global_steps"],
+        "global_samples": record["global_samples"],
+        "micro_steps": micro,
+        "skipped_steps": record["skipped_steps"],
+        "applied_updates": record["applied_updates"],
+    }
+
+
+def _engine_record(user_state: Any, where: str) -> tuple[dict[str, Any] | None, Any]:
+    """The engine block and the client state of a checkpoint's user state (None, user state: a plain save)."""
+    if isinstance(user_state, dict) and isinstance(user_state.get("engine"), dict):
+        record = user_state["engine"]
+        if record.get("format") != ENGINE_FORMAT:
+            raise IncompatibleCheckpointError(f"{where}: user_state['engine'] is not an fzero engine record")
+        if not isinstance(record.get("version"), int) or record["version"] > ENGINE_VERSION:
+            raise IncompatibleCheckpointError(
+                f"{where}: engine record version {record.get('version')!r}; this fzero reads up to {ENGINE_VERSION}"
+            )
+        return record, user_state.get("client_state", {})
+    return None, user_state
+
+
+def load_checkpoint(
+    engine: Engine,
+    load_dir: str | os.PathLike[str],
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    custom_load_fn: Any = None,
+    *,
+    restore_rng: bool | None = None,
+    verify: bool = True,
+) -> tuple[str | None, Any]:
+    """See `Engine.load_checkpoint`."""
+    if custom_load_fn is not None:
+        raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: fzero loads the state itself")
+    if not load_module_strict:
+        raise NotImplementedError(
+            "load_checkpoint(load_module_strict=False) is not supported: the checkpoint must be of the same model "
+            "(fzero.load(..., strict=False, select=...) loads parts of a state)"
+        )
+    engine._check_between_steps("load_checkpoint")
+    configured = engine.client_scheduler is None and engine.config["scheduler"] is not None
+    if configured and not load_module_only and load_optimizer_states and not load_lr_scheduler_states:
+        raise ValueError(
+            "load_checkpoint(load_lr_scheduler_states=False) with the config's scheduler: the learning rate is a "
+            "function of the optimizer's applied-update count, which is part of the optimizer state; it restarts only "
+            "with the optimizer (load_optimizer_states=False) or load_module_only=True"
+        )
+    if configured and not load_module_only and not load_optimizer_states and load_lr_scheduler_states:
+        warnings.warn(
+            "load_checkpoint(load_optimizer_states=False): the optimizer's applied-update count starts again at 0, "
+            "and with it the config's LR schedule (a function of that count): the schedule cannot be kept without "
+            "the optimizer state",
+            UserWarning,
+            stacklevel=3,
+        )
+    if load_module_only:
+        select = _is_module
+    elif not load_optimizer_states:
+        select = lambda key: not _is_optimizer(key)  # noqa: E731
+    else:
+        select = None
+    tag = None if tag is None else str(tag)
+    try:
+        state, extra = fzero_load(
+            load_dir, engine.state, None if isinstance(engine.mesh, SimMesh) else engine.mesh,
+            tag=tag, select=select, verify=verify,
+        )  # fmt: skip
+    except CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None) when there is nothing to load
+        warnings.warn(f"load_checkpoint: nothing loaded, {e}", UserWarning, stacklevel=3)
+        return None, None
+    where = extra["path"]
+    record, client_state = _engine_record(extra["user_state"], where)
+    if record is None and not load_module_only:
+        warnings.warn(
+            f"{where} was not saved by engine.save_checkpoint: the counters are derived from its micro-step count "
+            f"({extra['step']}), assuming no skipped steps",
+            UserWarning,
+            stacklevel=3,
+        )
+    counters = None if load_module_only else _counters(engine, record, extra["step"], extra["tag"])
+    if counters is not None:
+        held = _accumulated(state)
+        if held is not None and held != counters["micro_steps"] % engine.config.gas:
+            raise IncompatibleCheckpointError(
+                f"{where}: its accumulator holds {held} micro-steps, but micro_steps {counters['micro_steps']} puts "
+                f"the engine at micro-step {counters['micro_steps'] % engine.config.gas} of {engine.config.gas}"
+            )
+    # everything checked: apply
+    engine._discard_micro_step()
+    engine.state = state
+    if counters is not None:
+        engine.global_steps = counters["global_steps"]
+        engine.global_samples = counters["global_samples"]
+        engine.micro_steps = counters["micro_steps"]
+        engine.skipped_steps = counters["skipped_steps"]
+        engine._applied_fallback = counters["applied_updates"]
+        if record is not None:
+            engine._step_losses = [torch.tensor(float.fromhex(h)) for h in record["step_losses"]]
+            norm = record["global_grad_norm"]
+            engine._global_grad_norm = None if norm is None else float.fromhex(norm)
+            engine.optimizer.overflow = bool(record["overflow"])
+    client_scheduled = engine.client_scheduler is not None and not load_module_only and load_lr_scheduler_states
+    if record is not None and (client_scheduled or (load_optimizer_states and not load_module_only)):
+        for group, saved in zip(engine.optimizer.param_groups, record["param_groups"], strict=False):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+    if client_scheduled and record is not None and record.get("lr_scheduler") is not None:
+        engine.client_scheduler.load_state_dict(record["lr_scheduler"])
+    engine._t_step = None
+    engine._sync_module()
+    engine._sync_view()
+    if restore_rng if restore_rng is not None else not load_module_only:
+        rng.restore(extra["rng"])
+    return where, client_state
