@@ -59,9 +59,8 @@ class NoOpLossScale:
         return self
 
 
-@pytree.dataclasses.dataclass(frozen=True)
-class StaticLossScale:
-    """A fixed scale `S`: the loss is multiplied by `S`, gradients by `1/S`."""
+class _Scaling:
+    """`scale` and `unscale` by the 0-d tensor field `value`."""
 
     value: Tensor
 
@@ -76,12 +75,19 @@ class StaticLossScale:
         inv = 1.0 / self.loss_scale
         return optree.tree_map(lambda g: g * inv, tree)
 
+
+@pytree.dataclasses.dataclass(frozen=True)
+class StaticLossScale(_Scaling):
+    """A fixed scale `S`: the loss is multiplied by `S`, gradients by `1/S`."""
+
+    value: Tensor
+
     def adjust(self, finite: bool) -> StaticLossScale:
         return self
 
 
 @pytree.dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_Scaling):
     """DeepSpeed's dynamic loss scaler as an immutable value (see the module docstring for the rule).
 
     Build it with `DynamicLossScale.create(...)`; the DeepSpeed config key of each argument is in brackets.
@@ -131,17 +137,6 @@ class DynamicLossScale:
             _f32(2.0**initial_scale_power), _i64(0), _i64(-1), _i64(hysteresis), loss_scale_window,
             hysteresis, bool(consecutive_hysteresis), float(min_loss_scale), 2.0, bool(raise_error_at_min_scale),
         )  # fmt: skip
-
-    @property
-    def loss_scale(self) -> float:
-        return float(self.value)
-
-    def scale(self, loss: Tensor) -> Tensor:
-        return loss * self.loss_scale
-
-    def unscale(self, tree: Any) -> Any:
-        inv = 1.0 / self.loss_scale
-        return optree.tree_map(lambda g: g * inv, tree)
 
     def adjust(self, finite: bool) -> DynamicLossScale:
         """The scale after a step whose gradients were `finite` (all ranks) or not."""

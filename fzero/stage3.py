@@ -226,6 +226,14 @@ class _Gatherer:
             self._start(nxt)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
+    def install(self) -> list[Any]:
+        """Register the forward hooks on the gathered-on-demand units' modules; returns their handles."""
+        handles = []
+        for i, module in self.modules.items():
+            handles.append(module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i)))
+            handles.append(module.register_forward_hook(lambda m, a, o, i=i: self.post_forward(i, o)))
+        return handles
+
     def _tick(self, i: int, phase: int | None) -> None:
         """Start (`phase=None`) or stop (0: forward, 1: backward) unit `i`'s clock."""
         if self.times is None:
@@ -324,10 +332,7 @@ class UnitGathering:
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
         self.shard = compute.detach().requires_grad_()
         self._g = _Gatherer(mesh, layout, model, self.shard, policy, reduce_dtype, None)
-        self._handles = []
-        for i, module in self._g.modules.items():
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, i=i, g=self._g: g.pre_forward(i)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o, i=i, g=self._g: g.post_forward(i, o)))
+        self._handles = self._g.install()
         self._params = self._g.params()
 
     def params(self) -> dict[str, Tensor]:
@@ -400,10 +405,7 @@ def sharded_backward(
     for rank in range(mesh.world):
         shard = compute[rank].detach().requires_grad_()
         g = _Gatherer(mesh, layout, model, shard, policy, reduce_dtype, (compute, rank))
-        handles = []
-        for i, module in g.modules.items():
-            handles.append(module.register_forward_pre_hook(lambda m, a, i=i, g=g: g.pre_forward(i)))
-            handles.append(module.register_forward_hook(lambda m, a, o, i=i, g=g: g.post_forward(i, o)))
+        handles = g.install()
         try:
             with torch.enable_grad():
                 scaled, out = run(g.params(), rank)
