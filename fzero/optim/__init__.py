@@ -6,6 +6,7 @@ is elementwise, so an update of a shard equals the same slice of the update of t
 
 from .adam import AdamState, adam, adamw
 from .base import Hyper, Optimizer, hyper_value
+from .cpu_adam import cpu_adam, cpu_adamw
 from .schedules import constant, one_cycle, one_cycle_momentum, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from .sgd import SGDState, sgd
 
@@ -17,6 +18,8 @@ __all__ = [
     "adam",
     "adamw",
     "constant",
+    "cpu_adam",
+    "cpu_adamw",
     "hyper_value",
     "one_cycle",
     "one_cycle_momentum",

@@ -28,10 +28,17 @@ class Optimizer(NamedTuple):
       init: `init(params) -> state`, the state shaped like `params`.
       update: `update(grads, state, params, *, donate=False) -> (new_params, new_state)`. Pure unless `donate`,
         in which case `params` and the state's tensors are overwritten in place (and returned).
+      features: what `update` can fuse into its pass over memory, each a keyword or ability it accepts beyond the
+        protocol (empty for the torch-op optimizers; `shard_update` does the work itself then):
+        `"grad_scale"`: `update(..., grad_scale=f)` multiplies the gradients by `f` as it reads them;
+        `"grad_dtype"`: gradients may be bfloat16 / float16, upcast on load;
+        `"out"`: `update(..., out=t)` also writes the new parameters into `t` (bfloat16 / float16), bitwise
+        `new_params.to(t.dtype)`.
     """
 
     init: InitFn
     update: UpdateFn
+    features: frozenset[str] = frozenset()
 
 
 def hyper_value(h: Hyper, applied: int) -> float:

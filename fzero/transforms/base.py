@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .. import native
 from ..layout import Layout
 from ..mesh import Mesh
 
@@ -146,7 +147,7 @@ def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
         return flow, flow.stats
     if not flow.reduced:
         raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
-    local = torch.linalg.vector_norm(flow.grads, dim=-1, dtype=torch.float64) ** 2
+    local = native.sumsq(flow.grads)  # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
     total = local if flow.is_full(ctx.layout, flow.grads) else ctx.mesh.all_reduce(local, "sum")
     sumsq = float(ctx.mesh.unreplicate(total))
     stats = GradStats(sumsq, math.isfinite(sumsq))

@@ -80,7 +80,10 @@ def gather(dtype: torch.dtype | None = None, lazy: bool = False) -> Transform:
 
     def apply(flow: Flow, ctx: Context) -> Flow:
         if flow.compute is not None:
-            return flow
+            if lazy or flow.is_full(ctx.layout, flow.compute):
+                return flow
+            # a shard shard_update already made (fused low-precision copy, or offload's copy on the device)
+            return flow._replace(compute=gather_params(ctx.mesh, ctx.layout, flow.compute, dtype))
         compute = _cast(flow.params, dtype) if lazy else gather_params(ctx.mesh, ctx.layout, flow.params, dtype)
         return flow._replace(compute=compute)
 

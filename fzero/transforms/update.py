@@ -1,34 +1,113 @@
 """`shard_update(optimizer)`: apply a functional optimizer to this rank's master parameters.
 
 The optimizer's state has the form of the parameters where `shard_update` sits: sharded after `reduce_scatter`
-(ZeRO stages 1-3), full after `all_reduce` (stage 0). The gradients are cast to the master dtype and multiplied by
-the factor they still owe (`Flow.grad_factor`: 1 / loss scale times the clipping coefficient) in one pass.
+(ZeRO stages 1-3), full after `all_reduce` (stage 0). The gradients owe a factor (`Flow.grad_factor`: 1 / loss
+scale times the clipping coefficient). With a torch-op optimizer they are cast to the master dtype and multiplied
+by it in one pass, then the optimizer runs. An optimizer with fused `features` (`fzero.cpu_adamw`) takes the
+factor, low-precision gradients and a low-precision output buffer into its own single pass instead, and then
+`shard_update` hands the compute copy to `gather` through `Flow.compute` (a shard, which `gather` all-gathers).
 Padding elements have zero gradients and zero values, and every optimizer here maps (0, 0) to 0, so padding stays
 zero.
+
+Offload (`offload="cpu"`, ZeRO-Offload): the master parameters and the optimizer state live in CPU memory, pinned
+when an accelerator is present. Each step the gradient shard is copied to the host in pieces
+(non-blocking), the optimizer runs on each piece as soon as it has arrived, and each piece of the compute copy
+goes back to the gradients' device (non-blocking) while the next is computed: the copies overlap the CPU work.
+On a CPU-only machine the copies are no-ops and the same loop runs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
+from torch import Tensor
 
 from ..optim import Optimizer
 from .base import Context, Flow, Transform
 
 __all__ = ["shard_update"]
 
+_LOW = (torch.bfloat16, torch.float16)
+_OFFLOAD = (None, "none", "cpu")
 
-def shard_update(optimizer: Optimizer, dtype: torch.dtype | None = None) -> Transform:
-    """Update the master parameters (kept in `dtype`, default the model's) with `optimizer`; the compute copy
-    becomes stale (None) until gathered."""
+
+def _pinned() -> bool:
+    """Whether host buffers should be page-locked: only useful (and only possible) with an accelerator."""
+    acc = getattr(torch, "accelerator", None)
+    return bool(acc.is_available()) if acc is not None else torch.cuda.is_available()
+
+
+def _host(x: Tensor, pin: bool) -> Tensor:
+    """A CPU copy of `x` (pinned if asked), or `x` itself when it is on the CPU already."""
+    if x.device.type == "cpu":
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+    out.copy_(x)
+    return out
+
+
+def shard_update(
+    optimizer: Optimizer,
+    dtype: torch.dtype | None = None,
+    *,
+    offload: str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk: int = 1 << 22,
+) -> Transform:
+    """Update the master parameters (kept in `dtype`, default the model's) with `optimizer`.
+
+    Args:
+      optimizer: a functional optimizer (`fzero.adamw(...)`, `fzero.cpu_adamw(...)`, ...).
+      dtype: the master dtype (the policy's `param_dtype`).
+      offload: `"cpu"` keeps the master parameters and the optimizer state in CPU memory and runs the optimizer
+        there (use `fzero.cpu_adamw`: the native kernel); None keeps them where the gradients are.
+      compute_dtype: the dtype of the compute copy `gather` will make (the policy's `compute_dtype`; must equal
+        `gather`'s). When it differs from the master dtype and the optimizer has the `"out"` feature, the
+        optimizer writes the copy in its own pass and `gather` only communicates it. Under offload the copy (in
+        this dtype, or the master dtype) is what travels back to the gradients' device.
+      chunk: elements per pipelined piece under offload (with a donated state; a pure step is one piece).
+
+    Returns:
+      The transform. The compute copy becomes stale (None) until gathered, unless this transform made it.
+    """
     if not isinstance(optimizer, Optimizer):
         name = type(optimizer).__name__
         raise TypeError(f"shard_update needs an fzero Optimizer (e.g. fzero.adamw(...)), got {name}")
+    if offload not in _OFFLOAD:
+        raise ValueError(f"shard_update: offload must be None or 'cpu', got {offload!r} (NVMe offload is not "
+                         "supported)")  # fmt: skip
+    offload = None if offload == "none" else offload
+    if compute_dtype is not None and (
+        not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point
+    ):
+        raise TypeError(f"shard_update: compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"shard_update: chunk must be a positive number of elements, got {chunk!r}")
+    features = optimizer.features
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, Any]:
         params = flow.params if dtype is None else flow.params.to(dtype)
-        return flow._replace(params=params, compute=None), optimizer.init(params)
+        if offload is None:
+            return flow._replace(params=params, compute=None), optimizer.init(params)
+        master = _host(params, pin=params.device.type != "cpu" and _pinned())
+        cdt = compute_dtype or master.dtype
+        compute = flow.params.to(cdt)  # on the parameters' device, in this (shard or full) form
+        return flow._replace(params=master, compute=compute), optimizer.init(master)
+
+    def prepare(flow: Flow, params: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        """The gradients to hand the optimizer, and its keywords: the factor and the dtype cast fused where the
+        optimizer can take them, done here (one pass, as before) where it cannot."""
+        grads, kw = flow.grads, {}
+        if not ("grad_dtype" in features and grads.dtype in (params.dtype, *_LOW)):
+            grads = grads.to(params.dtype)
+        if flow.grad_factor != 1.0:
+            if "grad_scale" in features:
+                kw["grad_scale"] = flow.grad_factor
+            else:
+                grads = grads * flow.grad_factor
+        return grads, kw
 
     def update(flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
         if flow.grads is None:
@@ -39,10 +118,107 @@ def shard_update(optimizer: Optimizer, dtype: torch.dtype | None = None) -> Tran
                 f"{tuple(flow.params.shape)}: put reduce_scatter() (sharded state) or all_reduce() (replicated "
                 "state) before shard_update() in the chain"
             )
-        grads = flow.grads.to(flow.params.dtype)
-        if flow.grad_factor != 1.0:
-            grads = grads * flow.grad_factor
-        params, state = optimizer.update(grads, state, flow.params, donate=ctx.donate)
-        return flow._replace(grads=None, params=params, compute=None), state
+        grads, kw = prepare(flow, flow.params)
+        if offload is not None:
+            params, state, compute = _offload_update(optimizer, grads, state, flow.params, kw, ctx.donate,
+                                                     compute_dtype, chunk)  # fmt: skip
+            return flow._replace(grads=None, params=params, compute=compute), state
+        compute = None
+        if compute_dtype is not None and compute_dtype != flow.params.dtype and "out" in features:
+            compute = kw["out"] = torch.empty(flow.params.shape, dtype=compute_dtype, device=flow.params.device)
+        params, state = optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
+        return flow._replace(grads=None, params=params, compute=compute), state
 
     return Transform(init, update)
+
+
+def _pieces(n: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, n)) for a in range(0, n, size)] or [(0, 0)]
+
+
+def _offload_update(
+    optimizer: Optimizer,
+    grads: Tensor,
+    state: Any,
+    params: Tensor,
+    kw: dict[str, Any],
+    donate: bool,
+    compute_dtype: torch.dtype | None,
+    chunk: int,
+) -> tuple[Tensor, Any, Tensor]:
+    """The offloaded update: `params` and `state` on the host, `grads` on their device; returns the new
+    parameters, the new state, and the compute copy on the gradients' device.
+
+    With `donate`, the shard is updated in place piece by piece, so each piece's optimizer work overlaps the
+    transfers of the others; a pure step runs the optimizer once on the whole shard (its outputs are fresh
+    buffers, which pieces could only assemble with one more copy)."""
+    device = grads.device
+    remote = device.type != "cpu"
+    pin = remote and params.is_pinned()
+    n = params.numel()
+    cdt = compute_dtype or params.dtype
+    fused_out = cdt != params.dtype and "out" in optimizer.features
+    pieces = _pieces(n, chunk if donate else max(n, 1))
+
+    # gradients to the host: every piece queued now, each with an event the host waits on before using it
+    flat_g = grads.reshape(-1)
+    host_g, events = flat_g, []
+    if remote:
+        host_g = torch.empty(n, dtype=grads.dtype, pin_memory=pin)
+        for a, b in pieces:
+            host_g[a:b].copy_(flat_g[a:b], non_blocking=True)
+            event = torch.Event(device=device)
+            event.record()
+            events.append(event)
+    out = torch.empty(n, dtype=cdt, pin_memory=pin) if fused_out else None
+    compute = torch.empty(n, dtype=cdt, device=device) if remote else None
+
+    def send(new_params: Tensor, a: int, b: int) -> None:
+        """Piece [a, b) of the compute copy to the device (non-blocking; ordered before later device work)."""
+        if compute is not None:
+            src = out[a:b] if out is not None else new_params.reshape(-1)[a:b].to(cdt)
+            compute[a:b].copy_(src, non_blocking=True)
+
+    if not donate:
+        if events:
+            events[0].synchronize()
+        extra = {**kw, "out": out.view(params.shape)} if out is not None else kw
+        new_params, new_state = optimizer.update(host_g.view(params.shape), state, params, donate=False, **extra)
+        send(new_params, 0, n)
+    else:
+        flat_p = params.reshape(-1)
+        sliced = lambda x, a, b: x.reshape(-1)[a:b] if _elementwise(x, params) else x  # noqa: E731
+        new_state = state
+        for i, (a, b) in enumerate(pieces):
+            if events:
+                events[i].synchronize()
+            sub = optree.tree_map(lambda x, a=a, b=b: sliced(x, a, b), state)
+            extra = {**kw, "out": out[a:b]} if out is not None else kw
+            p_piece, s_piece = optimizer.update(host_g[a:b], sub, flat_p[a:b], donate=True, **extra)
+            _keep(flat_p[a:b], p_piece)
+            new_state = optree.tree_map(lambda whole, mine, got: _merge(whole, mine, got, params), state, sub, s_piece)
+            send(flat_p, a, b)
+        new_params = params
+    if compute is None:  # on the CPU: the copy "sent back" is the host tensor itself
+        compute = out.view(params.shape) if out is not None else new_params.to(cdt)
+    return new_params, new_state, compute.view(params.shape)
+
+
+def _elementwise(x: Any, params: Tensor) -> bool:
+    """Whether a state leaf is a per-element buffer shaped like the parameters (sliced with them)."""
+    return isinstance(x, Tensor) and x.shape == params.shape
+
+
+def _keep(dest: Tensor, got: Tensor) -> None:
+    """An in-place update returns views of what it was given; anything else is copied into place."""
+    if got.data_ptr() != dest.data_ptr():
+        dest.copy_(got)
+
+
+def _merge(whole: Any, mine: Any, got: Any, params: Tensor) -> Any:
+    """A state leaf after one piece: per-element buffers stay the (updated in place) whole; the rest (the step
+    count) is what the piece returned."""
+    if _elementwise(whole, params):
+        _keep(mine, got)
+        return whole
+    return got

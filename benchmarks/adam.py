@@ -1,0 +1,198 @@
+"""CPU Adam, side by side in one run: fzero's native kernel, torch's AdamW (fused, foreach), DeepSpeed's
+`DeepSpeedCPUAdam` (when installed) and a bandwidth ceiling; then the whole offload update; then the gradient
+statistics.
+
+    .venv/bin/python benchmarks/adam.py [--log2-sizes 24 26] [--threads 1 2] [--rounds 7]
+
+For each size (float32 elements) and thread count (`torch.set_num_threads`, which the kernel follows):
+
+- plain AdamW update, in place: `fzero.native.adam_step`; `torch.optim.AdamW(fused=True)` and `(foreach=True)`
+  `.step()`; `DeepSpeedCPUAdam.step()`; and `fzero.native.ceiling`, a kernel with Adam's exact memory traffic
+  (read p, g, m, v; write p, m, v) and fused multiply-adds only: what memory bandwidth allows any Adam kernel;
+- the full offload update (the gradient factor 1/loss-scale x clip coefficient, AdamW, a bfloat16 copy of the new
+  parameters): the kernel in one pass, against torch's fastest composition of the same work, the best of
+  `grad.mul_(f)` + fused AdamW + `out.copy_(p)`, `torch._fused_adamw_(..., grad_scale=1/f)` + `out.copy_(p)`, and
+  the foreach equivalent;
+- the gradient statistics (sum of squares in float64, non-finite flag): `fzero.native.grad_stats` against
+  `torch.linalg.vector_norm(g, dtype=float64) ** 2` (what `grad_stats` in fzero/transforms/base.py did before).
+
+All variants of a size update the same four buffers (placement in physical memory moves a memory-bound kernel by
+several percent). Rounds alternate between the variants in a shuffled order (so machine noise hits all alike);
+each round times one call of each after a warm-up; the script prints the median elements/s, and each ratio as
+the median of the per-round (paired) ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from fzero import native
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+FACTOR = 0.37  # a gradient factor that is not a power of two (1 / loss scale x clip coefficient)
+
+
+def buffers(n: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    return p, g, g.square() * 0.1, g.square() * 0.01
+
+
+def share_state(opt: torch.optim.Optimizer, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+    """After a first step created it, point the optimizer's state at the shared moments."""
+    state = opt.state[p]
+    state["exp_avg"], state["exp_avg_sq"] = m, v
+
+
+def torch_optimizer(p, g, m, v, **kind) -> torch.optim.Optimizer:
+    p.requires_grad_()
+    p.grad = g
+    opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind)
+    opt.step()  # create the state
+    share_state(opt, p, m, v)
+    return opt
+
+
+def deepspeed_variant(p, g, m, v) -> Callable[[], None] | None:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+        opt.step()
+    except Exception:  # not installed, or its JIT build failed: reported as absent
+        return None
+    share_state(opt, p, m, v)
+    return opt.step
+
+
+# Every variant updates the same buffers in place: where four 2^26-element buffers land in physical memory
+# changes a memory-bound kernel's speed by several percent, so separate buffers would measure placement.
+# The ceiling runs with a = 0 (no value changes) on them too.
+
+
+def plain_variants(p, g, m, v) -> dict[str, Callable[[], None]]:
+    step = [1]
+
+    def kernel():
+        step[0] += 1
+        native.adam_step(p.detach(), g, m, v, step=step[0], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+    variants = {
+        "native": kernel,
+        "torch fused": torch_optimizer(p, g, m, v, fused=True).step,
+        "torch foreach": torch_optimizer(p, g, m, v, foreach=True).step,
+        "ceiling": lambda: native.ceiling(p.detach(), g, m, v, 0.0),
+    }
+    ds = deepspeed_variant(p, g, m, v)
+    if ds is not None:
+        variants["deepspeed"] = ds
+    return variants
+
+
+def offload_variants(p, g, m, v) -> dict[str, Callable[[], None]]:
+    n = p.numel()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    step = [1]
+
+    def kernel():
+        step[0] += 1
+        native.adam_step(p.detach(), g, m, v, step=step[0], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                         grad_scale=FACTOR, out=out)  # fmt: skip
+
+    scaled = torch.empty_like(g)  # the torch compositions write the scaled gradients somewhere: their grad
+    fused = torch_optimizer(p, scaled, m, v, fused=True)
+    foreach = torch_optimizer(p, scaled, m, v, foreach=True)
+
+    def mul_then(opt):
+        def run():
+            torch.mul(g, FACTOR, out=scaled)
+            opt.step()
+            out.copy_(p.detach())
+
+        return run
+
+    gs_step, gs_scale = torch.tensor(1.0), torch.tensor(1 / FACTOR)
+
+    def fused_grad_scale_cast():
+        gs_step.add_(1)
+        torch._fused_adamw_([p.detach()], [g], [m], [v], [], [gs_step], lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                            weight_decay=WD, eps=EPS, amsgrad=False, maximize=False, grad_scale=gs_scale)  # fmt: skip
+        out.copy_(p.detach())
+
+    return {
+        "native fused": kernel,
+        "torch mul+fused+cast": mul_then(fused),
+        "torch _fused_adamw_(grad_scale)+cast": fused_grad_scale_cast,
+        "torch foreach mul+step+cast": mul_then(foreach),
+    }
+
+
+def stats_variants(g: torch.Tensor) -> dict[str, Callable[[], None]]:
+    return {
+        "native grad_stats": lambda: native.grad_stats(g),
+        "torch vector_norm(float64)**2": lambda: float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2),
+    }
+
+
+def measure(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one per round; rounds visit the variants in a shuffled order."""
+    for f in variants.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def report(title: str, n: int, times: dict[str, list[float]], ratios: list[tuple[str, str]]) -> None:
+    """Median elements/s of each variant; each ratio is the median over rounds of the paired per-round ratios
+    (variants measured in the same round share its machine noise)."""
+    print(f"  {title}")
+    for name, t in times.items():
+        s = statistics.median(t)
+        print(f"    {name:40s} {n / s / 1e9:7.3f} Gelem/s  {s * 1e3:9.2f} ms")
+    for a, b in ratios:
+        if a in times and b in times:
+            paired = statistics.median(tb / ta for ta, tb in zip(times[a], times[b], strict=True))
+            print(f"    ratio {a} / {b}: {paired:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2-sizes", type=int, nargs="+", default=[24, 26])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    print(f"fzero.native: path {native.isa()}, OpenMP {native.openmp()}, torch {torch.__version__}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for log2 in args.log2_sizes:
+            n = 2**log2
+            print(f"\n2^{log2} = {n} float32 elements, {threads} thread(s)")
+            p, g, m, v = buffers(n)
+            plain = measure(plain_variants(p, g, m, v), args.rounds)
+            report("plain AdamW update", n, plain, [("native", "torch fused"), ("native", "torch foreach"),
+                                                    ("native", "deepspeed"), ("native", "ceiling")])  # fmt: skip
+            full = measure(offload_variants(p, g, m, v), args.rounds)
+            best = min((k for k in full if k.startswith("torch")), key=lambda k: statistics.median(full[k]))
+            full["torch fastest"] = full[best]
+            report(f"offload update: factor + AdamW + bf16 copy (torch fastest: {best})", n, full,
+                   [("native fused", "torch fastest")])  # fmt: skip
+            stats = measure(stats_variants(g), args.rounds)
+            report("gradient statistics", n, stats, [("native grad_stats", "torch vector_norm(float64)**2")])
+
+
+if __name__ == "__main__":
+    main()

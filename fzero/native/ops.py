@@ -1,0 +1,50 @@
+"""`torch.ops.fzero.adam_step_`: the Adam kernel as a `torch.library` custom op, so that a compiled step
+(`torch.compile(..., fullgraph=True)`) keeps it in one graph instead of breaking at an opaque C call.
+
+It mutates `params`, `exp_avg`, `exp_avg_sq` and (when given) `out` in place and returns nothing; its fake
+(meta) implementation does nothing, since no output has to be described.
+
+    >>> import torch
+    >>> p, g, m, v = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(3)
+    >>> torch.ops.fzero.adam_step_(p, g, m, v, None, 1, 0.1, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0)
+    >>> p
+    tensor([0.9000, 0.9000, 0.9000])
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["adam_step_"]
+
+
+@torch.library.custom_op("fzero::adam_step_", mutates_args=("params", "exp_avg", "exp_avg_sq", "out"))
+def adam_step_(
+    params: Tensor,
+    grads: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    out: Optional[Tensor],  # noqa: UP045 (torch.library parses the annotation: keep the typing form)
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    bias_correction: bool,
+    grad_scale: float,
+) -> None:
+    """In-place `fzero.native.adam_step` (see there), with every hyper-parameter positional."""
+    from . import adam_step
+
+    adam_step(params, grads, exp_avg, exp_avg_sq, step=step, lr=lr, betas=(beta1, beta2), eps=eps,
+              weight_decay=weight_decay, decoupled=decoupled, bias_correction=bias_correction,
+              grad_scale=grad_scale, out=out)  # fmt: skip
+
+
+@adam_step_.register_fake
+def _(params, grads, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay, decoupled,
+      bias_correction, grad_scale) -> None:  # fmt: skip
+    return None

@@ -1,0 +1,133 @@
+"""`cpu_adamw`, `cpu_adam`: Adam and AdamW on the native CPU kernel (`fzero.native`), for optimizer offload.
+
+They keep `fzero.adamw`'s state layout (`AdamState(count, exp_avg, exp_avg_sq)`, so checkpoints and tests treat
+both alike) and its hyper-parameters (constants or schedules of the applied-update count), and add what a fused
+kernel can do in the same pass over memory:
+
+- `grad_scale=`: a factor multiplied into every gradient as it is loaded (1 / loss scale times the clipping
+  coefficient), so unscaling and clipping cost no pass of their own;
+- bfloat16 / float16 gradients, upcast on load;
+- `out=`: a bfloat16 / float16 tensor that receives the updated parameters, bitwise `params.to(out.dtype)`.
+
+`shard_update` uses all three (see `Optimizer.features`). The master parameters and the moments must be float32
+CPU tensors. The arithmetic is the kernel's (fused multiply-adds; see `native/adam.c`), so results agree with
+`fzero.adamw` / `torch.optim.AdamW` within a few float32 rounding units per step, not bitwise; the bound is stated
+and tested in `tests/test_native.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import native
+from .adam import AdamState
+from .base import Hyper, Optimizer, check_hyper, hyper_value
+
+__all__ = ["cpu_adam", "cpu_adamw"]
+
+FEATURES = frozenset({"grad_scale", "grad_dtype", "out"})
+
+
+def _cpu_adam(
+    lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool, bias_correction: bool
+) -> Optimizer:
+    check_hyper("learning rate", lr, 0.0)
+    check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
+    check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
+    check_hyper("epsilon value", eps, 0.0)
+    check_hyper("weight_decay value", weight_decay, 0.0)
+    name = "cpu_adamw" if decoupled else "cpu_adam"
+    native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
+
+    def check_params(params: Tensor) -> None:
+        if not isinstance(params, Tensor):
+            raise TypeError(f"{name}: params must be a tensor, got {type(params).__name__}")
+        if params.dtype != torch.float32 or params.device.type != "cpu":
+            raise ValueError(
+                f"{name} keeps float32 master weights in CPU memory, got params of dtype {params.dtype} on "
+                f"{params.device}: use shard_update(..., dtype=torch.float32, offload='cpu'), or fzero.adamw"
+            )
+
+    def init(params: Tensor) -> AdamState:
+        check_params(params)
+        return AdamState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params), torch.zeros_like(params))
+
+    def update(
+        grads: Tensor,
+        state: AdamState,
+        params: Tensor,
+        *,
+        donate: bool = False,
+        grad_scale: float = 1.0,
+        out: Tensor | None = None,
+    ) -> tuple[Tensor, AdamState]:
+        check_params(params)
+        applied = int(state.count)
+        if donate:
+            p, m, v = params, state.exp_avg, state.exp_avg_sq
+            outs = {}
+        else:  # pure: the kernel reads the inputs and writes fresh buffers, in the same single pass
+            p, m, v = torch.empty_like(params), torch.empty_like(state.exp_avg), torch.empty_like(state.exp_avg_sq)
+            outs = {"params_out": p, "exp_avg_out": m, "exp_avg_sq_out": v}
+        native.adam_step(
+            params,
+            grads.contiguous(),
+            state.exp_avg,
+            state.exp_avg_sq,
+            step=applied + 1,
+            lr=hyper_value(lr, applied),
+            betas=(hyper_value(betas[0], applied), hyper_value(betas[1], applied)),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            bias_correction=bias_correction,
+            grad_scale=grad_scale,
+            out=out,
+            **outs,
+        )
+        return p, AdamState(torch.tensor(applied + 1, dtype=torch.int64), m, v)
+
+    return Optimizer(init, update, FEATURES)
+
+
+def cpu_adamw(
+    lr: Hyper = 1e-3,
+    betas: tuple[Hyper, Hyper] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    bias_correction: bool = True,
+) -> Optimizer:
+    """AdamW (decoupled weight decay) on the native CPU kernel; the hyper-parameters of `fzero.adamw` and
+    `torch.optim.AdamW`, plus DeepSpeed's `bias_correction`.
+
+    Args:
+      lr: learning rate, a float or a function of the number of updates already applied.
+      betas: coefficients of the running averages of the gradient and its square (each may be a schedule).
+      eps: added to the bias-corrected square root.
+      weight_decay: decoupled decay, `p <- p (1 - lr weight_decay)` before the Adam step.
+      bias_correction: divide the moments by `1 - beta^t` (DeepSpeed's `DeepSpeedCPUAdam` can turn it off).
+
+    Example:
+      >>> import torch, fzero
+      >>> opt = fzero.cpu_adamw(lr=0.1, weight_decay=0.0)
+      >>> p = torch.ones(3)
+      >>> p, s = opt.update(torch.ones(3), opt.init(p), p)
+      >>> p
+      tensor([0.9000, 0.9000, 0.9000])
+    """
+    return _cpu_adam(lr, betas, eps, weight_decay, True, bias_correction)
+
+
+def cpu_adam(
+    lr: Hyper = 1e-3,
+    betas: tuple[Hyper, Hyper] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    bias_correction: bool = True,
+) -> Optimizer:
+    """Adam with an L2 penalty (`g <- g + weight_decay p`, as `torch.optim.Adam`) on the native CPU kernel; see
+    `cpu_adamw`. Unlike DeepSpeed's `"type": "Adam"`, this is never silently AdamW."""
+    return _cpu_adam(lr, betas, eps, weight_decay, False, bias_correction)

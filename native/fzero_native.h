@@ -1,0 +1,58 @@
+/* fzero's native CPU kernels: the Adam/AdamW step on float32 master weights and state, the gradient statistics
+ * (sum of squares, non-finite flag), and a bandwidth-ceiling kernel for the benchmark.
+ *
+ * Every kernel has three implementations (scalar, AVX2+FMA+F16C, AVX-512F) chosen at run time from the CPU's
+ * features (never from the build machine's), and runs on `nthreads` OpenMP threads above a size threshold.
+ * The Adam paths perform the same IEEE operations (multiply, fused multiply-add, square root, divide, round to
+ * nearest even) on every element in the same order, so all three give bitwise identical results.
+ *
+ * The declarations between FZ_CDEF_BEGIN and FZ_CDEF_END are also read by cffi (native/build.py): keep them
+ * free of preprocessor directives.
+ */
+#ifndef FZERO_NATIVE_H
+#define FZERO_NATIVE_H
+
+#include <stddef.h>
+
+/* FZ_CDEF_BEGIN */
+typedef struct fz_adam_hyper {
+    float beta1;           /* m <- beta1 * m + (1 - beta1) * g */
+    float one_minus_beta1;
+    float beta2;           /* v <- beta2 * v + (1 - beta2) * g * g */
+    float one_minus_beta2;
+    float eps;             /* added after the bias correction, as torch.optim.Adam does */
+    float step_size;       /* lr / (1 - beta1^t), or lr without bias correction */
+    float inv_sqrt_bc2;    /* 1 / sqrt(1 - beta2^t), or 1 */
+    float decay;           /* 1 - lr * weight_decay for AdamW's decoupled decay, else 1 */
+    float l2;              /* weight_decay for Adam's L2 mode (g <- g + l2 * p), else 0 */
+    float grad_scale;      /* multiplies every gradient on load (1 / loss scale times the clip coefficient) */
+} fz_adam_hyper;
+
+/* dtype codes of gradients and of the low-precision copy-out */
+enum { FZ_NONE = -1, FZ_F32 = 0, FZ_BF16 = 1, FZ_F16 = 2 };
+/* instruction-set paths */
+enum { FZ_ISA_AUTO = -1, FZ_ISA_SCALAR = 0, FZ_ISA_AVX2 = 1, FZ_ISA_AVX512 = 2 };
+
+/* One Adam step over n elements. p_out, m_out, v_out may equal p_in, m_in, v_in (in place). g has dtype g_dtype
+ * (FZ_F32, FZ_BF16 or FZ_F16). If out16_dtype is FZ_BF16 or FZ_F16, out16 receives the updated parameters
+ * rounded to nearest even (what torch's .to(dtype) gives). Returns 0, or -1 for an unknown dtype code. */
+int fz_adam_step(const fz_adam_hyper *h, size_t n, const float *p_in, const void *g, int g_dtype,
+                 const float *m_in, const float *v_in, float *p_out, float *m_out, float *v_out,
+                 void *out16, int out16_dtype, int nthreads);
+
+/* Sum of squares of n gradients (accumulated in double, by chunks added in order: the result depends on the path
+ * and n, not on the thread count) and whether any is inf or nan. Returns 0 or -1. */
+int fz_grad_stats(const void *g, int g_dtype, size_t n, double *sumsq, int *nonfinite, int nthreads);
+
+/* Adam's exact memory pattern with fused multiply-adds only: x <- x + a * g for x in p, m, v (read p, g, m, v;
+ * write p, m, v). The ceiling that memory bandwidth sets for any Adam kernel; a = 0 leaves the values as they are. */
+void fz_ceiling(size_t n, float *p, const float *g, float *m, float *v, float a, int nthreads);
+
+int fz_isa(void);                 /* the path in use */
+int fz_isa_detected(void);        /* the best path this CPU supports */
+int fz_set_isa(int isa);          /* force a path (FZ_ISA_AUTO: the detected one); -1 if this CPU lacks it */
+int fz_openmp(void);              /* 1 if built with OpenMP */
+size_t fz_parallel_threshold(void); /* calls on fewer elements run on one thread */
+/* FZ_CDEF_END */
+
+#endif

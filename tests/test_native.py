@@ -1,0 +1,423 @@
+"""The native CPU Adam (every instruction-set path, and the pure-torch twin) against torch.optim in float64.
+
+The error bound. Each step is compared with `torch.optim.AdamW` / `Adam` run in float64 from the same float32
+state, so errors cannot accumulate across steps and every step is checked on its own. A float32 operation rounds
+its exact result `x` to within `u |x|`, `u = 2^-24` (half an ulp); the kernel's step is a fixed sequence of such
+operations (`native/adam.c`), and `error_bound` propagates one `u` per rounding through it to first order, term by
+term, from the magnitudes of the float64 reference (a sum is charged the sum of its terms' magnitudes, so
+cancellation is accounted for, not hidden in a relative error). The test asserts `|kernel - reference| <=
+error_bound`, that is, at most one unit roundoff per rounding. For a quantity computed without cancellation
+(`v`, and `m` and `p` when their terms share a sign) this is a few ulp of the value. Measured worst case over 400
+random cases: 0.74 of the bound (compiled paths), 0.77 (the twin).
+
+The three compiled paths perform the same IEEE operations per element in the same order, so they must agree
+bitwise (with each other, and across thread counts); the twin (torch's op order) only within the bound.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fzero import native
+
+U = 2.0**-24
+COMPILED = [isa for isa in native.ISAS if isa in native.supported_isas()]
+MISSING = [isa for isa in native.ISAS if isa not in native.supported_isas()]
+LOW = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def restore_isa():
+    before = native.isa()
+    yield
+    native.set_isa(before)
+
+
+def reference_step(p, g, m, v, t, h):
+    """One float64 torch.optim step from the float32 state `(p, m, v)` at 1-based step `t`."""
+    p64 = p.double().clone().requires_grad_()
+    p64.grad = g.float().double() * h["grad_scale"]
+    cls = torch.optim.AdamW if h["decoupled"] else torch.optim.Adam
+    opt = cls([p64], lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"], foreach=False)
+    # torch has no switch for the bias correction: a step count so large that 1 - beta^t is exactly 1 in float64
+    # (beta <= 0.999 here, and 0.999^1e6 underflows to 0) reproduces bias_correction=False with torch's own code
+    prev = float(t - 1) if h["bias_correction"] else 1e6
+    opt.state[p64] = {"step": torch.tensor(prev), "exp_avg": m.double().clone(), "exp_avg_sq": v.double().clone()}
+    opt.step()
+    state = opt.state[p64]
+    return p64.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+def error_bound(p, g, m, v, t, h, ref):
+    """First-order bound of the float32 step's error: `u` per rounding, times the magnitude rounded (see the
+    module docstring). Returns the bounds for `(p, m, v)`, elementwise, in float64."""
+    p_ref, m_ref, v_ref = ref
+    b1, b2 = h["betas"]
+    lr, wd = h["lr"], h["weight_decay"]
+    p, m, v = p.double(), m.double(), v.double()
+    g = g.float().double() * h["grad_scale"]
+    size_g = g.abs()
+    if not h["decoupled"] and wd:
+        size_g, g = size_g + wd * p.abs(), g + wd * p
+    err_g = 2 * U * size_g  # the scale's product; the L2 fma
+    # beta's and (1 - beta)'s float32 values, the product, the fma
+    err_m = 3 * U * (b1 * m.abs() + (1 - b1) * size_g) + (1 - b1) * err_g
+    err_v = 4 * U * (b2 * v + (1 - b2) * size_g**2) + (1 - b2) * (2 * g.abs() * err_g + err_g**2)
+    bc1 = 1 - b1**t if h["bias_correction"] else 1.0
+    bc2 = 1 - b2**t if h["bias_correction"] else 1.0
+    inv = 1 / math.sqrt(bc2)
+    root = v_ref.sqrt()
+    # |sqrt(a) - sqrt(b)| <= min(|a - b| / (2 sqrt(b)), sqrt(|a - b|)); plus sqrt's own rounding
+    err_root = torch.minimum(err_v / (2 * root), err_v.sqrt()).nan_to_num(0.0) + U * root
+    denom = root * inv + h["eps"]
+    err_denom = err_root * inv + 3 * U * denom  # 1/sqrt(bc2)'s and eps's float32 values, the fma
+    step_size = lr / bc1
+    update = step_size * m_ref.abs() / denom
+    err_update = step_size * err_m / denom + update * err_denom / denom + 3 * U * update  # step_size, div, product
+    decay = 1 - lr * wd if h["decoupled"] else 1.0
+    err_p = 2 * U * (p * decay).abs() + err_update + U * p_ref.abs()  # decay's value and product; the final fma
+    return err_p, err_m, err_v
+
+
+def run(isa, p, g, m, v, t, h, out_dtype=None):
+    native.set_isa(isa)
+    p, m, v = p.clone(), m.clone(), v.clone()
+    out = torch.empty(p.shape, dtype=out_dtype) if out_dtype is not None else None
+    native.adam_step(p, g, m, v, step=t, out=out, **h)
+    return p, m, v, out
+
+
+def assert_within(got, ref, bounds, where):
+    for name, x, r, b in zip("pmv", got, ref, bounds, strict=False):
+        excess = (x.double() - r).abs() - b
+        assert not (excess > 0).any(), (where, name, float(excess.max()))
+
+
+hypers = st.fixed_dictionaries(
+    {
+        "lr": st.sampled_from([0.0, 1e-3, 1e-2, 0.3]),
+        "betas": st.tuples(st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from([0.0, 0.9, 0.999])),
+        "eps": st.sampled_from([1e-8, 1e-6, 1e-3]),
+        "weight_decay": st.sampled_from([0.0, 0.01, 0.1]),
+        "decoupled": st.booleans(),
+        "bias_correction": st.booleans(),
+        "grad_scale": st.sampled_from([1.0, 0.5, 2.0**-10, 0.37]),
+    }
+)
+
+
+@given(h=hypers, n=st.one_of(st.integers(0, 100), st.sampled_from([70_001])), steps=st.integers(1, 6),
+       seed=st.integers(0, 2**16), exponent=st.integers(-3, 2), gdt=st.sampled_from([torch.float32, *LOW]),
+       out_dtype=st.sampled_from([None, *LOW]))  # fmt: skip
+def test_every_path_matches_the_float64_reference(h, n, steps, seed, exponent, gdt, out_dtype):
+    gen = torch.Generator().manual_seed(seed)
+    size = 10.0**exponent
+    p, m, v = torch.randn(n, generator=gen) * size, torch.zeros(n), torch.zeros(n)
+    for t in range(1, steps + 1):
+        g = (torch.randn(n, generator=gen) * size).to(gdt)
+        ref = reference_step(p, g, m, v, t, h)
+        bounds = error_bound(p, g, m, v, t, h, ref)
+        results = {isa: run(isa, p, g, m, v, t, h, out_dtype) for isa in [*COMPILED, "torch"]}
+        for isa, (pk, mk, vk, out) in results.items():
+            assert_within((pk, mk, vk), ref, bounds, (isa, t))
+            if out is not None:  # the copy-out is the updated parameters' round to nearest even, bitwise
+                assert torch.equal(out.view(torch.int16), pk.to(out_dtype).view(torch.int16)), (isa, t)
+        first = results[COMPILED[0]]
+        for isa in COMPILED[1:]:
+            for a, b in zip(first, results[isa], strict=False):
+                assert a is None or torch.equal(a, b), (isa, "differs from", COMPILED[0], t)
+        p, m, v = first[:3]
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_every_tail_length_and_offset_equals_scalar(isa):
+    """Lengths 0-70 cover every tail below the vector widths (8, 16) after zero to four full vectors; views at
+    element offsets 1-3 make every load and store unaligned."""
+    if isa not in COMPILED:
+        pytest.skip(f"this CPU cannot run the {isa} path (it supports {', '.join(native.supported_isas())})")
+    h = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled": False,
+         "bias_correction": True, "grad_scale": 0.5}  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for n in range(71):
+        for offset in range(4):
+            base = [torch.randn(n + offset, generator=gen)[offset:] for _ in range(3)]
+            p, g, m = base
+            v = m.square()
+            for gdt in (torch.float32, *LOW):
+                got = run(isa, p, g.to(gdt), m, v, 3, h, torch.bfloat16)
+                want = run("scalar", p, g.to(gdt), m, v, 3, h, torch.bfloat16)
+                for a, b in zip(got, want, strict=False):
+                    assert torch.equal(a, b), (isa, n, offset, gdt)
+
+
+def test_threads_and_streaming_do_not_change_the_result():
+    """Above `parallel_threshold()` the kernel splits work across OpenMP threads, and from 2^20 elements on it
+    writes the low-precision copy with non-temporal stores (when aligned): neither may change a bit. The scalar
+    path, on one thread with ordinary stores, is the reference; an unaligned copy takes the fallback. The
+    statistics add their chunks in order, so they do not depend on the thread count either."""
+    n = (1 << 20) + 37
+    gen = torch.Generator().manual_seed(1)
+    p, g, m = (torch.randn(n, generator=gen) for _ in range(3))
+    v = m.square()
+    h = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01, "decoupled": True,
+         "bias_correction": True, "grad_scale": 1.0}  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run("scalar", p, g, m, v, 2, h, torch.float16)
+        stats = {}
+        for k in (1, 2, 3):
+            torch.set_num_threads(k)
+            for isa in COMPILED:
+                native.set_isa(isa)
+                stats.setdefault(isa, set()).add(native.grad_stats(g))  # summed by chunks: any thread count
+                got = run(isa, p, g, m, v, 2, h, torch.float16)
+                assert all(torch.equal(a, b) for a, b in zip(want, got, strict=False)), (isa, k)
+                native.set_isa(isa)
+                unaligned = torch.empty(n + 1, dtype=torch.bfloat16)[1:]
+                native.adam_step(p.clone(), g, m.clone(), v.clone(), step=2, out=unaligned, **h)
+                assert torch.equal(unaligned, want[0].to(torch.bfloat16)), (isa, k)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(results) == 1 for results in stats.values()), stats
+
+
+def special_floats(n: int, seed: int) -> torch.Tensor:
+    """Float32 values from every corner of the rounding: random bit patterns over all exponents, and the ties,
+    neighbours of ties, overflow thresholds and subnormal boundaries of bfloat16 and float16."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = [torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)]
+    high = torch.randint(0, 2**16, (n,), generator=gen, dtype=torch.int64) << 16
+    for low in (0x8000, 0x7FFF, 0x8001, 0):  # bfloat16: exact ties, just below, just above, exact
+        bits.append(high | low)
+    top = torch.randint(0, 2**19, (n,), generator=gen, dtype=torch.int64) << 13
+    for low in (0x1000, 0x0FFF, 0x1001):  # float16: ties of the 13 dropped bits, and their neighbours
+        bits.append(top | low)
+    edges = [0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x7F7FFFFF, 0x7F800000, 0x38800000, 0x387FFFFF,
+             0x33000000, 0x33000001, 0x32FFFFFF, 0x337FFFFF, 0x00000001, 0x00800000, 0x7F7F8000, 0]  # fmt: skip
+    bits.append(torch.tensor(edges + [e | 0x80000000 for e in edges]))
+    unsigned = torch.cat(bits) & 0xFFFFFFFF
+    return torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("isa", [*native.ISAS, "torch"])
+def test_copy_out_is_torch_cast_bitwise(isa):
+    """With `lr = 0` and zero gradients the step leaves every parameter as it is (`p - 0 * 0 / eps`), so the
+    copy-out must equal torch's `.to(dtype)` of arbitrary float32 values, bitwise (NaNs: any NaN)."""
+    if isa != "torch" and isa not in COMPILED:
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    p = special_floats(4096, 0)
+    zero = torch.zeros_like(p)
+    h = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "decoupled": True,
+         "bias_correction": True, "grad_scale": 1.0}  # fmt: skip
+    for dtype in LOW:
+        pk, _, _, out = run(isa, p, zero, zero, zero, 1, h, dtype)
+        nan = p.isnan()  # arithmetic may quiet a signalling NaN: NaNs only stay NaN
+        assert torch.equal(pk.isnan(), nan)
+        assert torch.equal(pk[~nan].view(torch.int32), p[~nan].view(torch.int32))
+        want = p.to(dtype)
+        assert torch.equal(out.isnan(), nan)
+        assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16)), dtype
+
+
+@pytest.mark.parametrize("isa", [*native.ISAS, "torch"])
+def test_low_precision_gradients_load_exactly(isa):
+    """With `beta1 = 0` the new first moment is the loaded gradient itself (`fma(0, m, 1 * g)`; `0 + -0` is
+    `+0`, so zeros compare by value), so every one of the 65536 bfloat16 and float16 bit patterns must arrive as
+    its exact float32 value."""
+    if isa != "torch" and isa not in COMPILED:
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    h = {"lr": 0.0, "betas": (0.0, 0.999), "eps": 1e-8, "weight_decay": 0.0, "decoupled": True,
+         "bias_correction": True, "grad_scale": 1.0}  # fmt: skip
+    for dtype in LOW:
+        g = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        zero = torch.zeros(g.shape)
+        _, m, _, _ = run(isa, zero, g, zero, zero, 1, h)
+        want = g.float()
+        nan = want.isnan()
+        assert torch.equal(m.isnan(), nan)
+        assert torch.equal(m[~nan], want[~nan]), dtype
+
+
+@given(n=st.integers(0, 5000), seed=st.integers(0, 2**16), exponent=st.integers(-20, 20),
+       dtype=st.sampled_from([torch.float32, *LOW]), bad=st.lists(st.integers(0, 4999), max_size=3),
+       value=st.sampled_from([math.inf, -math.inf, math.nan]))  # fmt: skip
+def test_grad_stats(n, seed, exponent, dtype, bad, value):
+    """Sum of squares against torch's float64 sum: both add n non-negative float64 terms, each sum within
+    `(n - 1) 2^-53` relative of the exact one, hence the tolerance `2 n 2^-53`. Every inf or nan, wherever it
+    sits, raises the flag."""
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(n, generator=gen) * 2.0**exponent).to(dtype)
+    bad = [i for i in bad if i < n]
+    for i in bad:
+        g[i] = value
+    flagged = not bool(g.isfinite().all())  # the injected values, and float16's own overflow of large ones
+    want = float(g.double().square().sum())
+    for isa in [*COMPILED, "torch"]:
+        native.set_isa(isa)
+        sumsq, nonfinite = native.grad_stats(g)
+        assert nonfinite == flagged, (isa, bad)
+        if not flagged:
+            assert abs(sumsq - want) <= 2 * n * 2.0**-53 * want, isa
+        rows = native.sumsq(g.reshape(1, -1))
+        assert rows.shape == (1,) and (rows[0].item() == sumsq or (flagged and not math.isfinite(rows[0].item())))
+
+
+def test_grad_stats_never_overflows_on_finite_values():
+    """Squares of finite float32 values cannot overflow float64: the largest finite gradients give a finite sum
+    and no false overflow."""
+    g = torch.full((100_000,), torch.finfo(torch.float32).max)
+    for isa in [*COMPILED, "torch"]:
+        native.set_isa(isa)
+        sumsq, nonfinite = native.grad_stats(g)
+        assert not nonfinite and math.isfinite(sumsq), isa
+
+
+def test_isa_reporting_and_errors():
+    assert native.isa() in (*native.ISAS, "torch")
+    # the suite runs on an install that built the extension: a silently failed build must not pass as the twin
+    assert native.available(), "fzero.native._kernel did not build: see pip's output for 'building extension'"
+    assert native.supported_isas()[-1] == "torch"
+    with pytest.raises(ValueError, match="unknown instruction-set path 'avx513'"):
+        native.set_isa("avx513")
+    for isa in MISSING:
+        with pytest.raises(ValueError, match=f"cannot run the '{isa}' path"):
+            native.set_isa(isa)
+    assert native.set_isa("scalar") in (*native.ISAS, "torch")
+    assert native.isa() == "scalar"
+    native.set_isa(None)
+    assert native.isa() == native.supported_isas()[-2]
+
+
+def test_argument_errors_name_the_tensor():
+    p, g, m, v = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    kw = {"step": 1, "lr": 0.1}
+    with pytest.raises(TypeError, match="params has dtype torch.float64, expected float32"):
+        native.adam_step(p.double(), g, m, v, **kw)
+    with pytest.raises(TypeError, match="grads has dtype torch.int32"):
+        native.adam_step(p, g.int(), m, v, **kw)
+    with pytest.raises(ValueError, match="exp_avg_sq has 3 elements, but params has 4"):
+        native.adam_step(p, g, m, v[:3], **kw)
+    with pytest.raises(ValueError, match="exp_avg .* is not contiguous"):
+        native.adam_step(p, g, torch.zeros(8)[::2], v, **kw)
+    with pytest.raises(TypeError, match="out has dtype torch.float32, expected bfloat16, float16"):
+        native.adam_step(p, g, m, v, out=torch.zeros(4), **kw)
+    with pytest.raises(ValueError, match="outputs params_out and exp_avg_out overlap"):
+        native.adam_step(p, g, m, v, params_out=m, **kw)
+    with pytest.raises(ValueError, match="output exp_avg_out overlaps input grads"):
+        native.adam_step(p, g, m, v, exp_avg_out=g, **kw)
+    with pytest.raises(ValueError, match="step must be a positive integer"):
+        native.adam_step(p, g, m, v, step=0, lr=0.1)
+    with pytest.raises(TypeError, match="grads must be a torch.Tensor, got list"):
+        native.grad_stats([1.0])
+
+
+def test_out_of_place_leaves_the_inputs():
+    gen = torch.Generator().manual_seed(2)
+    p, g, m = (torch.randn(33, generator=gen) for _ in range(3))
+    v = m.square()
+    inputs = [x.clone() for x in (p, g, m, v)]
+    outs = {"params_out": torch.empty(33), "exp_avg_out": torch.empty(33), "exp_avg_sq_out": torch.empty(33)}
+    native.adam_step(p, g, m, v, step=4, lr=0.1, **outs)
+    assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), inputs, strict=False))
+    native.adam_step(p, g, m, v, step=4, lr=0.1)
+    assert torch.equal(p, outs["params_out"]) and torch.equal(m, outs["exp_avg_out"])
+    assert torch.equal(v, outs["exp_avg_sq_out"])
+
+
+def test_custom_op_compiles_into_one_graph():
+    """`torch.ops.fzero.adam_step_` passes torch.library's own checks, and a compiled step with it inside is one
+    graph (no break), equal bitwise to eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    gen = torch.Generator().manual_seed(3)
+    p, g, m = (torch.randn(40, generator=gen) for _ in range(3))
+    v, out = m.square(), torch.empty(40, dtype=torch.bfloat16)
+    args = (p, g, m, v, out, 2, 1e-2, 0.9, 0.999, 1e-8, 0.01, True, True, 0.5)
+    torch.library.opcheck(torch.ops.fzero.adam_step_.default, tuple(a.clone() if isinstance(a, torch.Tensor)
+                                                                      else a for a in args))  # fmt: skip
+
+    def step(p, g, m, v, out):
+        g = g * 2  # work around the op, so the graph has more than the op in it
+        torch.ops.fzero.adam_step_(p, g, m, v, out, 2, 1e-2, 0.9, 0.999, 1e-8, 0.01, True, True, 0.5)
+        return out.float().sum()
+
+    eager = [x.clone() for x in (p, g, m, v, out)]
+    compiled = [x.clone() for x in (p, g, m, v, out)]
+    counter = CompileCounter()
+    want = step(*eager)
+    got = torch.compile(step, backend=counter, fullgraph=True)(*compiled)
+    assert counter.frame_count == 1
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=False))
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter at the repository root (so `tests.support` imports)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=root, timeout=300)  # fmt: skip
+
+
+def test_environment_variable_forces_the_path(monkeypatch):
+    """`FZERO_ISA` is read at first use: in a fresh interpreter for real, then (cheaper) by resetting the choice."""
+    r = _python("import fzero; print(fzero.native.isa())", FZERO_ISA="scalar")
+    assert r.stdout.split() == ["scalar"], r.stderr
+    for value in [*COMPILED, "torch", f" {COMPILED[-1].upper()}", "auto"]:
+        monkeypatch.setenv("FZERO_ISA", value)
+        monkeypatch.setattr(native, "_choice", None)
+        assert native.isa() == (native.supported_isas()[-2] if value == "auto" else value.strip().lower())
+    monkeypatch.setenv("FZERO_ISA", "fast")
+    monkeypatch.setattr(native, "_choice", None)
+    with pytest.raises(ValueError, match="FZERO_ISA: unknown instruction-set path 'fast'"):
+        native.isa()
+    for isa in MISSING:
+        monkeypatch.setenv("FZERO_ISA", isa)
+        monkeypatch.setattr(native, "_choice", None)
+        with pytest.raises(ValueError, match=f"FZERO_ISA: this CPU cannot run the '{isa}' path"):
+            native.isa()
+    monkeypatch.delenv("FZERO_ISA")
+    monkeypatch.setattr(native, "_choice", None)
+    native.isa()
+
+
+def test_trains_without_the_extension():
+    """With the compiled module unimportable (as after an install without a compiler), fzero imports, warns once,
+    runs the twin, and trains."""
+    code = """
+        import sys, warnings
+        sys.modules["fzero.native._kernel"] = None  # what a failed build leaves: the import raises ImportError
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            import torch, fzero
+            from tests.support import mlp, regression_batches, regression_loss
+            assert not fzero.native.available() and fzero.native.isa() == "torch"
+            model = mlp([4, 8, 2], 0)
+            mesh = fzero.SimMesh(world=2)
+            tx = fzero.zero2(fzero.cpu_adamw(3e-2), clip=1.0)
+            fzero.cpu_adam(1e-3)  # a second optimizer: still one warning
+            state = fzero.init(model, tx, mesh)
+            step = fzero.train_step(model, regression_loss(model), tx, mesh)
+            batches = regression_batches(model, 2, 1, 8, 1, 0) * 30
+            losses = []
+            for b in batches:
+                state, metrics = step(state, b)
+                losses.append(float(metrics["loss"]))
+        mine = [w for w in caught if "fzero.native" in str(w.message)]
+        print(len(mine), losses[0], losses[-1])
+        print(mine[0].message)
+    """
+    r = _python(code)
+    assert r.returncode == 0, r.stderr
+    count, first, last = r.stdout.split("\n")[0].split()
+    assert count == "1" and float(last) < 0.8 * float(first)
+    assert "using its pure-torch twin" in r.stdout
