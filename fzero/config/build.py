@@ -17,7 +17,6 @@ loss scale, and the ZeRO preset chain.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,22 +30,12 @@ from ..precision import Policy, get_policy
 from ..stage3 import GatherPolicy
 from ..transforms import (
     Transform,
-    accumulate,
-    all_reduce,
-    chain,
-    clip_by_global_norm,
-    gather,
-    identity,
-    reduce_scatter,
-    scale_loss,
-    shard_update,
     zero0,
     zero1,
     zero2,
     zero3,
 )
 from . import Config
-from .schema import UnsupportedConfigError
 
 __all__ = ["OptimizerSpec", "build_optimizer", "build_policy", "build_schedule", "build_transform"]
 
@@ -176,51 +165,23 @@ def build_loss_scale(cfg: Config) -> Any:
     )
 
 
-def _offload_available() -> bool:
-    return "offload" in inspect.signature(shard_update).parameters
-
-
-def _compute_dtype(policy: Policy) -> dict[str, Any]:
-    # lets the CPU Adam write the low-precision compute copy in its own pass (where shard_update offers it)
-    if "compute_dtype" in inspect.signature(shard_update).parameters:
-        return {"compute_dtype": policy.compute_dtype}
-    return {}
-
-
 def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
     """The ZeRO preset chain the config describes, around `optimizer`.
 
     Without optimizer offload this is exactly `fzero.zero{stage}(optimizer, accumulate=gas, precision=...,
     loss_scale=..., clip=..., skip_nonfinite=...)`, so the engine and a functional `train_step` built from the same
-    preset compute the same values. With `offload_optimizer.device: cpu` the chain is the same one with
-    `shard_update(..., offload="cpu")`.
+    preset compute the same values. `offload_optimizer.device: cpu` is the preset's `offload="cpu"`.
     """
     policy = build_policy(cfg)
     loss_scale = build_loss_scale(cfg)
     clip = cfg.gradient_clipping or None
     skip = cfg["bf16"]["check_grad_overflow"] if cfg.precision == "bf16" else True
-    if not cfg.offload:
-        return PRESETS[cfg.stage](
-            optimizer, accumulate=cfg.gas, precision=policy, loss_scale=loss_scale, clip=clip, skip_nonfinite=skip
-        )
-    if not _offload_available():
-        raise UnsupportedConfigError(
-            "zero_optimization.offload_optimizer.device",
-            "'cpu' needs fzero's optimizer offload (shard_update(..., offload='cpu')), which this build lacks",
-        )
-    # the presets' chain (fzero/transforms/presets.py), with the update offloaded
-    stage = cfg.stage
-    acc = accumulate(cfg.gas, dtype=policy.accum_dtype)
-    if stage == 0:
-        reduce = [acc, all_reduce(policy.reduce_dtype)]
-    elif stage == 1:
-        reduce = [acc, reduce_scatter(policy.reduce_dtype)]
-    else:
-        reduce = [reduce_scatter(policy.reduce_dtype), acc]
-    return chain(
-        *reduce,
-        scale_loss(loss_scale if loss_scale is not None else "none", skip_nonfinite=skip),
-        clip_by_global_norm(clip) if clip else identity(),
-        shard_update(optimizer, dtype=policy.param_dtype, offload="cpu", **_compute_dtype(policy)),
-        gather(policy.compute_dtype, lazy=stage == 3),
+    return PRESETS[cfg.stage](
+        optimizer,
+        accumulate=cfg.gas,
+        precision=policy,
+        loss_scale=loss_scale,
+        clip=clip,
+        skip_nonfinite=skip,
+        offload="cpu" if cfg.offload else None,
     )

@@ -17,7 +17,9 @@ owned slice, twice the traffic.) Every preset takes:
   accumulation in `accum_dtype`);
 - `loss_scale`: default `"dynamic"` under fp16, none otherwise (see `scale_loss`);
 - `clip`: the global-norm bound, or None;
-- `skip_nonfinite`: skip steps with inf/nan gradients on every rank (default on).
+- `skip_nonfinite`: skip steps with inf/nan gradients on every rank (default on);
+- `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
+  (ZeRO-Offload; pair it with `fzero.cpu_adamw`), the compute copy written in the same pass.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _preset(
     loss_scale: Any,
     clip: float | None,
     skip_nonfinite: bool,
+    offload: str | None,
 ) -> Transform:
     policy = get_policy(precision)
     if loss_scale is None:
@@ -59,30 +62,35 @@ def _preset(
         *reduce,
         scale_loss(loss_scale, skip_nonfinite=skip_nonfinite),
         clip_by_global_norm(clip) if clip else identity(),
-        shard_update(optimizer, dtype=policy.param_dtype),
+        shard_update(
+            optimizer,
+            dtype=policy.param_dtype,
+            offload=offload,
+            compute_dtype=policy.compute_dtype if offload else None,
+        ),
         gather(policy.compute_dtype, lazy=stage == 3),
     )
 
 
 def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
     """Plain data parallelism: gradients all-reduced, everything replicated."""
-    return _preset(0, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
+    return _preset(0, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
 
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally."""
-    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
+    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards."""
-    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
+    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest, all-gathered at the start of every micro-step."""
-    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite)
+    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
