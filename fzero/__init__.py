@@ -13,6 +13,7 @@ from .checkpoint import consolidate, load, save
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
+from .memory import state_bytes
 from .mesh import DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, sgd
 from .precision import Policy, get_policy
@@ -86,6 +87,7 @@ __all__ = [
     "scale_loss",
     "sgd",
     "shard_update",
+    "state_bytes",
     "state_dict",
     "train_step",
     "zero0",

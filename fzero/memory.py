@@ -1,0 +1,74 @@
+"""Model-state memory per rank, read off the actual state (to set against the ZeRO paper's formulas).
+
+With `N` the padded parameter count, `W` the world size, fp32 master weights and Adam, a rank holds between steps:
+
+| stage | master + Adam moments | compute copy, bf16/fp16 (fp32) | accumulator (k > 1, fp32) |
+|---|---|---|---|
+| 0 | 12 N | 2 N (0: the master itself) | 4 N |
+| 1 | 12 N / W | 2 N (4 N) | 4 N |
+| 2 | 12 N / W | 2 N (4 N) | 4 N / W |
+| 3 | 12 N / W | 2 N / W (0: the master itself) | 4 N / W |
+
+(the paper's `(2 + 2 + K) Psi / N_d` counts a 16-bit gradient buffer too, which fzero only holds during a step).
+
+Example:
+    >>> import torch, fzero
+    >>> state = fzero.init(torch.nn.Linear(64, 64), fzero.zero3(fzero.adamw(), precision="bf16"), fzero.SimMesh(4))
+    >>> b = state_bytes(state)
+    >>> (b["master"], b["optimizer"], b["compute"]) == (4 * 4160 // 4, 8 * 4160 // 4, 2 * 4160 // 4)
+    True
+"""
+
+from __future__ import annotations
+
+import optree
+from torch import Tensor
+
+from .state import TrainState
+
+__all__ = ["state_bytes"]
+
+_CATEGORIES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "momentum_buffer": "optimizer", "acc": "accumulator"}
+
+
+def _named(x: object) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def state_bytes(state: TrainState) -> dict[str, int]:
+    """Bytes one rank holds, by category: `master`, `compute` (not counted again where it is the master tensor
+    itself), `optimizer`, `accumulator`, `other` (frozen parameters, buffers, counters, the loss scale), `total`.
+
+    Args:
+      state: a `TrainState`; on a `SimMesh` the leading world axis is divided out.
+    """
+    per_rank = state.layout.world if state.simulated else 1
+    seen: set[tuple[int, int]] = set()
+    out = dict.fromkeys(("master", "compute", "optimizer", "accumulator", "other"), 0)
+
+    def add(category: str, t: Tensor) -> None:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            return
+        seen.add(key)
+        out[category] += t.numel() * t.element_size() // (per_rank if t.ndim and t.shape[0] == per_rank else 1)
+
+    add("master", state.params)
+    if state.compute is not None:
+        add("compute", state.compute)
+
+    def walk(node: object, category: str) -> None:
+        if isinstance(node, Tensor):
+            add(category, node)
+        elif isinstance(node, tuple) and hasattr(node, "_fields"):  # the optimizers' and transforms' states
+            for name, child in node._asdict().items():
+                walk(child, _CATEGORIES.get(name, category))
+        else:
+            for child in optree.tree_leaves(node, namespace="fzero", is_leaf=lambda x: x is not node and _named(x)):
+                walk(child, category)
+
+    walk(state.tx_state, "other")
+    for rest in (state.loss_scale, state.frozen, state.buffers, state.step):
+        walk(rest, "other")
+    out["total"] = sum(out.values())
+    return out
