@@ -69,7 +69,9 @@ class _Scaling:
         return float(self.value)
 
     def scale(self, loss: Tensor) -> Tensor:
-        return loss * self.loss_scale
+        """`loss * S`, in float32 (so a low-precision loss does not overflow before the backward)."""
+        s = self.loss_scale
+        return loss.float() * s if s != 1.0 else loss
 
     def unscale(self, tree: Any) -> Any:
         inv = 1.0 / self.loss_scale

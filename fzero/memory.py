@@ -64,8 +64,10 @@ def state_bytes(state: TrainState) -> dict[str, int]:
             for name, child in node._asdict().items():
                 walk(child, _CATEGORIES.get(name, category))
         else:
-            for child in optree.tree_leaves(node, namespace="fzero", is_leaf=lambda x: x is not node and _named(x)):
-                walk(child, category)
+            children = optree.tree_leaves(node, namespace="fzero", is_leaf=lambda x: x is not node and _named(x))
+            if children != [node]:  # a leaf that is no tensor (a Python number in a custom state) holds no memory
+                for child in children:
+                    walk(child, category)
 
     walk(state.tx_state, "other")
     for rest in (state.loss_scale, state.frozen, state.buffers, state.step):

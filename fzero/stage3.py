@@ -16,10 +16,11 @@ reduced: the backward begins where the forward ended, so re-gathering them would
 rank this moves `Psi` (forward gathers) `+ Psi - Psi_kept` (backward gathers) `+ Psi` (reduce-scatters) elements.
 
 Why this mechanism: `torch.func` can neither differentiate through collectives nor accept saved-tensor hooks
-(DESIGN facts 1 and 2), so this path runs plain autograd. A unit's full buffer is the output of an autograd
-Function whose backward receives the unit's complete gradient exactly once, after its last use; the buffer's storage
-is resized to zero after the forward and refilled before the backward (FSDP's technique), so the tensors autograd
-saved stay valid, and writing through a separate alias keeps their version counters untouched.
+(docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full buffer is the
+output of an autograd Function whose backward receives the unit's complete gradient exactly once, after its last
+use; the buffer's storage is resized to zero after the forward and refilled before the backward (FSDP's technique),
+so the tensors autograd saved stay valid, and writing through a separate alias keeps their version counters
+untouched.
 
 On a `SimMesh` the ranks run one after another, so a unit's gradient is reduced once every rank's backward is done;
 the arithmetic (a rank-ordered sum divided by the world size) and the ledger are those of a real run.
@@ -143,7 +144,10 @@ class _Gatherer:
         self.done = [False] * n
         self.live_elements = self.peak = 0
         grad_dtype = reduce_dtype or shard.dtype
-        self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=shard.device)
+        # on a SimMesh the units' full gradients are kept (unit_grads) and reduced once every rank is done
+        self.grad_shard = (
+            torch.zeros(layout.shard_numel, dtype=grad_dtype, device=shard.device) if sim is None else None
+        )
         self.unit_grads: dict[int, Tensor] = {}
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
         self.times = {layout.units[i].name: [0.0, 0.0] for i in self.modules} if policy.timings else None
@@ -296,7 +300,7 @@ class _Gatherer:
         """Reduce zeros for units no gradient reached (every rank issues the same collectives), free the rest."""
         for i, unit in enumerate(self.layout.units):
             if not self.done[i]:
-                self.unit_backward(i, self.grad_shard.new_zeros(unit.size))
+                self.unit_backward(i, self.shard.new_zeros(unit.size))
             self.release(i)
 
     def close(self) -> None:
@@ -342,6 +346,11 @@ class UnitGathering:
     def peak(self) -> int:
         """The most gathered elements alive at once so far."""
         return self._g.peak
+
+    @property
+    def received(self) -> bool:
+        """Whether a backward has reached any unit since the gathering began."""
+        return any(self._g.done)
 
     @property
     def times(self) -> dict[str, list[float]] | None:

@@ -7,7 +7,7 @@ One step, on every rank:
    flat buffer, so the gradient arrives as one flat buffer too. Collectives stay outside the differentiation
    (`torch.func` cannot differentiate through them). Two interchangeable engines compute it, bitwise equal:
    `autodiff="autograd"` (default: `torch.autograd.grad` on a fresh leaf, still pure) and `autodiff="func"`
-   (`torch.func.grad`, about 5% slower per step on the small GPT of `benchmarks/step_overhead.py`);
+   (`torch.func.grad`, 5-10% slower per step on the small GPT of `benchmarks/step_overhead.py`);
 3. the transform chain: accumulate, reduce, update, gather, as the preset or the user composed it.
 
 Example:
@@ -184,7 +184,6 @@ def train_step(
     policy = gather or GatherPolicy()
 
     def _per_unit(state: TrainState, batch: Any):
-        scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
         simulated = isinstance(mesh, SimMesh)
 
         def run(params: dict[str, Tensor], rank: int):
@@ -194,8 +193,7 @@ def train_step(
             out = loss_fn({**params, **frozen, **buffers}, optree.tree_map(pick, batch) if simulated else batch)
             loss, aux = out if has_aux else (out, None)
             _check_loss(loss)
-            scaled = loss.float() * scale if scale != 1.0 else loss
-            return scaled, (loss.detach(), aux, buffers)
+            return _scaled(state, loss), (loss.detach(), aux, buffers)
 
         return sharded_backward(mesh, state.layout, model, state.compute, policy, state.reduce_dtype, run)
 
@@ -207,8 +205,6 @@ def train_step(
             raise ValueError(f"the state was built for world {layout.world}, but the mesh has world {mesh.world}")
         _check_batch(batch, mesh)
 
-        scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
-
         def local(compute: Tensor, frozen: dict, buffers: dict, batch: Any):
             buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
 
@@ -216,8 +212,7 @@ def train_step(
                 out = loss_fn({**unflatten(layout, flat), **frozen, **buffers}, batch)
                 loss, aux = out if has_aux else (out, None)
                 _check_loss(loss)
-                scaled = loss.float() * scale if scale != 1.0 else loss  # unscaled later: Flow.grad_factor
-                return scaled, ((loss.detach(), aux) if has_aux else loss.detach())
+                return _scaled(state, loss), ((loss.detach(), aux) if has_aux else loss.detach())
 
             if autodiff == "func":
                 grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
@@ -251,6 +246,15 @@ def train_step(
         return new, metrics
 
     return step
+
+
+def _scale_of(state: TrainState) -> float:
+    return 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
+
+
+def _scaled(state: TrainState, loss: Tensor) -> Tensor:
+    """The loss the backward differentiates: times the loss scale (unscaled later, in `Flow.grad_factor`)."""
+    return loss if state.loss_scale is None else state.loss_scale.scale(loss)
 
 
 def _stack(mesh: Mesh, values: list[Any]) -> Any:
@@ -295,7 +299,7 @@ def apply_gradients(
       The new state and the metrics (all of `train_step`'s but `comm` and `aux`).
     """
     layout = state.layout
-    scale = 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
+    scale = _scale_of(state)
     flow = Flow(
         grads, state.params, state.compute, {}, reduced=reduced, grad_factor=1.0 / scale, loss_scale=state.loss_scale
     )

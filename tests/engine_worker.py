@@ -139,3 +139,25 @@ def run(rank: int, world: int, out_dir: str) -> None:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def no_backward(rank: int, world: int, out_dir: str) -> None:
+    """Stage 3 on a real mesh: `engine(x)` then `engine.step()` without a backward raises, and changes nothing."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store-nb", rank=rank, world_size=world)
+    model = tiny_gpt(0)
+    config = {"train_batch_size": 2 * world, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}  # fmt: skip
+    engine, *_ = fzero.initialize(model=model, config=config)
+    before = engine.state.params.clone()
+    engine(torch.zeros(2, model.cfg.seq_len, dtype=torch.long))
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert "no gradients since the last step" in str(e), e
+    else:
+        raise AssertionError("engine.step() without a backward did not raise at stage 3")
+    assert torch.equal(engine.state.params, before) and engine.global_steps == 0
+    dist.barrier()
+    dist.destroy_process_group()

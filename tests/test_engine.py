@@ -338,3 +338,11 @@ def test_errors_are_clear():
         fzero.initialize(model=model, optimizer=torch.optim.RMSprop(model.parameters()), config={"train_batch_size": 4})
     with pytest.raises(ConfigError, match="zero_optimization.stage: expected an integer in \\[0, 3\\], got 7"):
         fzero.initialize(model=model, config={**cfg, "zero_optimization": {"stage": 7}})
+
+
+def test_stage3_step_without_backward_raises_on_two_processes(tmp_path):
+    """At stage 3 the engine's gradients arrive unit by unit during the backward: a step with no backward must not
+    apply an update from the zeros it would otherwise reduce."""
+    torch.multiprocessing.start_processes(
+        engine_worker.no_backward, args=(2, str(tmp_path)), nprocs=2, start_method="spawn"
+    )

@@ -30,3 +30,11 @@ def test_state_bytes_follow_the_zero_formulas(world, precision, micro):
         assert b["accumulator"] == acc
         assert b["total"] == b["master"] + b["optimizer"] + b["compute"] + b["accumulator"] + b["other"]
         assert b["other"] < 64 + 8 * len(state.buffers)  # counters and the loss scale: a few bytes
+
+
+def test_state_bytes_ignore_non_tensor_leaves():
+    model = tiny_gpt(0)
+    counter = fzero.Transform(lambda flow, ctx: (flow, 7), lambda flow, state, ctx: (flow, state))
+    tx = fzero.chain(counter, fzero.reduce_scatter(), fzero.shard_update(fzero.adamw()))
+    b = state_bytes(fzero.init(model, tx, fzero.SimMesh(2)))
+    assert b["master"] > 0 and b["other"] == 16  # two int64 counters (steps, Adam updates); the int holds none

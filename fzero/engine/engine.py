@@ -256,8 +256,7 @@ class Engine(nn.Module):
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the current loss scale, for a manual `scale(loss).backward()` (fp16); `step()` then uses
         the gradients the backward left."""
-        s = self.loss_scale
-        return loss.float() * s if s != 1.0 else loss
+        return loss if self.state.loss_scale is None else self.state.loss_scale.scale(loss)
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Gradients of `loss` (times the loss scale) for this micro-step, added to any from an earlier `backward`
@@ -302,7 +301,8 @@ class Engine(nn.Module):
         if self._gathering is not None:
             self._gathering.close()
             self._gathering = self._leaf = None
-        self._grad = None
+            self._params = {}
+        self._grad = self._loss = None
         if self._leaf is not None:
             self._leaf.grad = None
 
@@ -337,6 +337,9 @@ class Engine(nn.Module):
 
     def _take_grads(self) -> Tensor:
         if self._gathering is not None:
+            if not self._gathering.received:
+                self._gathering.close()
+                raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
             grads = self._gathering.finish()
             return grads * self._gas_factor if self._gas_factor != 1.0 else grads
         grads = self._grad

@@ -1,5 +1,6 @@
-"""`torch.ops.fzero.adam_step_`: the Adam kernel as a `torch.library` custom op, so that a compiled step
-(`torch.compile(..., fullgraph=True)`) keeps it in one graph instead of breaking at an opaque C call.
+"""`torch.ops.fzero.adam_step_`: the Adam kernel as a `torch.library` custom op, so that code compiled with
+`torch.compile(..., fullgraph=True)` that calls it stays in one graph instead of breaking at an opaque C call.
+(`fzero.cpu_adamw` calls the kernel directly: the eager step gains nothing from the dispatcher.)
 
 It mutates `params`, `exp_avg`, `exp_avg_sq` and (when given) `out` in place and returns nothing; its fake
 (meta) implementation does nothing, since no output has to be described.

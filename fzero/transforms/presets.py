@@ -92,5 +92,6 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
-    """ZeRO-3: compute parameters also sharded at rest, all-gathered at the start of every micro-step."""
+    """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
+    the backward (`fzero.GatherPolicy`)."""
     return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
