@@ -183,6 +183,13 @@ def train_step(
 
     policy = gather or GatherPolicy()
 
+    def evaluate(state: TrainState, params: dict[str, Tensor], batch: Any) -> tuple[Tensor, Tensor, Any]:
+        """`loss_fn` on named tensors: the scaled loss to differentiate, the detached loss, and `aux`."""
+        out = loss_fn(params, batch)
+        loss, aux = out if has_aux else (out, None)
+        _check_loss(loss)
+        return _scaled(state, loss), loss.detach(), aux
+
     def _per_unit(state: TrainState, batch: Any):
         simulated = isinstance(mesh, SimMesh)
 
@@ -190,10 +197,9 @@ def train_step(
             pick = (lambda t: t[rank]) if simulated else (lambda t: t)
             frozen = {k: pick(v) for k, v in state.frozen.items()}
             buffers = {k: pick(v).clone() for k, v in state.buffers.items()}
-            out = loss_fn({**params, **frozen, **buffers}, optree.tree_map(pick, batch) if simulated else batch)
-            loss, aux = out if has_aux else (out, None)
-            _check_loss(loss)
-            return _scaled(state, loss), (loss.detach(), aux, buffers)
+            local_batch = optree.tree_map(pick, batch) if simulated else batch
+            scaled, loss, aux = evaluate(state, {**params, **frozen, **buffers}, local_batch)
+            return scaled, (loss, aux, buffers)
 
         return sharded_backward(mesh, state.layout, model, state.compute, policy, state.reduce_dtype, run)
 
@@ -209,10 +215,8 @@ def train_step(
             buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
 
             def f(flat: Tensor, buffers: dict):  # buffers are an input: torch.func forbids mutating captured tensors
-                out = loss_fn({**unflatten(layout, flat), **frozen, **buffers}, batch)
-                loss, aux = out if has_aux else (out, None)
-                _check_loss(loss)
-                return _scaled(state, loss), ((loss.detach(), aux) if has_aux else loss.detach())
+                scaled, loss, aux = evaluate(state, {**unflatten(layout, flat), **frozen, **buffers}, batch)
+                return scaled, ((loss, aux) if has_aux else loss)  # torch.func's aux: tensors only, no None
 
             if autodiff == "func":
                 grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)

@@ -14,21 +14,9 @@ from fzero.checkpoint import named_leaves
 from tests import ckpt_worker
 from tests.ckpt_worker import CASES, batches, train
 from tests.support import lm_loss, tiny_gpt
+from tests.test_checkpoint import assert_same
 
 WORLD = 2
-
-
-def _equal(a, b, where):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a.dtype == b.dtype and torch.equal(a, b), where
 
 
 def test_dist_resume_and_reshard(tmp_path):
@@ -58,10 +46,11 @@ def test_dist_resume_and_reshard(tmp_path):
             sim, extra = fzero.load(tmp_path / "from3", fzero.init(model, tx, mesh))
             sim = train(sim, fzero.train_step(model, lm_loss(model), tx, mesh), batches(WORLD, micro), 2, None)
             dist_saved, _ = fzero.load(tmp_path / f"moved-{preset}", fzero.init(model, tx, mesh))
-            _equal(named_leaves(dist_saved), named_leaves(sim), preset)
+            assert_same(named_leaves(dist_saved), named_leaves(sim), preset)
             assert extra["data_position"] == 2
             # and the files the 2 processes wrote consolidate to the same parameters in one process
-            _equal(fzero.consolidate(tmp_path / f"moved-{preset}"), fzero.state_dict(sim), f"{preset} consolidated")
+            consolidated = fzero.consolidate(tmp_path / f"moved-{preset}")
+            assert_same(consolidated, fzero.state_dict(sim), f"{preset} consolidated")
 
         for rank in range(WORLD):  # a failure on one rank is raised on every rank (nobody waits forever)
             lines = (tmp_path / f"outcomes-{rank}.txt").read_text().splitlines()
