@@ -180,7 +180,9 @@ class _Gatherer:
                 out[alias] = out[name]
         return out
 
-    def _start(self, i: int) -> None:
+    def _start(self, i: int, ahead: bool = False) -> None:
+        """Gather unit `i` into its storage: asynchronously when prefetching `ahead` of its use, else at once (an
+        async collective waited on immediately buys nothing and leaves one more handle in flight)."""
         unit, store = self.layout.units[i], self.store[i]
         if store is None:
             store = self.store[i] = self.shard.new_empty(unit.size)
@@ -190,7 +192,7 @@ class _Gatherer:
         alias = store.new_empty(0).set_(store.untyped_storage(), 0, (unit.size,))
         piece = self.layout.unit_shard_slice(i)
         if self.sim is None:
-            self.pending[i] = self.mesh.all_gather_into(alias, self.shard[piece].detach(), async_op=True)
+            self.pending[i] = self.mesh.all_gather_into(alias, self.shard[piece].detach(), async_op=ahead)
         else:
             shards, rank = self.sim
             alias.copy_(shards[:, piece].reshape(-1))
@@ -227,7 +229,7 @@ class _Gatherer:
             size = self.layout.units[nxt].size
             if self.policy.max_live_elements is not None and self.live_elements + size > self.policy.max_live_elements:
                 return
-            self._start(nxt)
+            self._start(nxt, ahead=True)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> list[Any]:
