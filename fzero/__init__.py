@@ -19,7 +19,7 @@ from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, sgd
 from .precision import Policy, get_policy
 from .stage3 import GatherPolicy
 from .state import TrainState, pytree
-from .step import init, state_dict, train_step
+from .step import eval_step, init, state_dict, train_step
 from .transforms import (
     Context,
     Flow,
@@ -69,6 +69,7 @@ __all__ = [
     "consolidate",
     "cpu_adam",
     "cpu_adamw",
+    "eval_step",
     "gather",
     "get_policy",
     "identity",

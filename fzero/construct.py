@@ -1,12 +1,25 @@
 """Sharded construction (DeepSpeed's `zero.Init`): parameters from a `meta`-device model, one unit at a time.
 
-For each unit, the modules that own its parameters are materialised (`to_empty`) and initialised by the user's
-`initializer(module)`, the unit is flattened, rank 0's values are broadcast (so ranks agree whatever their random
-state), each rank keeps its shard, and the modules get their original `meta` tensors back (the model object is left
-exactly as it was, ties included). The full model never exists on a rank: at most one unit (twice: the module's
-tensors and the unit's flat buffer) on top of the shards.
+For each unit, the modules that own its tensors are materialised (`to_empty`) and initialised as
+`model.apply(initializer)` would initialise them: the initializer runs, children first, on those modules and their
+ancestors (so an initializer that sets a child's parameters from its parent, as GPT-2's scaled `c_proj` init does,
+reaches them; on modules not materialised it only touches `meta` tensors, which costs nothing). Every tensor it
+leaves uninitialised is an error that names it. Then the unit is flattened, rank 0's values are broadcast (so ranks
+agree whatever their random state), each rank keeps its shard, and the modules get their original `meta` tensors
+back (the model object is left exactly as it was, ties included). The full model never exists on a rank: at most
+one unit (twice: the module's tensors and the unit's flat buffers) on top of the shards.
 
-Modules that own frozen parameters or buffers but no trainable parameter are materialised with the first unit.
+Modules that own buffers but no parameter are materialised with the first unit.
+
+Example:
+    >>> import torch, fzero
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> mesh = fzero.SimMesh(world=2)
+    >>> state = fzero.init(model, fzero.zero3(fzero.adamw()), mesh, initializer=lambda m: None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: sharded construction: the initializer left 4 tensors of unit '<root>' uninitialised (0.weight, ...
 """
 
 from __future__ import annotations
@@ -22,20 +35,66 @@ from .mesh import Mesh, SimMesh
 __all__ = ["sharded_parameters"]
 
 
-def _owners(model: nn.Module, layout: Layout) -> list[list[nn.Module]]:
-    """For each unit, the modules whose own (non-recursive) parameters or buffers it must materialise."""
-    unit_of = {leaf.name: leaf.unit for leaf in layout.leaves}
-    groups: list[list[nn.Module]] = [[] for _ in layout.units]
-    seen: set[int] = set()
+def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module, children before their parent, in `model.apply`'s order."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child)
+        out.append((prefix, module))
+
+    visit("", model)
+    return out
+
+
+def _owners(model: nn.Module, layout: Layout) -> list[list[str]]:
+    """For each unit, the names of the modules owning (directly) one of its parameters, or buffers of a module that
+    owns no parameter (those go with the first unit)."""
+    unit_of = {leaf.name: leaf.unit for lay in (layout, layout.frozen_layout) if lay is not None for leaf in lay.leaves}
+    groups: list[list[str]] = [[] for _ in layout.units]
     for prefix, module in model.named_modules():
         names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
-        units = {unit_of[n] for n in names if n in unit_of}
-        owns = names or list(module.named_buffers(recurse=False))
-        if not owns or id(module) in seen:
-            continue
-        seen.add(id(module))
-        groups[min(units) if units else 0].append(module)
+        units = sorted({unit_of[n] for n in names if n in unit_of})
+        if not units and list(module.named_buffers(recurse=False)):
+            units = [0]
+        for u in units:
+            groups[u].append(prefix)
     return groups
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return ["", *(".".join(parts[:k]) for k in range(1, len(parts)))]
+
+
+class _Untouched:
+    """Marks freshly materialised tensors, to tell afterwards which ones the initializer never wrote: floating
+    tensors are filled with NaN, integer tensors with their dtype's minimum; others (bool) are checked by their
+    version counter."""
+
+    def __init__(self) -> None:
+        self.marked: list[tuple[str, Tensor, int]] = []
+
+    def mark(self, name: str, t: Tensor) -> None:
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).min)
+        self.marked.append((name, t, t._version))
+
+    def missed(self) -> list[str]:
+        out = []
+        for name, t, version in self.marked:
+            if t.is_floating_point() or t.is_complex():
+                bad = bool(torch.isnan(t).any())
+            elif t.dtype != torch.bool:
+                bad = bool((t == torch.iinfo(t.dtype).min).any())
+            else:
+                bad = t._version == version
+            if bad:
+                out.append(name)
+        return out
 
 
 def sharded_parameters(
@@ -44,58 +103,80 @@ def sharded_parameters(
     mesh: Mesh,
     initializer: Callable[[nn.Module], None],
     device: torch.device | str = "cpu",
-) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
-    """Each rank's shard of the trainable parameters, and the frozen parameters and buffers, of a `meta` model.
+) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """Each rank's shard of the trainable and of the frozen parameters, and the buffers, of a `meta` model.
 
     Args:
       model: a module on the `meta` device (left unchanged).
       layout: its layout (`fzero.layout.from_module`).
       mesh: the mesh (rank 0's values are broadcast unit by unit).
-      initializer: `initializer(module)` initialises the parameters and buffers a module owns directly, in place
-        (e.g. `lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None`).
+      initializer: `initializer(module)` initialises, in place, tensors of the module (usually those it owns; an
+        ancestor may set its descendants'), e.g. a Hugging Face model's `model._init_weights`, or
+        `lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None` for torch's own layers.
       device: where the shards live.
 
     Returns:
-      `(shard, frozen, buffers)`: the shard per rank (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh, in
-      the layout's dtype) and per-rank frozen parameters and buffers by name.
+      `(shard, frozen, buffers)`: the trainable shard per rank (`[shard_numel]`, or `[world, shard_numel]` on a
+      SimMesh, in the layout's dtype), the frozen shard likewise (None without frozen parameters), and the
+      buffers by name (full, per rank).
+
+    Raises:
+      ValueError: the initializer left a parameter or buffer (or part of one) uninitialised; it names them.
     """
-    world = layout.world
-    pieces: list[Tensor] = []
-    frozen: dict[str, Tensor] = {}
+    spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
+    pieces: list[list[Tensor]] = [[] for _ in spaces]
     buffers: dict[str, Tensor] = {}
-    frozen_names = {s.name for s in layout.frozen}
     buffer_names = {s.name for s in layout.buffers}
-    module_names = {id(m): n for n, m in model.named_modules()}
-    for unit_index, modules in enumerate(_owners(model, layout)):
-        unit = layout.units[unit_index]
-        originals = [(dict(m._parameters), dict(m._buffers)) for m in modules]  # restored below: ties stay intact
-        for m in modules:
-            m.to_empty(device=device, recurse=False)
-            with torch.no_grad():
-                initializer(m)
-        named = {}
-        for m in modules:
-            prefix = module_names[id(m)]
-            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-                named[f"{prefix}.{n}" if prefix else n] = t
-        flat = torch.zeros(unit.size, dtype=dtype_of(layout.dtype), device=device)
+    modules = dict(model.named_modules())
+    order = _post_order(model)
+    for unit_index, owners in enumerate(_owners(model, layout)):
+        targets = set(owners).union(*(_ancestors(n) for n in owners))
+        originals = [(modules[n], dict(modules[n]._parameters), dict(modules[n]._buffers)) for n in owners]
+        untouched = _Untouched()
+        named: dict[str, Tensor] = {}
         with torch.no_grad():
-            for leaf in layout.leaves:
-                if leaf.unit == unit_index:
-                    start = leaf.offset - unit.start
-                    flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
-        flat = mesh.broadcast(mesh.replicate(flat), src=0)
-        rows = flat.view(*flat.shape[:-1], world, -1)  # [(world,) world, unit shard]
-        if isinstance(mesh, SimMesh):
-            pieces.append(torch.stack([rows[r, r] for r in range(world)]))
-        else:
-            pieces.append(rows[mesh.rank].clone())
+            for prefix in owners:
+                m = modules[prefix]
+                m.to_empty(device=device, recurse=False)
+                for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                    named[f"{prefix}.{n}" if prefix else n] = t
+                    untouched.mark(f"{prefix}.{n}" if prefix else n, t)
+            for prefix, m in order:
+                if prefix in targets:
+                    initializer(m)
+        missed = untouched.missed()
+        if missed:
+            for m, params, bufs in originals:
+                m._parameters.update(params)
+                m._buffers.update(bufs)
+            shown = ", ".join(missed[:8]) + (", ..." if len(missed) > 8 else "")
+            raise ValueError(
+                f"sharded construction: the initializer left {len(missed)} tensors of unit "
+                f"{layout.units[unit_index].name!r} uninitialised ({shown}); it runs "
+                "on every module, children first, as model.apply(initializer) would, and must set every parameter "
+                "and buffer (non-persistent buffers such as rotary inv_freq or position_ids included). For a "
+                "Hugging Face model pass initializer=model._init_weights"
+            )
+        for space, lay in enumerate(spaces):
+            unit = lay.units[unit_index]
+            flat = torch.zeros(unit.size, dtype=dtype_of(lay.dtype), device=device)
+            with torch.no_grad():
+                for leaf in lay.leaves:
+                    if leaf.unit == unit_index:
+                        start = leaf.offset - unit.start
+                        flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
+            flat = mesh.broadcast(mesh.replicate(flat), src=0)
+            rows = flat.view(*flat.shape[:-1], layout.world, -1)  # [(world,) world, unit shard]
+            if isinstance(mesh, SimMesh):
+                pieces[space].append(torch.stack([rows[r, r] for r in range(layout.world)]))
+            else:
+                pieces[space].append(rows[mesh.rank].clone())
         for name, t in named.items():
-            target = frozen if name in frozen_names else buffers if name in buffer_names else None
-            if target is not None:
-                target[name] = mesh.broadcast(mesh.replicate(t.detach().clone()), src=0)
-        for m, (params, bufs) in zip(modules, originals, strict=True):
+            if name in buffer_names:
+                buffers[name] = mesh.broadcast(mesh.replicate(t.detach().clone()), src=0)
+        for m, params, bufs in originals:
             m._parameters.update(params)
             m._buffers.update(bufs)
-        del flat, rows, named
-    return torch.cat(pieces, dim=-1), frozen, buffers
+        del named
+    shards = [torch.cat(p, dim=-1) for p in pieces]
+    return shards[0], shards[1] if len(shards) > 1 else None, buffers

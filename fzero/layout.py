@@ -14,8 +14,11 @@ everything else): the unit is what ZeRO-3 gathers at once. Three orders of the s
 - *rank-major* (length `numel`): the `world` shards end to end; the order collectives move. Permuting between
   unit-major and rank-major costs one copy, or nothing when there is a single unit.
 
-Frozen parameters (`requires_grad=False`) and buffers are recorded by name, shape and dtype; they are carried in
-the training state but never sharded or updated.
+Frozen parameters (`requires_grad=False`) get a flat buffer of their own, `Layout.frozen_layout`: a `Layout` with
+the same units (by index and name), so that stage 3 shards them at rest and gathers them unit by unit with the
+trainable ones; they have no optimizer state and are never updated. A unit that holds only frozen parameters (or
+only trainable ones) is padding in the other space; collectives skip such units. Buffers are recorded by name,
+shape, dtype and whether they are persistent (part of `state_dict()`); the state carries them unsharded.
 
 Example:
     >>> import torch
@@ -35,12 +38,13 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "BySize",
     "Layout",
     "Leaf",
     "TensorSpec",
@@ -72,11 +76,13 @@ def dtype_of(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, shape and dtype of a tensor carried unsharded (a frozen parameter or a buffer)."""
+    """Name, shape and dtype of a tensor carried unsharded (a buffer); `persistent`: whether the module's
+    `state_dict()` holds it (False for buffers registered with `persistent=False`)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    persistent: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,14 +114,22 @@ class Unit:
 
 @dataclass(frozen=True)
 class Layout:
-    """The static map from named parameters to flat buffers and shards (see the module docstring)."""
+    """The static map from named parameters to flat buffers and shards (see the module docstring).
+
+    Attributes:
+      world, align, dtype: ranks sharded over, the padding quantum per rank, the flat buffer's dtype.
+      leaves, units: the trainable parameters' places, and the units they are gathered in.
+      frozen_layout: the frozen parameters' flat buffer, with the same units (None: no frozen parameter).
+      buffers: the module's buffers, carried unsharded.
+      aliases: `(alias, name)` for every further name of a tied parameter (trainable or frozen).
+    """
 
     world: int
     align: int
     dtype: str
     leaves: tuple[Leaf, ...]
     units: tuple[Unit, ...]
-    frozen: tuple[TensorSpec, ...] = ()
+    frozen_layout: Layout | None = None
     buffers: tuple[TensorSpec, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()
     numel: int = field(init=False)
@@ -134,6 +148,18 @@ class Layout:
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_of(self.dtype)
+
+    @property
+    def frozen(self) -> tuple[TensorSpec, ...]:
+        """The frozen parameters' names, shapes and dtypes, in layout order."""
+        if self.frozen_layout is None:
+            return ()
+        return tuple(TensorSpec(x.name, x.shape, x.dtype) for x in self.frozen_layout.leaves)
+
+    def is_full(self, x: Tensor) -> bool:
+        """Whether a per-rank buffer of this layout (last dimension) is full rather than this rank's shard; at
+        world 1 the two are the same and this is True."""
+        return x.shape[-1] == self.numel
 
     def unit_slice(self, unit: int) -> slice:
         """The unit's elements in the full buffer."""
@@ -154,23 +180,65 @@ class Layout:
 
     def to_json(self) -> str:
         """Serialise to a JSON string; `Layout.from_json` inverts it exactly."""
-        data = asdict(self)
-        del data["numel"], data["shard_numel"]
-        return json.dumps(data, sort_keys=True)
+        return json.dumps(self._data(), sort_keys=True)
+
+    def _data(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "frozen_layout"}
+        data = json.loads(json.dumps({k: _plain(v) for k, v in data.items()}))
+        data["frozen_layout"] = None if self.frozen_layout is None else self.frozen_layout._data()
+        return data
 
     @staticmethod
-    def from_json(text: str) -> Layout:
-        data = json.loads(text)
+    def from_json(text: str | dict) -> Layout:
+        """The layout `to_json` wrote (also the layouts of checkpoints saved before frozen parameters had a flat
+        buffer of their own: their frozen parameters are laid out in the root unit)."""
+        data = json.loads(text) if isinstance(text, str) else text
+        units = tuple(Unit(**x) for x in data["units"])
+        frozen = data.get("frozen_layout")
+        if frozen is not None:
+            frozen_layout = Layout.from_json(frozen)
+        elif data.get("frozen"):  # the first format: frozen parameters as a list of specs
+            frozen_layout = make_layout(
+                [(x["name"], tuple(x["shape"]), dtype_of(x["dtype"])) for x in data["frozen"]],
+                world=data["world"], align=data["align"], unit_names=[u.name for u in units],
+            )  # fmt: skip
+        else:
+            frozen_layout = None
         return Layout(
             world=data["world"],
             align=data["align"],
             dtype=data["dtype"],
             leaves=tuple(Leaf(**{**x, "shape": tuple(x["shape"])}) for x in data["leaves"]),
-            units=tuple(Unit(**x) for x in data["units"]),
-            frozen=tuple(TensorSpec(x["name"], tuple(x["shape"]), x["dtype"]) for x in data["frozen"]),
-            buffers=tuple(TensorSpec(x["name"], tuple(x["shape"]), x["dtype"]) for x in data["buffers"]),
+            units=units,
+            frozen_layout=frozen_layout,
+            buffers=tuple(
+                TensorSpec(x["name"], tuple(x["shape"]), x["dtype"], x.get("persistent", True)) for x in data["buffers"]
+            ),
             aliases=tuple((a, b) for a, b in data["aliases"]),
         )
+
+
+def _plain(value: object) -> object:
+    """Dataclasses and tuples as JSON-ready dicts and lists."""
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)  # type: ignore[call-overload]
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class BySize:
+    """A size-based unit policy (FSDP's size-based auto-wrap): visiting modules children first, a module whose
+    parameters not yet in a unit number at least `min_numel` elements becomes a unit with all of them; what is
+    left belongs to the root unit. For models without an `nn.ModuleList` (a CNN's stages and blocks).
+    """
+
+    min_numel: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 1:
+            raise ValueError(f"BySize(min_numel=...) needs an int >= 1, got {self.min_numel!r}")
 
 
 def make_layout(
@@ -180,11 +248,13 @@ def make_layout(
     align: int = 16,
     unit_of: Callable[[str], str] | None = None,
     dtype: torch.dtype | None = None,
-    frozen: Iterable[TensorSpec] = (),
+    unit_names: Sequence[str] | None = None,
+    frozen_layout: Layout | None = None,
     buffers: Iterable[TensorSpec] = (),
     aliases: Iterable[tuple[str, str]] = (),
+    what: str = "parameters",
 ) -> Layout:
-    """Lay out named trainable parameters.
+    """Lay out named parameters.
 
     Args:
       params: `(name, shape, dtype)` in the model's `named_parameters()` order; this order is kept.
@@ -193,7 +263,10 @@ def make_layout(
         `world * align`, so parameters and every rank's shard of every unit start `align`-aligned.
       unit_of: maps a parameter name to its unit's name; default: a single unit.
       dtype: dtype of the flat buffer; default: the parameters' common dtype.
-      frozen, buffers, aliases: carried along unchanged (see `from_module`).
+      unit_names: the units, in order (every unit `unit_of` names must be among them); a unit without parameters
+        here is one padding quantum. Default: the units in order of first appearance.
+      frozen_layout, buffers, aliases: carried along unchanged (see `from_module`).
+      what: what the parameters are, for error messages.
 
     Returns:
       The `Layout`.
@@ -209,14 +282,17 @@ def make_layout(
         if len(dtypes) > 1:
             found = ", ".join(f"{n}: {d}" for n, _, d in params[:8])
             raise TypeError(
-                f"trainable parameters have mixed dtypes ({found}, ...); cast the model to one dtype "
+                f"{what} have mixed dtypes ({found}, ...); cast the model to one dtype "
                 "(e.g. model.float()) or pass dtype= to choose the flat buffer's dtype"
             )
         dtype = next(iter(dtypes))
     unit_of = unit_of or (lambda name: ROOT_UNIT)
-    order: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
+    order: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {name: [] for name in unit_names or ()}
     for name, shape, dt in params:
-        order.setdefault(unit_of(name), []).append((name, tuple(int(s) for s in shape), dt))
+        unit = unit_of(name)
+        if unit_names is not None and unit not in order:
+            raise ValueError(f"parameter {name!r} belongs to unit {unit!r}, which is not among the units given")
+        order.setdefault(unit, []).append((name, tuple(int(s) for s in shape), dt))
     quantum = world * align
     leaves: list[Leaf] = []
     units: list[Unit] = []
@@ -240,7 +316,7 @@ def make_layout(
         dtype=_dtype_name(dtype),
         leaves=tuple(leaves),
         units=tuple(units),
-        frozen=tuple(frozen),
+        frozen_layout=frozen_layout,
         buffers=tuple(buffers),
         aliases=tuple(aliases),
     )
@@ -265,16 +341,45 @@ def module_list_units(model: nn.Module) -> Callable[[str], str]:
     return unit_of
 
 
-def _unit_policy(model: nn.Module, units: str | Callable[[str], str] | None) -> Callable[[str], str]:
+def size_units(model: nn.Module, min_numel: int) -> Callable[[str], str]:
+    """The `BySize(min_numel)` policy (see `BySize`): parameters (trainable and frozen, tied ones once) counted
+    children first; a module other than the root whose not-yet-assigned elements reach `min_numel` becomes a
+    unit."""
+    assigned: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module) -> list[tuple[str, int]]:
+        """The (name, numel) of the parameters under `module` not yet in a unit."""
+        loose: list[tuple[str, int]] = []
+        for child_name, child in module.named_children():
+            loose += visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                loose.append((f"{prefix}.{name}" if prefix else name, p.numel()))
+        if prefix and sum(n for _, n in loose) >= min_numel:
+            assigned.update((name, prefix) for name, _ in loose)
+            return []
+        return loose
+
+    visit("", model)
+    return lambda name: assigned.get(name, ROOT_UNIT)
+
+
+def _unit_policy(model: nn.Module, units: str | BySize | Callable[[str], str] | None) -> Callable[[str], str]:
     if units is None or units == "module_list":
         return module_list_units(model)
     if units == "single":
         return lambda name: ROOT_UNIT
     if units == "param":
         return lambda name: name
+    if isinstance(units, BySize):
+        return size_units(model, units.min_numel)
     if callable(units):
         return units
-    raise ValueError(f"units must be None, 'module_list', 'single', 'param' or a callable, got {units!r}")
+    raise ValueError(
+        f"units must be None, 'module_list', 'single', 'param', fzero.layout.BySize(n) or a callable, got {units!r}"
+    )
 
 
 def from_module(
@@ -282,22 +387,31 @@ def from_module(
     *,
     world: int,
     align: int = 16,
-    units: str | Callable[[str], str] | None = None,
+    units: str | BySize | Callable[[str], str] | None = None,
     dtype: torch.dtype | None = None,
 ) -> Layout:
     """Lay out a module's parameters; works on a `meta`-device model (only shapes and dtypes are read).
 
-    Trainable parameters go into the flat buffer in `named_parameters()` order; frozen parameters and buffers are
-    recorded for the state to carry; tied parameters are recorded as aliases of their first name.
+    Trainable parameters go into the flat buffer in `named_parameters()` order, frozen parameters into the frozen
+    layout's, with the same units; tied parameters are recorded as aliases of their first name; buffers are
+    recorded for the state to carry, persistent or not.
+
+    Args:
+      model: the module.
+      world, align, dtype: see `make_layout`.
+      units: how parameters group into units: None or `"module_list"` (each child of an `nn.ModuleList`, plus the
+        root unit), `BySize(n)` (module subtrees of at least `n` elements), `"single"`, `"param"` (one unit per
+        parameter), or a callable from a parameter's name to its unit's name.
 
     Raises:
-      TypeError: a parameter is not floating point (integer data belongs in a buffer).
+      TypeError: a parameter is not floating point (integer data belongs in a buffer), or the trainable (or the
+        frozen) parameters have mixed dtypes.
       ValueError: the model has no trainable parameters.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     trainable: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    frozen: list[TensorSpec] = []
+    frozen: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     canonical: dict[int, str] = {}
     aliases: list[tuple[str, str]] = []
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -310,24 +424,39 @@ def from_module(
                 f"parameter {name!r} has dtype {p.dtype}; fzero trains floating-point parameters only. "
                 "Integer or boolean data belongs in a buffer (module.register_buffer)."
             )
-        if p.requires_grad:
-            trainable.append((name, tuple(p.shape), p.dtype))
-        else:
-            frozen.append(TensorSpec(name, tuple(p.shape), _dtype_name(p.dtype)))
+        (trainable if p.requires_grad else frozen).append((name, tuple(p.shape), p.dtype))
     if not trainable:
         what = "frozen parameters only" if frozen else "no parameters"
         raise ValueError(f"{type(model).__name__} has {what}: there is nothing to train")
-    buffers = [TensorSpec(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in model.named_buffers()]
+    unit_of = _unit_policy(model, units)
+    unit_names = list(dict.fromkeys(unit_of(name) for name, p in model.named_parameters()))
+    frozen_layout = None
+    if frozen:
+        frozen_layout = make_layout(
+            frozen, world=world, align=align, unit_of=unit_of, unit_names=unit_names, what="frozen parameters"
+        )
+    buffers = [
+        TensorSpec(n, tuple(b.shape), _dtype_name(b.dtype), _persistent(model, n)) for n, b in model.named_buffers()
+    ]
     return make_layout(
         trainable,
         world=world,
         align=align,
-        unit_of=_unit_policy(model, units),
+        unit_of=unit_of,
         dtype=dtype,
-        frozen=frozen,
+        unit_names=unit_names,
+        frozen_layout=frozen_layout,
         buffers=buffers,
         aliases=aliases,
+        what="trainable parameters",
     )
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    """Whether buffer `name` is in `model.state_dict()` (not registered with `persistent=False`)."""
+    owner, _, short = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return short not in module._non_persistent_buffers_set
 
 
 def flatten(layout: Layout, tensors: Mapping[str, Tensor]) -> Tensor:

@@ -37,14 +37,15 @@ def _named(x: object) -> bool:
 
 def state_bytes(state: TrainState) -> dict[str, int]:
     """Bytes one rank holds, by category: `master`, `compute` (not counted again where it is the master tensor
-    itself), `optimizer`, `accumulator`, `other` (frozen parameters, buffers, counters, the loss scale), `total`.
+    itself), `optimizer`, `accumulator`, `frozen` (frozen parameters: all of them, or this rank's shard at stage
+    3), `other` (buffers, counters, the loss scale, the random seed), `total`.
 
     Args:
       state: a `TrainState`; on a `SimMesh` the leading world axis is divided out.
     """
     per_rank = state.layout.world if state.simulated else 1
     seen: set[tuple[int, int]] = set()
-    out = dict.fromkeys(("master", "compute", "optimizer", "accumulator", "other"), 0)
+    out = dict.fromkeys(("master", "compute", "optimizer", "accumulator", "frozen", "other"), 0)
 
     def add(category: str, t: Tensor) -> None:
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
@@ -70,7 +71,9 @@ def state_bytes(state: TrainState) -> dict[str, int]:
                     walk(child, category)
 
     walk(state.tx_state, "other")
-    for rest in (state.loss_scale, state.frozen, state.buffers, state.step):
+    if state.frozen is not None:
+        add("frozen", state.frozen)
+    for rest in (state.loss_scale, state.buffers, state.step, state.seed):
         walk(rest, "other")
     out["total"] = sum(out.values())
     return out

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor, nn
 
+from .bind import Unavailable
 from .layout import ROOT_UNIT, Layout
-from .mesh import Mesh, SimMesh, Work, done
+from .mesh import Mesh, SimMesh, Work
 
-__all__ = ["GatherPolicy", "UnitGathering", "sharded_backward"]
+__all__ = ["GatherPolicy", "Gatherer", "UnitGathering", "frozen_shard", "sharded_backward"]
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,29 @@ class GatherPolicy:
             raise ValueError(f"GatherPolicy.max_live_elements must be None or an int >= 1, got {got!r}")
 
 
+TRAIN, FROZEN = 0, 1  # the two flat spaces a unit has: trainable parameters, frozen parameters
+
+
+def _in_backward() -> bool:
+    """Whether autograd is executing a backward now (a hook firing inside it is an activation-checkpoint
+    recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _alias(store: Tensor) -> Tensor:
+    """A tensor on `store`'s storage that autograd does not track: writes through it leave the version counters of
+    `store`'s views (the tensors autograd saved) untouched."""
+    return store.new_empty(0).set_(store.untyped_storage(), 0, store.shape)
+
+
 class _Unit(torch.autograd.Function):
-    """shard slice -> the unit's full buffer (an alias of the gatherer's storage for the unit, which the gatherer
-    fills and frees); backward: hand the unit's complete gradient to the gatherer."""
+    """shard slice -> the unit's full trainable buffer (an alias of the gatherer's storage for the unit, which the
+    gatherer fills and frees); backward: hand the unit's complete gradient to the gatherer."""
 
     @staticmethod
-    def forward(ctx: Any, shard: Tensor, gatherer: _Gatherer, index: int) -> Tensor:
+    def forward(ctx: Any, shard: Tensor, gatherer: Gatherer, index: int) -> Tensor:
         ctx.gatherer, ctx.index = gatherer, index
-        store = gatherer.store[index]
-        return store.new_empty(0).set_(store.untyped_storage(), 0, store.shape)
+        return _alias(gatherer.units[index].stores[TRAIN])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
@@ -92,129 +107,180 @@ class _Unit(torch.autograd.Function):
         return None, None, None
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward re-gathers the unit before autograd enters it."""
+@dataclass
+class _UnitRecord:
+    """One unit's place in a gathering.
 
-    @staticmethod
-    def forward(ctx: Any, gatherer: _Gatherer, index: int, *xs: Tensor) -> tuple[Tensor, ...]:
-        ctx.gatherer, ctx.index = gatherer, index
-        return tuple(x.view_as(x) for x in xs)
+    Attributes:
+      index, name: the unit's index and name in the layout.
+      module: the module whose forward gathers it, or None when it is gathered for the whole step (the root unit,
+        units at or below the persistence threshold, units holding a parameter tied across units).
+      sizes: elements of the unit's full buffer in each space (0 where the space has no real element in it: such
+        a space is never gathered).
+      stores: each space's full buffer while gathered; its storage is resized to 0 when released.
+      live: whether each space's buffer is gathered now.
+      pending: collectives in flight into `stores`.
+      views: the unit's parameters as named views of `stores` (created once, when the unit first runs).
+      swaps: how many times the views are in the unit's modules now (its forward, its backward; an activation-
+        checkpoint recompute that stopped early never ends its forward): the modules' own tensors come back
+        when it drops to 0.
+      originals: `(owner, name, original)` for the module slots the views took.
+      reduced: its gradient has been reduced (its trainable buffer is no longer needed).
+      inputs_done: the gradient of an input of its module exists (its frozen buffer is no longer needed).
+      in_backward: between the unit's pre-backward and the end of its backward (its views in its modules).
+    """
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        ctx.gatherer.before_backward(ctx.index)
-        return (None, None, *grads)
+    index: int
+    name: str
+    module: nn.Module | None
+    sizes: tuple[int, int]
+    stores: list[Tensor | None] = field(default_factory=lambda: [None, None])
+    live: list[bool] = field(default_factory=lambda: [False, False])
+    pending: list[Work] = field(default_factory=list)
+    views: dict[str, Tensor] | None = None
+    swaps: int = 0
+    originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
+    reduced: bool = False
+    inputs_done: bool = False
+    in_backward: bool = False
 
 
-class _Gatherer:
-    """One rank's gathered units for one forward and backward."""
+class Gatherer:
+    """One rank's gathered units for one forward and backward (or, with `grad=False`, for forwards only)."""
 
     def __init__(
         self,
         mesh: Mesh,
         layout: Layout,
         model: nn.Module,
-        shard: Tensor,
+        shards: tuple[Tensor, Tensor | None],
         policy: GatherPolicy,
         reduce_dtype: torch.dtype | None,
-        sim: tuple[Tensor, int] | None,
+        sim: tuple[Tensor, Tensor | None, int] | None,
+        grad: bool = True,
     ) -> None:
         self.mesh, self.layout, self.policy, self.reduce_dtype, self.sim = mesh, layout, policy, reduce_dtype, sim
-        self.shard = shard
+        self.shards = shards  # this rank's trainable shard (the autograd leaf) and frozen shard (or None)
+        self.layouts = (layout, layout.frozen_layout)
+        self.grad = grad
         modules = dict(model.named_modules())
-        unit_of = {leaf.name: leaf.unit for leaf in layout.leaves}
+        unit_of = {leaf.name: leaf.unit for lay in self.layouts if lay is not None for leaf in lay.leaves}
         # a parameter tied across units must be reachable whenever either unit runs: keep such units gathered
         crossed = {
             unit_of[name]
             for alias, name in layout.aliases
             if not alias.startswith(f"{layout.units[unit_of[name]].name}.")
         }
-        self.modules: dict[int, nn.Module] = {
-            i: modules[u.name]
-            for i, u in enumerate(layout.units)
-            if u.name != ROOT_UNIT and u.name in modules and u.numel > policy.persistence_threshold and i not in crossed
-        }
-        self.sequence = sorted(self.modules)  # forward order of the gathered-on-demand units
-        n = len(layout.units)
-        self.store: list[Tensor | None] = [None] * n
-        self.views: list[dict[str, Tensor] | None] = [None] * n
-        self.swapped: dict[int, list[tuple[nn.Module, str, Tensor]]] = {}
-        self.live = [False] * n
-        self.pending: dict[int, Work] = {}
-        self.done = [False] * n
+        self.units: list[_UnitRecord] = []
+        for i, u in enumerate(layout.units):
+            sizes = tuple(
+                lay.units[i].size if lay is not None and lay.units[i].numel > 0 else 0 for lay in self.layouts
+            )
+            on_demand = (
+                u.name != ROOT_UNIT and u.name in modules and sum(sizes) > policy.persistence_threshold
+                and i not in crossed
+            )  # fmt: skip
+            self.units.append(_UnitRecord(i, u.name, modules[u.name] if on_demand else None, sizes))
+        self.sequence = [r.index for r in self.units if r.module is not None]  # forward order of on-demand units
         self.live_elements = self.peak = 0
-        grad_dtype = reduce_dtype or shard.dtype
+        self.grad_dtype = reduce_dtype or shards[TRAIN].dtype
         # on a SimMesh the units' full gradients are kept (unit_grads) and reduced once every rank is done
         self.grad_shard = (
-            torch.zeros(layout.shard_numel, dtype=grad_dtype, device=shard.device) if sim is None else None
+            torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=shards[TRAIN].device)
+            if sim is None and grad
+            else None
         )
         self.unit_grads: dict[int, Tensor] = {}
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
-        self.times = {layout.units[i].name: [0.0, 0.0] for i in self.modules} if policy.timings else None
+        self.times = {r.name: [0.0, 0.0] for r in self.units if r.module is not None} if policy.timings else None
 
     # -- buffers -------------------------------------------------------------------------------------------------
-    def _node(self, i: int) -> dict[str, Tensor]:
-        """The unit's autograd node and named views of its full buffer, created just before the unit first runs:
-        autograd orders its backward by creation, so the unit's gradient completes right after its backward."""
-        if self.views[i] is None:
+    def _views(self, i: int) -> dict[str, Tensor]:
+        """Named views of the unit's full buffers, created just before the unit first runs: with `grad`, the
+        trainable one through its autograd node, which autograd (ordering its backward by creation) completes right
+        after the unit's backward; created in grad mode even inside a `no_grad` forward (reentrant activation
+        checkpointing recomputes it later with gradients)."""
+        rec = self.units[i]
+        if rec.views is None:
             self.materialize(i)
-            unit = self.layout.units[i]
-            full = _Unit.apply(self.shard[self.layout.unit_shard_slice(i)], self, i)
-            views = {}
-            for leaf in self.layout.leaves:
-                if leaf.unit == i:
-                    start = leaf.offset - unit.start
-                    views[leaf.name] = full[start : start + leaf.numel].view(leaf.shape)
-            self.views[i] = views
-        return self.views[i]
+            views: dict[str, Tensor] = {}
+            for space, lay in enumerate(self.layouts):
+                if not rec.sizes[space]:
+                    continue
+                if space == TRAIN and self.grad:
+                    with torch.enable_grad():
+                        full = _Unit.apply(self.shards[TRAIN][lay.unit_shard_slice(i)], self, i)
+                else:
+                    full = _alias(rec.stores[space])
+                start = lay.units[i].start
+                for leaf in lay.leaves:
+                    if leaf.unit == i:
+                        views[leaf.name] = full[leaf.offset - start : leaf.offset - start + leaf.numel].view(leaf.shape)
+            rec.views = views
+        return rec.views
 
     def params(self) -> dict[str, Tensor]:
-        """Named views of the units kept gathered for the whole step; the others are swapped into their modules
-        when they run."""
+        """The named tensors to bind into the model for the step: views of the units kept gathered for the whole
+        step; `Unavailable` placeholders for the others' parameters (swapped for views while their module runs)."""
         out: dict[str, Tensor] = {}
-        for i in range(len(self.layout.units)):
-            if i not in self.modules:
-                out.update(self._node(i))
+        for rec in self.units:
+            if rec.module is None:
+                out.update(self._views(rec.index))
+                continue
+            for space, lay in enumerate(self.layouts):
+                for leaf in lay.leaves if lay is not None else ():
+                    if leaf.unit == rec.index:
+                        shard = self.shards[space]
+                        out[leaf.name] = Unavailable(leaf.name, rec.name, leaf.shape, shard.dtype, shard.device)
         for alias, name in self.layout.aliases:
             if name in out:
                 out[alias] = out[name]
         return out
 
     def _start(self, i: int, ahead: bool = False) -> None:
-        """Gather unit `i` into its storage: asynchronously when prefetching `ahead` of its use, else at once (an
-        async collective waited on immediately buys nothing and leaves one more handle in flight)."""
-        unit, store = self.layout.units[i], self.store[i]
-        if store is None:
-            store = self.store[i] = self.shard.new_empty(unit.size)
-        else:
-            store.untyped_storage().resize_(unit.size * store.element_size())
-        # an alias of the storage: writes through it leave the version counter autograd checks untouched
-        alias = store.new_empty(0).set_(store.untyped_storage(), 0, (unit.size,))
-        piece = self.layout.unit_shard_slice(i)
-        if self.sim is None:
-            self.pending[i] = self.mesh.all_gather_into(alias, self.shard[piece].detach(), async_op=ahead)
-        else:
-            shards, rank = self.sim
-            alias.copy_(shards[:, piece].reshape(-1))
-            if rank == 0:  # the simulated ranks gather together: count the collective once
-                self.mesh.account("all_gather", unit.size)
-        self.live[i] = True
-        self.live_elements += unit.size
+        """Gather unit `i` into its storages: asynchronously when prefetching `ahead` of its use, else at once (an
+        async collective waited on at once buys nothing and leaves one more handle in flight)."""
+        rec = self.units[i]
+        for space, lay in enumerate(self.layouts):
+            size = rec.sizes[space]
+            if not size or rec.live[space]:
+                continue
+            store = rec.stores[space]
+            if store is None:
+                store = rec.stores[space] = self.shards[space].new_empty(size)
+            else:
+                store.untyped_storage().resize_(size * store.element_size())
+            alias, piece = _alias(store), lay.unit_shard_slice(i)
+            if self.sim is None:
+                rec.pending.append(self.mesh.all_gather_into(alias, self.shards[space][piece].detach(), async_op=ahead))
+            else:
+                everyone, rank = self.sim[space], self.sim[2]
+                alias.copy_(everyone[:, piece].reshape(-1))
+                if rank == 0:  # the simulated ranks gather together: count the collective once
+                    self.mesh.account("all_gather", size)
+            rec.live[space] = True
+            self.live_elements += size
         self.peak = max(self.peak, self.live_elements)
 
     def materialize(self, i: int) -> None:
-        if not self.live[i]:
-            self._start(i)
-        work = self.pending.pop(i, None)
-        if work is not None:
+        """Unit `i` gathered and ready to read."""
+        self._start(i)
+        rec = self.units[i]
+        for work in rec.pending:
             work.wait()
+        rec.pending.clear()
 
-    def release(self, i: int) -> None:
-        if self.live[i]:
-            self.pending.pop(i, done).wait()
-            self.store[i].untyped_storage().resize_(0)
-            self.live[i] = False
-            self.live_elements -= self.layout.units[i].size
+    def release(self, i: int, spaces: tuple[int, ...] = (TRAIN, FROZEN)) -> None:
+        """Free unit `i`'s buffers in `spaces` (waiting first for collectives still writing them)."""
+        rec = self.units[i]
+        for work in rec.pending:
+            work.wait()
+        rec.pending.clear()
+        for space in spaces:
+            if rec.live[space]:
+                rec.stores[space].untyped_storage().resize_(0)
+                rec.live[space] = False
+                self.live_elements -= rec.sizes[space]
 
     def _prefetch(self, i: int, step: int) -> None:
         """Start gathering the next `prefetch` units after `i` in forward (`step=1`) or backward (`-1`) order."""
@@ -223,21 +289,24 @@ class _Gatherer:
             j = pos + step * k
             if not 0 <= j < len(self.sequence):
                 return
-            nxt = self.sequence[j]
-            if self.live[nxt] or self.done[nxt]:
+            nxt = self.units[self.sequence[j]]
+            if all(nxt.live[s] or not nxt.sizes[s] for s in (TRAIN, FROZEN)) or nxt.reduced:
                 continue
-            size = self.layout.units[nxt].size
-            if self.policy.max_live_elements is not None and self.live_elements + size > self.policy.max_live_elements:
+            if self.policy.max_live_elements is not None and (
+                self.live_elements + sum(nxt.sizes) > self.policy.max_live_elements
+            ):
                 return
-            self._start(nxt, ahead=True)
+            self._start(nxt.index, ahead=True)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> list[Any]:
         """Register the forward hooks on the gathered-on-demand units' modules; returns their handles."""
         handles = []
-        for i, module in self.modules.items():
-            handles.append(module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i)))
-            handles.append(module.register_forward_hook(lambda m, a, o, i=i: self.post_forward(i, o)))
+        for rec in self.units:
+            if rec.module is not None:
+                i = rec.index
+                handles.append(rec.module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i, a)))
+                handles.append(rec.module.register_forward_hook(lambda m, a, o, i=i: self.post_forward(i, o)))
         return handles
 
     def _tick(self, i: int, phase: int | None) -> None:
@@ -248,81 +317,146 @@ class _Gatherer:
         if phase is None:
             self.clock[i] = now
         elif i in self.clock:
-            self.times[self.layout.units[i].name][phase] += now - self.clock.pop(i)
+            self.times[self.units[i].name][phase] += now - self.clock.pop(i)
 
-    def pre_forward(self, i: int) -> None:
-        self._tick(i, None)
-        views = self._node(i)
+    def pre_forward(self, i: int, args: Any) -> None:
+        """Before the unit's module runs: gather it, prefetch the next, put its views into the module. In a
+        recompute (activation checkpointing, inside the backward) the unit's backward follows: no forward prefetch.
+        """
+        rec = self.units[i]
+        recompute = _in_backward()
+        if not recompute:
+            self._tick(i, None)
+        self._views(i)
         self.materialize(i)
-        self._prefetch(i, 1)
-        prefix = self.layout.units[i].name + "."
-        module = self.modules[i]
-        swapped = self.swapped.setdefault(i, [])
-        for name, view in views.items():
-            owner_path, _, pname = name[len(prefix) :].rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            swapped.append((owner, pname, owner._parameters[pname]))
-            owner._parameters[pname] = view  # as functional_call does: the module computes with the views
+        if not recompute:
+            self._prefetch(i, 1)
+        if self.grad and rec.sizes[FROZEN] and torch.is_grad_enabled() and not recompute:
+            # the frozen buffer is read by the backward of the unit's ops (gradients of their inputs), which can
+            # run after the trainable gradient is complete: free it once the inputs' gradients exist
+            for x in optree.tree_leaves(args):
+                if isinstance(x, Tensor) and x.requires_grad:
+                    x.register_hook(lambda g, i=i: self._inputs_done(i))
+        self.swap(i)
 
-    def restore(self, i: int) -> None:
-        for owner, pname, original in reversed(self.swapped.pop(i, [])):
-            owner._parameters[pname] = original
+    def swap(self, i: int) -> None:
+        """Put the unit's views into its modules (as functional_call does: the modules compute with them)."""
+        rec = self.units[i]
+        rec.swaps += 1
+        if rec.swaps > 1:
+            return
+        prefix = rec.name + "."
+        for name, view in self._views(i).items():
+            owner_path, _, pname = name[len(prefix) :].rpartition(".")
+            owner = rec.module.get_submodule(owner_path) if owner_path else rec.module
+            rec.originals.append((owner, pname, owner._parameters[pname]))
+            owner._parameters[pname] = view
+
+    def unswap(self, i: int, every: bool = False) -> None:
+        """End one `swap` (or all, with `every`); the modules get their own tensors back after the last."""
+        rec = self.units[i]
+        rec.swaps = 0 if every else max(rec.swaps - 1, 0)
+        if rec.swaps == 0:
+            for owner, pname, original in reversed(rec.originals):
+                owner._parameters[pname] = original
+            rec.originals.clear()
 
     def post_forward(self, i: int, output: Any) -> Any:
-        self.restore(i)
+        """After the unit's module ran: put the module's tensors back; free the unit unless the backward needs it
+        next, and hook its outputs so that their backward gathers it again first."""
+        self.unswap(i)
+        if _in_backward():  # a recompute: the unit's backward runs next, with these buffers
+            return output
         self._tick(i, 0)
-        leaves, spec = optree.tree_flatten(output)
-        grads = [k for k, x in enumerate(leaves) if isinstance(x, Tensor) and x.requires_grad]
-        if not grads:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
+        if not (self.grad and torch.is_grad_enabled()):  # nothing was saved for a backward
+            self.release(i)
+            return output
+        hooked = [x for x in optree.tree_leaves(output) if isinstance(x, Tensor) and x.requires_grad]
+        if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
         self.release(i)
-        wrapped = _PreBackward.apply(self, i, *(leaves[k] for k in grads))
-        for k, x in zip(grads, wrapped, strict=True):
-            leaves[k] = x
-        return optree.tree_unflatten(spec, leaves)
+        for x in hooked:  # a tensor hook, not an autograd Function: in-place ops on the outputs stay legal
+            x.register_hook(lambda g, i=i: self.pre_backward(i))
+        return output
 
-    def before_backward(self, i: int) -> None:
+    def pre_backward(self, i: int) -> None:
+        """The gradient of one of the unit's outputs exists: gather the unit for its backward (also after its
+        gradient was reduced: a second backward through the graph) and put its views into its modules until the
+        backward is done, where an activation-checkpoint recompute (of `forward`, not `__call__`, so without this
+        gatherer's forward hooks, as Hugging Face layers do) reads them."""
+        rec = self.units[i]
+        if rec.in_backward:
+            return
+        rec.in_backward = True
         self._tick(i, None)
-        self.materialize(i)  # also after the unit's gradient was reduced: a second backward through the graph
-        if not self.done[i]:
+        self.materialize(i)
+        self.swap(i)
+        if not rec.reduced:
             self._prefetch(i, -1)
 
+    def post_backward(self, i: int) -> None:
+        """The unit's backward is done: its modules get their own tensors back."""
+        rec = self.units[i]
+        if rec.in_backward:
+            rec.in_backward = False
+            self.unswap(i)
+
+    def _inputs_done(self, i: int) -> None:
+        """The gradient of an input of the unit exists: its backward, frozen parameters included, is done."""
+        rec = self.units[i]
+        rec.inputs_done = True
+        if rec.reduced or not rec.sizes[TRAIN]:
+            self.post_backward(i)
+            self.release(i, (FROZEN,))
+
     def unit_backward(self, i: int, grad: Tensor) -> None:
-        """The unit's gradient is complete: reduce it (on a real mesh, now) and free the unit."""
+        """The unit's trainable gradient is complete: reduce it (on a real mesh, now) and free the unit's trainable
+        buffer (and the frozen one, unless the unit has frozen parameters whose inputs' gradients are pending)."""
         self._tick(i, 1)
-        self.done[i] = True
+        rec = self.units[i]
+        rec.reduced = True
         grad = grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)
         if self.sim is None:  # added: a second backward (retain_graph) accumulates, as autograd would
             self.grad_shard[self.layout.unit_shard_slice(i)] += self.mesh.reduce_scatter(grad, "mean")
         else:
             self.unit_grads[i] = grad if i not in self.unit_grads else self.unit_grads[i] + grad
-        self.release(i)
+        self.post_backward(i)
+        self.release(i, (TRAIN, FROZEN) if rec.inputs_done or not rec.sizes[FROZEN] else (TRAIN,))
 
     def finish(self) -> None:
-        """Reduce zeros for units no gradient reached (every rank issues the same collectives), free the rest."""
-        for i, unit in enumerate(self.layout.units):
-            if not self.done[i]:
-                self.unit_backward(i, self.shard.new_zeros(unit.size))
-            self.release(i)
+        """Reduce zeros for units no gradient reached (every rank issues the same collectives; units without
+        trainable elements have nothing to reduce), free the rest."""
+        for rec in self.units:
+            if not rec.reduced and rec.sizes[TRAIN]:
+                self.unit_backward(rec.index, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
+            self.release(rec.index)
 
     def close(self) -> None:
-        for i in list(self.swapped):
-            self.restore(i)
-        for i in range(len(self.layout.units)):
-            self.release(i)
-        # the views' autograd nodes hold this gatherer (ctx.gatherer): a reference cycle through C++ that Python's
-        # collector cannot see, so drop the views explicitly or every step would leak its gradient shard
-        self.views = [None] * len(self.views)
-        self.store = [None] * len(self.store)
+        for rec in self.units:
+            rec.in_backward = False
+            self.unswap(rec.index, every=True)
+            self.release(rec.index)
+            # the views' autograd nodes hold this gatherer (ctx.gatherer): a reference cycle through C++ that
+            # Python's collector cannot see, so drop the views explicitly or every step would leak its gradient shard
+            rec.views = None
+            rec.stores = [None, None]
+
+
+def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """The frozen shard in the dtype the forward computes in."""
+    if frozen is None:
+        return None
+    return frozen.detach() if dtype is None or frozen.dtype == dtype else frozen.to(dtype)
 
 
 class UnitGathering:
     """One rank's unit-at-a-time gathering across an imperative forward and backward (for the engine).
 
-    Create it before the forward, run the forward with `params()` (the units kept gathered; the others are swapped
-    into their modules by hooks), run `torch.autograd.grad(loss, [gathering.shard])` one or more times, then
-    `finish()` returns this rank's reduced gradient shard and removes the hooks. Real meshes only: on a `SimMesh`
-    the ranks run one after another (see `sharded_backward`).
+    Create it before the forward, run the forward with `params()` bound (the units kept gathered; the others are
+    swapped into their modules by hooks), run the backward of the loss one or more times, then `finish()` returns
+    this rank's reduced gradient shard and removes the hooks. With `grad=False` it serves forwards only
+    (evaluation under `no_grad`): every unit is freed right after its module ran; `close()` ends it. Real meshes
+    only: on a `SimMesh` the ranks run one after another (see `sharded_backward`).
     """
 
     def __init__(
@@ -331,13 +465,18 @@ class UnitGathering:
         layout: Layout,
         model: nn.Module,
         compute: Tensor,
+        frozen: Tensor | None,
         policy: GatherPolicy,
         reduce_dtype: torch.dtype | None,
+        frozen_dtype: torch.dtype | None = None,
+        *,
+        grad: bool = True,
     ) -> None:
         if isinstance(mesh, SimMesh):
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
-        self.shard = compute.detach().requires_grad_()
-        self._g = _Gatherer(mesh, layout, model, self.shard, policy, reduce_dtype, None)
+        self.shard = compute.detach().requires_grad_(grad)
+        shards = (self.shard, frozen_shard(frozen, frozen_dtype))
+        self._g = Gatherer(mesh, layout, model, shards, policy, reduce_dtype, None, grad)
         self._handles = self._g.install()
         self._params = self._g.params()
 
@@ -352,7 +491,7 @@ class UnitGathering:
     @property
     def received(self) -> bool:
         """Whether a backward has reached any unit since the gathering began."""
-        return any(self._g.done)
+        return any(r.reduced for r in self._g.units)
 
     @property
     def times(self) -> dict[str, list[float]] | None:
@@ -380,7 +519,7 @@ def sharded_backward(
     mesh: Mesh,
     layout: Layout,
     model: nn.Module,
-    compute: Tensor,
+    shards: tuple[Tensor, Tensor | None],
     policy: GatherPolicy,
     reduce_dtype: torch.dtype | None,
     run: Callable[[dict[str, Tensor], int], tuple[Tensor, Any]],
@@ -389,23 +528,24 @@ def sharded_backward(
 
     Args:
       mesh, layout, model: the step's.
-      compute: the compute parameters' shards, per rank (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh).
+      shards: the compute parameters' shards and the frozen parameters' shards (in the dtype the forward computes
+        in; None without frozen parameters), per rank (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh).
       policy: prefetch and persistence.
       reduce_dtype: dtype the gradients are reduced in (None: the compute dtype).
-      run: `run(params, rank) -> (scaled_loss, out)`: rank `rank`'s forward with the named parameters given; `out`
-        is returned as is.
+      run: `run(params, rank) -> out`: rank `rank`'s forward and backward (of its scaled loss) with the named
+        tensors given, bound into the model for both (an activation-checkpoint recompute reads them in the
+        backward); `out` is returned as is.
 
     Returns:
       This rank's reduced gradient shards (`[world, shard_numel]` on a SimMesh), each rank's `out`, and metrics:
       `gathered_peak` (the most gathered elements alive at once on a rank) and, with `policy.timings`,
       `unit_times`.
     """
+    compute, frozen = shards
     if not isinstance(mesh, SimMesh):
-        gathering = UnitGathering(mesh, layout, model, compute, policy, reduce_dtype)
+        gathering = UnitGathering(mesh, layout, model, compute, frozen, policy, reduce_dtype)
         try:
-            with torch.enable_grad():
-                scaled, out = run(gathering.params(), 0)
-                torch.autograd.grad(scaled, [gathering.shard], allow_unused=True)
+            out = run(gathering.params(), 0)
             info = {"gathered_peak": gathering.peak}
             if gathering.times is not None:
                 info["unit_times"] = {k: tuple(v) for k, v in gathering.times.items()}
@@ -415,24 +555,28 @@ def sharded_backward(
     outs, gatherers, peak = [], [], 0
     for rank in range(mesh.world):
         shard = compute[rank].detach().requires_grad_()
-        g = _Gatherer(mesh, layout, model, shard, policy, reduce_dtype, (compute, rank))
+        g = Gatherer(
+            mesh, layout, model, (shard, None if frozen is None else frozen[rank]), policy, reduce_dtype,
+            (compute, frozen, rank),
+        )  # fmt: skip
         handles = g.install()
         try:
-            with torch.enable_grad():
-                scaled, out = run(g.params(), rank)
-                torch.autograd.grad(scaled, [shard], allow_unused=True)
+            outs.append(run(g.params(), rank))
             g.finish()
         finally:
             for h in handles:
                 h.remove()
             g.close()
-        outs.append(out)
         gatherers.append(g)
         peak = max(peak, g.peak)
     pieces = []
-    for i in range(len(layout.units)):
-        per_rank = torch.stack([g.unit_grads[i] for g in gatherers])
-        pieces.append(mesh.reduce_scatter(per_rank, "mean"))
+    for i, rec in enumerate(gatherers[0].units):
+        if rec.sizes[TRAIN]:
+            per_rank = torch.stack([g.unit_grads[i] for g in gatherers])
+            pieces.append(mesh.reduce_scatter(per_rank, "mean"))
+        else:  # padding only: nothing to communicate
+            size = layout.units[i].size // mesh.world
+            pieces.append(compute.new_zeros(mesh.world, size, dtype=gatherers[0].grad_dtype))
     info = {"gathered_peak": peak}
     if gatherers[0].times is not None:
         info["unit_times"] = {k: tuple(v) for k, v in gatherers[0].times.items()}

@@ -36,10 +36,16 @@ class TrainState:
       tx_state: the transform's state (a tuple for `chain`).
       loss_scale: the loss scale (`fzero.loss_scale`), or None without `scale_loss`: the step multiplies the loss
         by it before the backward.
-      frozen: parameters with `requires_grad=False`, by name, unsharded and never updated.
+      frozen: the parameters with `requires_grad=False`, in their own flat buffer (`layout.frozen_layout`), in
+        their own dtype, never updated: full on every rank, or this rank's shard where the stage shards compute
+        parameters at rest (stage 3); None when the model has none.
       buffers: module buffers (e.g. BatchNorm statistics), by name, per rank.
+      seed: the step's random stream (0-d int64): micro-step `s` of rank `r` draws from `fold(seed, s, r)`
+        (`fzero.step`), the same on `SimMesh` and `DistMesh`.
       layout: the static map from names to flat offsets and shards.
       reduce_dtype: the dtype gradients are reduce-scattered in (static; None: the compute dtype).
+      frozen_dtype: the dtype frozen parameters are computed in (static; None: their own). Set from the compute
+        dtype the chain casts trainable parameters to, so that a mixed-precision forward sees one dtype.
     """
 
     step: Tensor
@@ -47,10 +53,12 @@ class TrainState:
     compute: Tensor | None
     tx_state: Any
     loss_scale: Any
-    frozen: dict[str, Tensor]
+    frozen: Tensor | None
     buffers: dict[str, Tensor]
+    seed: Tensor
     layout: Layout = optree.dataclasses.field(pytree_node=False)
     reduce_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)
+    frozen_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields replaced (the state itself is frozen)."""

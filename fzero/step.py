@@ -2,12 +2,15 @@
 
 One step, on every rank:
 
-1. compute parameters: `state.compute`, or (stage 3) the all-gather of the master shards;
+1. compute parameters: `state.compute`, or (stage 3) the all-gather of the master shards, one unit at a time;
 2. `loss, grads` of `loss_fn` on this rank's batch, the parameters presented to `loss_fn` as named views of one
-   flat buffer, so the gradient arrives as one flat buffer too. Collectives stay outside the differentiation
-   (`torch.func` cannot differentiate through them). Two interchangeable engines compute it, bitwise equal:
-   `autodiff="autograd"` (default: `torch.autograd.grad` on a fresh leaf, still pure) and `autodiff="func"`
-   (`torch.func.grad`, 5-10% slower per step on the small GPT of `benchmarks/step_overhead.py`);
+   flat buffer, so the gradient arrives as one flat buffer too. The step's tensors stay bound into the model for
+   the forward *and* the backward (`fzero.bind`), so an activation-checkpoint recompute sees them, and the
+   forward draws its randomness (dropout) from the state's stream (`fzero.rng`). Collectives stay outside the
+   differentiation (`torch.func` cannot differentiate through them). Two interchangeable engines compute it,
+   bitwise equal: `autodiff="autograd"` (default: a backward on a fresh leaf, still pure) and `autodiff="func"`
+   (`torch.func.grad`, 5-10% slower per step on the small GPT of `benchmarks/step_overhead.py`, and without
+   activation checkpointing, which torch.func rejects);
 3. the transform chain: accumulate, reduce, update, gather, as the preset or the user composed it.
 
 Example:
@@ -29,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,14 +40,16 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from . import rng
+from .bind import bound
 from .construct import sharded_parameters
-from .layout import flatten, from_module, unflatten, unshard
+from .layout import Layout, flatten, from_module, to_rank_major, unflatten, unshard
 from .mesh import Mesh, SimMesh
-from .stage3 import GatherPolicy, sharded_backward
+from .stage3 import Gatherer, GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
 from .transforms import Context, Flow, Transform, gather_params
 
-__all__ = ["StepFn", "apply_gradients", "compute_params", "init", "state_dict", "train_step"]
+__all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "state_dict", "train_step"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
@@ -58,9 +64,10 @@ def init(
     tx: Transform,
     mesh: Mesh,
     *,
-    units: str | Callable[[str], str] | None = None,
+    units: Any = None,
     align: int = 16,
     initializer: Callable[[nn.Module], None] | None = None,
+    seed: int | None = None,
 ) -> TrainState:
     """The initial `TrainState` of `model` under `tx` on `mesh`.
 
@@ -69,28 +76,31 @@ def init(
     broadcast so all ranks start equal.
 
     Args:
-      model: the module; its trainable parameters must share one floating dtype. On the `meta` device (e.g. built
-        under `with torch.device("meta"):`) it is constructed sharded, unit by unit, with `initializer`: the full
-        model never exists on a rank (stages 1-3).
+      model: the module; its trainable parameters must share one floating dtype (and so must its frozen ones). On
+        the `meta` device (e.g. built under `with torch.device("meta"):`) it is constructed sharded, unit by unit,
+        with `initializer`: the full model never exists on a rank (stages 1-3).
       tx: the transform (e.g. `fzero.zero2(fzero.adamw(3e-4))`).
       mesh: `SimMesh(world=W)` or `DistMesh()`.
-      units: how parameters group into units (see `fzero.layout.from_module`).
+      units: how parameters group into units (see `fzero.layout.from_module`; e.g. `fzero.layout.BySize(n)` for a
+        model without an `nn.ModuleList`).
       align: padding quantum per rank, in elements.
-      initializer: for a `meta` model: `initializer(module)` initialises, in place, the parameters and buffers a
-        module owns directly (see `fzero.construct.sharded_parameters`).
+      initializer: for a `meta` model: run on every module, children first, as `model.apply(initializer)` would
+        (e.g. a Hugging Face model's `_init_weights`); see `fzero.construct.sharded_parameters`.
+      seed: the step's random stream (`fzero.rng`); default `torch.initial_seed()` (rank 0's).
     """
     _check_mesh(mesh)
     if not isinstance(tx, Transform):
         raise TypeError(f"tx must be an fzero Transform (e.g. fzero.zero2(...)), got {type(tx).__name__}")
     layout = from_module(model, world=mesh.world, align=align, units=units)
+    flay = layout.frozen_layout
     named = dict(model.named_parameters())
     meta = any(p.is_meta for p in named.values()) or any(b.is_meta for b in model.buffers())
     if meta:
         if initializer is None:
             raise ValueError(
                 "init: the model is on the meta device; pass initializer=fn, where fn(module) initialises the "
-                "parameters a module owns (e.g. lambda m: m.reset_parameters() if hasattr(m, 'reset_parameters') "
-                "else None), to construct it sharded"
+                "tensors a module owns, run on every module children first as model.apply(fn) would (for a "
+                "Hugging Face model: initializer=model._init_weights)"
             )
         shard, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
         flow = Flow(None, shard, None, {}, presharded=True)
@@ -98,7 +108,10 @@ def init(
         with torch.no_grad():
             trainable = {leaf.name: named[leaf.name] for leaf in layout.leaves}
             flat = mesh.broadcast(mesh.replicate(flatten(layout, trainable)), src=0)
-            frozen = {s.name: mesh.replicate(named[s.name].detach().clone()) for s in layout.frozen}
+            frozen = None
+            if flay is not None:
+                values = {leaf.name: named[leaf.name] for leaf in flay.leaves}
+                frozen = mesh.broadcast(mesh.replicate(flatten(flay, values)), src=0)
             module_buffers = dict(model.named_buffers())
             buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
         flow = Flow(None, flat, flat, {})
@@ -107,9 +120,52 @@ def init(
     if flow.presharded:
         raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
                          "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
+    sharded_at_rest = flow.compute is not None and not layout.is_full(flow.compute)
+    if frozen is not None:
+        frozen = _frozen_at_rest(mesh, flay, frozen, sharded_at_rest)
+    if sharded_at_rest:
+        _warn_single_unit(layout)
+    cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
+    frozen_dtype = flow.compute.dtype if cast and flay is not None and flay.torch_dtype != flow.compute.dtype else None
+    start = torch.initial_seed() if seed is None else seed
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise TypeError(f"init: seed must be an int, got {type(start).__name__}")
+    seed_t = mesh.unreplicate(mesh.broadcast(mesh.replicate(torch.tensor(rng.fold(start), dtype=torch.int64)), 0))
     return TrainState(
-        count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, layout, flow.reduce_dtype
-    )
+        count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, seed_t, layout,
+        flow.reduce_dtype, frozen_dtype,
+    )  # fmt: skip
+
+
+def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool) -> Tensor:
+    """The frozen buffer as the stage keeps it: this rank's shard where compute parameters are sharded at rest,
+    else full (`frozen` is full, or a shard when constructed sharded from `meta`)."""
+    full = flay.is_full(frozen)
+    if sharded and full and flay.world > 1:
+        return mesh.local_shard(to_rank_major(flay, frozen))
+    if not sharded and not full:
+        return gather_params(mesh, flay, frozen)
+    return frozen
+
+
+_WARN_NUMEL = 1 << 20  # below a million elements, memory is not what stage 3 is for: no warning
+
+
+def _warn_single_unit(layout: Layout) -> None:
+    """Stage 3 saves memory only when no unit holds most of the model: say so when one does (models of a million
+    elements or more)."""
+    sizes = [u.numel for u in layout.units]
+    if layout.frozen_layout is not None:
+        sizes = [a + u.numel for a, u in zip(sizes, layout.frozen_layout.units, strict=True)]
+    total = sum(sizes)
+    biggest = max(range(len(sizes)), key=sizes.__getitem__)
+    if total >= _WARN_NUMEL and sizes[biggest] > total / 2:
+        warnings.warn(
+            f"stage 3: unit {layout.units[biggest].name!r} holds {sizes[biggest] / total:.0%} of the parameters, so "
+            "gathering one unit at a time saves little memory; split the model into more units, e.g. "
+            "fzero.init(..., units=fzero.layout.BySize(n)) for a model without an nn.ModuleList",
+            stacklevel=3,
+        )
 
 
 def _check_batch(batch: Any, mesh: Mesh) -> None:
@@ -135,6 +191,33 @@ def _check_loss(loss: Any) -> None:
         )
     if not loss.is_floating_point():
         raise TypeError(f"loss_fn must return a floating-point scalar, got dtype {loss.dtype}")
+
+
+def _check_state(state: Any, mesh: Mesh) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"step expects a TrainState (from fzero.init), got {type(state).__name__}")
+    if state.layout.world != mesh.world:
+        raise ValueError(f"the state was built for world {state.layout.world}, but the mesh has world {mesh.world}")
+
+
+def rank_seeds(state: TrainState, mesh: Mesh, *tags: int) -> Tensor:
+    """Each rank's seed for the state's current micro-step (`fzero.rng`), per rank (int64)."""
+    base, step = int(state.seed), int(state.step)
+    if isinstance(mesh, SimMesh):
+        return torch.tensor([rng.fold(base, step, r, *tags) for r in range(mesh.world)], dtype=torch.int64)
+    return torch.tensor(rng.fold(base, step, int(mesh.rank), *tags), dtype=torch.int64)
+
+
+def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffers: dict[str, Tensor]) -> dict:
+    """Every name `loss_fn` (or `functional_call`) expects: views of the full compute and frozen buffers, tied
+    names included, and the buffers."""
+    out = unflatten(layout, compute)
+    if frozen is not None:
+        out.update(unflatten(layout.frozen_layout, frozen))
+    for alias, name in layout.aliases:
+        out[alias] = out[name]
+    out.update(buffers)
+    return out
 
 
 def train_step(
@@ -170,8 +253,8 @@ def train_step(
       `step(state, batch)`. On a `SimMesh` every batch leaf has a leading world axis. The metrics hold `loss` (mean
       over ranks), `applied` (whether the optimizer ran: False on micro-steps that accumulate and on skipped
       steps), `skipped` (a non-finite step skipped on every rank), `loss_scale` (the scale this step used),
-      `grad_norm` (unscaled global norm, where the chain computed it), `comm` (the ledger: elements per
-      collective) and `aux`.
+      `grad_norm` (unscaled global norm, where the chain computed it), `gathered_peak` (the most parameter
+      elements gathered at once on a rank), `comm` (the ledger: elements per collective) and `aux`.
     """
     _check_mesh(mesh)
     if not callable(loss_fn):
@@ -180,76 +263,180 @@ def train_step(
         raise TypeError(f"tx must be an fzero Transform, got {type(tx).__name__}")
     if autodiff not in ("autograd", "func"):
         raise ValueError(f"autodiff must be 'autograd' or 'func', got {autodiff!r}")
-
+    run = _Forward(model, loss_fn, has_aux)
     policy = gather or GatherPolicy()
 
-    def evaluate(state: TrainState, params: dict[str, Tensor], batch: Any) -> tuple[Tensor, Tensor, Any]:
-        """`loss_fn` on named tensors: the scaled loss to differentiate, the detached loss, and `aux`."""
-        out = loss_fn(params, batch)
-        loss, aux = out if has_aux else (out, None)
-        _check_loss(loss)
-        return _scaled(state, loss), loss.detach(), aux
-
-    def _per_unit(state: TrainState, batch: Any):
-        simulated = isinstance(mesh, SimMesh)
-
-        def run(params: dict[str, Tensor], rank: int):
-            pick = (lambda t: t[rank]) if simulated else (lambda t: t)
-            frozen = {k: pick(v) for k, v in state.frozen.items()}
-            buffers = {k: pick(v).clone() for k, v in state.buffers.items()}
-            local_batch = optree.tree_map(pick, batch) if simulated else batch
-            scaled, loss, aux = evaluate(state, {**params, **frozen, **buffers}, local_batch)
-            return scaled, (loss, aux, buffers)
-
-        return sharded_backward(mesh, state.layout, model, state.compute, policy, state.reduce_dtype, run)
-
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"step expects a TrainState (from fzero.init), got {type(state).__name__}")
-        layout = state.layout
-        if layout.world != mesh.world:
-            raise ValueError(f"the state was built for world {layout.world}, but the mesh has world {mesh.world}")
+        _check_state(state, mesh)
         _check_batch(batch, mesh)
-
-        def local(compute: Tensor, frozen: dict, buffers: dict, batch: Any):
-            buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
-
-            def f(flat: Tensor, buffers: dict):  # buffers are an input: torch.func forbids mutating captured tensors
-                scaled, loss, aux = evaluate(state, {**unflatten(layout, flat), **frozen, **buffers}, batch)
-                return scaled, ((loss, aux) if has_aux else loss)  # torch.func's aux: tensors only, no None
-
-            if autodiff == "func":
-                grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
-            else:
-                leaf = compute.detach().requires_grad_()
-                with torch.enable_grad():
-                    scaled, out = f(leaf, buffers)
-                    (grads,) = torch.autograd.grad(scaled, leaf)
-            loss, aux = out if has_aux else (out, None)
-            return grads, loss, aux, buffers
-
         with mesh.record() as ledger:
-            sharded = state.compute is not None and state.compute.shape[-1] != layout.numel
-            if sharded and autodiff == "autograd":
-                grads, outs, info = _per_unit(state, batch)
-                loss = torch.stack([o[0] for o in outs]) if isinstance(mesh, SimMesh) else outs[0][0]
-                aux = _stack(mesh, [o[1] for o in outs])
-                buffers = _stack(mesh, [o[2] for o in outs])
-                new, metrics = apply_gradients(
-                    state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=True
-                )
-                metrics.update(info)
+            if _sharded_at_rest(state) and autodiff == "autograd":
+                grads, loss, aux, buffers, info = _unit_gradients(run, state, batch, mesh, policy)
             else:
-                compute = compute_params(state, mesh)
-                grads, loss, aux, buffers = mesh.map(local, compute, state.frozen, state.buffers, batch)
-                new, metrics = apply_gradients(state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate)
-                metrics["gathered_peak"] = layout.numel
+                grads, loss, aux, buffers, info = _whole_gradients(run, state, batch, mesh, autodiff)
+            new, metrics = apply_gradients(
+                state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=info.pop("reduced")
+            )
+            metrics.update(info)
         metrics["comm"] = ledger.as_dict()
         if has_aux:
             metrics["aux"] = aux
         return new, metrics
 
     return step
+
+
+class _Forward:
+    """`loss_fn` on named tensors bound into the model, with its checks and the loss scale."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Any], has_aux: bool) -> None:
+        self.model, self.loss_fn, self.has_aux = model, loss_fn, has_aux
+
+    def loss(self, state: TrainState, named: dict[str, Tensor], batch: Any) -> tuple[Tensor, Tensor, Any]:
+        """The scaled loss to differentiate, the detached loss, and `aux`."""
+        out = self.loss_fn(named, batch)
+        loss, aux = out if self.has_aux else (out, None)
+        _check_loss(loss)
+        return _scaled(state, loss), loss.detach(), aux
+
+    def backward(self, state: TrainState, named: dict[str, Tensor], batch: Any, seed: Tensor) -> tuple[Tensor, Any]:
+        """Forward and backward with `named` bound into the model and the rank's random stream; the loss and aux.
+
+        `backward()` rather than `autograd.grad`: reentrant activation checkpointing refuses the latter."""
+        with rng.stream(int(seed)), bound(self.model, named), torch.enable_grad():
+            scaled, loss, aux = self.loss(state, named, batch)
+            if not scaled.requires_grad:
+                raise ValueError(
+                    "loss_fn's loss does not depend on the parameters it was given (computed under torch.no_grad(), "
+                    "detached, or not from the params argument?)"
+                )
+            scaled.backward()
+        return loss, aux
+
+
+def _sharded_at_rest(state: TrainState) -> bool:
+    return state.compute is not None and not state.layout.is_full(state.compute)
+
+
+def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, autodiff: str) -> tuple:
+    """Gradients with every parameter gathered at once (stages 0-2, and stage 3 under `autodiff="func"`)."""
+    layout = state.layout
+
+    def local(compute: Tensor, frozen: Tensor | None, buffers: dict, batch: Any, seed: Tensor):
+        buffers = {k: v.clone() for k, v in buffers.items()}  # the forward may update them in place
+        if autodiff == "func":
+            grads, (loss, aux) = _func_grads(run, state, compute, frozen, buffers, batch, seed)
+        else:
+            leaf = compute.detach().requires_grad_()
+            loss, aux = run.backward(state, named_tensors(layout, leaf, frozen, buffers), batch, seed)
+            grads = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        return grads, loss, aux, buffers
+
+    compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
+    grads, loss, aux, buffers = mesh.map(local, compute, frozen, state.buffers, batch, rank_seeds(state, mesh))
+    peak = layout.numel + (layout.frozen_layout.numel if frozen is not None else 0)
+    return grads, loss, aux, buffers, {"reduced": False, "gathered_peak": peak}
+
+
+def _func_grads(run: _Forward, state, compute, frozen, buffers, batch, seed) -> tuple[Tensor, Any]:
+    def f(flat: Tensor, buffers: dict):  # buffers are an input: torch.func forbids mutating captured tensors
+        named = named_tensors(state.layout, flat, frozen, buffers)
+        with bound(run.model, named):
+            scaled, loss, aux = run.loss(state, named, batch)
+        return scaled, (loss, aux) if run.has_aux else (loss,)  # torch.func's aux: tensors only, no None
+
+    try:
+        with rng.stream(int(seed)):
+            grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
+    except RuntimeError as e:
+        if "saved tensor hooks" in str(e):
+            raise ValueError(
+                "autodiff='func' cannot differentiate a model with activation checkpointing (torch.func rejects "
+                "saved-tensor hooks): use autodiff='autograd', the default"
+            ) from e
+        raise
+    return grads, (out if run.has_aux else (out[0], None))
+
+
+def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy) -> tuple:
+    """Gradients with one unit gathered at a time (stage 3), reduced unit by unit during the backward."""
+    simulated = isinstance(mesh, SimMesh)
+    seeds = rank_seeds(state, mesh)
+
+    def rank_run(params: dict[str, Tensor], rank: int):
+        pick = (lambda t: t[rank]) if simulated else (lambda t: t)
+        buffers = {k: pick(v).clone() for k, v in state.buffers.items()}
+        local_batch = optree.tree_map(pick, batch) if simulated else batch
+        loss, aux = run.backward(state, {**params, **buffers}, local_batch, pick(seeds))
+        return loss, aux, buffers
+
+    frozen = state.frozen
+    if frozen is not None and state.frozen_dtype is not None:
+        frozen = frozen.to(state.frozen_dtype)  # cast the shard once: gathers then move the compute dtype
+    grads, outs, info = sharded_backward(
+        mesh, state.layout, run.model, (state.compute, frozen), policy, state.reduce_dtype, rank_run
+    )
+    loss = torch.stack([o[0] for o in outs]) if simulated else outs[0][0]
+    aux = _stack(mesh, [o[1] for o in outs])
+    buffers = _stack(mesh, [o[2] for o in outs])
+    return grads, loss, aux, buffers, {"reduced": True, **info}
+
+
+def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: GatherPolicy | None = None):
+    """Build `evaluate(state, batch) -> outputs`: `fn(params, batch)` under `torch.no_grad()` with the state's
+    compute parameters, on every rank; nothing is updated (buffers a train-mode forward changes are discarded).
+
+    Stage 3 gathers one unit at a time and frees each right after its module ran. On a `SimMesh` each batch leaf
+    has a leading world axis and so does every output (stacked ranks); `fn` returns a pytree of tensors.
+
+    Example:
+        >>> import torch, fzero
+        >>> model = torch.nn.Linear(4, 2)
+        >>> mesh = fzero.SimMesh(world=2)
+        >>> state = fzero.init(model, fzero.zero3(fzero.adamw()), mesh)
+        >>> evaluate = fzero.eval_step(model, lambda p, b: torch.func.functional_call(model, p, (b,)), mesh)
+        >>> evaluate(state, torch.randn(2, 3, 4)).shape
+        torch.Size([2, 3, 2])
+    """
+    _check_mesh(mesh)
+    policy = gather or GatherPolicy()
+
+    def evaluate(state: TrainState, batch: Any) -> Any:
+        _check_state(state, mesh)
+        _check_batch(batch, mesh)
+        seeds = rank_seeds(state, mesh, 1)
+        if not _sharded_at_rest(state):
+            compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
+
+            def local(compute: Tensor, frozen: Tensor | None, buffers: dict, batch: Any, seed: Tensor) -> Any:
+                named = named_tensors(state.layout, compute, frozen, {k: v.clone() for k, v in buffers.items()})
+                with torch.no_grad(), rng.stream(int(seed)), bound(model, named):
+                    return fn(named, batch)
+
+            return mesh.map(local, compute, frozen, state.buffers, batch, seeds)
+        ranks = range(mesh.world) if isinstance(mesh, SimMesh) else [None]
+        return _stack(mesh, [_eval_rank(model, fn, state, mesh, policy, r, batch, seeds) for r in ranks])
+
+    return evaluate
+
+
+def _eval_rank(model, fn, state: TrainState, mesh: Mesh, policy: GatherPolicy, rank, batch, seeds) -> Any:
+    """One rank's evaluation forward with unit-at-a-time gathering (`rank`: the simulated rank on a SimMesh,
+    whose gathers read every rank's shard directly; None on a DistMesh)."""
+    pick = (lambda t: t) if rank is None else (lambda t: t[rank])
+    frozen = frozen_shard(state.frozen, state.frozen_dtype)
+    shards = (pick(state.compute), None if frozen is None else pick(frozen))
+    sim = None if rank is None else (state.compute, frozen, rank)
+    gatherer = Gatherer(mesh, state.layout, model, shards, policy, None, sim, grad=False)
+    handles = gatherer.install()
+    try:
+        named = {**gatherer.params(), **{k: pick(v).clone() for k, v in state.buffers.items()}}
+        with torch.no_grad(), rng.stream(int(pick(seeds))), bound(model, named):
+            return fn(named, optree.tree_map(pick, batch))
+    finally:
+        for h in handles:
+            h.remove()
+        gatherer.close()
 
 
 def _scale_of(state: TrainState) -> float:
@@ -274,9 +461,19 @@ def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
     compute = state.compute
     if compute is None:  # a chain without gather(): the master parameters are the compute parameters
         compute = state.params
-    if compute.shape[-1] != state.layout.numel:  # sharded at rest (stage 3)
+    if not state.layout.is_full(compute):  # sharded at rest (stage 3)
         compute = gather_params(mesh, state.layout, compute)
     return compute
+
+
+def frozen_params(state: TrainState, mesh: Mesh) -> Tensor | None:
+    """The full frozen parameters per rank, in the dtype the forward computes in (None without any)."""
+    frozen = state.frozen
+    if frozen is None:
+        return None
+    flay = state.layout.frozen_layout
+    dtype = state.frozen_dtype
+    return gather_params(mesh, flay, frozen, dtype) if not flay.is_full(frozen) else frozen.to(dtype or frozen.dtype)
 
 
 def apply_gradients(
@@ -325,28 +522,31 @@ def apply_gradients(
 
 
 def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]:
-    """The consolidated parameters (master dtype), frozen parameters and buffers, by name: what
-    `model.load_state_dict` accepts. Tied parameters appear under every name.
+    """The consolidated parameters (master dtype), frozen parameters (their own dtype) and persistent buffers, by
+    name: exactly the keys of the model's `state_dict()` (tied parameters under every name), what
+    `model.load_state_dict(..., strict=True)` and `save_pretrained` expect.
 
     Args:
       state: a `TrainState`.
       mesh: needed for a `DistMesh` state with sharded parameters (it all-gathers them: call it on every rank).
     """
     layout = state.layout
-    params = state.params
-    full_form = params.shape[-1] == layout.numel
-    if state.simulated:
-        full = params[0] if full_form else unshard(layout, params)
-        first = lambda t: t[0]  # noqa: E731
-    else:
-        if not full_form and layout.world > 1:
-            if mesh is None:
-                raise ValueError("state_dict of a sharded DistMesh state needs the mesh: fzero.state_dict(state, mesh)")
-            full = gather_params(mesh, layout, params)
+    first = (lambda t: t[0]) if state.simulated else (lambda t: t)
+    tensors = {}
+    for lay, flat in ((layout, state.params), (layout.frozen_layout, state.frozen)):
+        if flat is None:
+            continue
+        if lay.is_full(flat):
+            full = first(flat)
+        elif state.simulated:
+            full = unshard(lay, flat)
+        elif mesh is None:
+            raise ValueError("state_dict of a sharded DistMesh state needs the mesh: fzero.state_dict(state, mesh)")
         else:
-            full = params
-        first = lambda t: t  # noqa: E731
-    out: dict[str, Tensor] = {k: v.clone() for k, v in unflatten(layout, full).items()}
-    out.update({k: first(v).clone() for k, v in state.frozen.items()})
-    out.update({k: first(v).clone() for k, v in state.buffers.items()})
-    return out
+            full = gather_params(mesh, lay, flat)
+        tensors.update({k: v.clone() for k, v in unflatten(lay, full).items()})
+    for alias, name in layout.aliases:
+        tensors[alias] = tensors[name]
+    persistent = {s.name for s in layout.buffers if s.persistent}
+    tensors.update({k: first(v).clone() for k, v in state.buffers.items() if k in persistent})
+    return tensors

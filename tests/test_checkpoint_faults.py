@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import optree
 import pytest
 import torch
 
@@ -49,13 +50,13 @@ def shard(path: Path, rank: int = 1) -> Path:
 
 def expect_nothing_loaded(root, like, error, match):
     """`load` raises `error` matching `match`, restores no generator state and leaves `like` as it was."""
-    before = [x.clone() for x in torch.utils._pytree.tree_leaves(like)]
+    before = [x.clone() for x in optree.tree_leaves(like, namespace="fzero")]
     torch.manual_seed(7)
     rng = torch.get_rng_state()
     with pytest.raises(error, match=match):
         fzero.load(root, like, restore_rng=True)
     assert torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(a, b) for a, b in zip(before, torch.utils._pytree.tree_leaves(like), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(like, namespace="fzero"), strict=True))
 
 
 def test_truncated_shard(saved):

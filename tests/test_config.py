@@ -37,7 +37,7 @@ def parse(extra: dict, world: int = 1):
 # -------------------------------------------------------------------------------------------------------- defaults
 def test_deepspeed_defaults():
     v = parse({}).values
-    assert v["gradient_clipping"] == 1.0  # DeepSpeed >= 0.19.3
+    assert v["gradient_clipping"] == 0.0  # DeepSpeed 0.19: GRADIENT_CLIPPING_DEFAULT = 0. (runtime/constants.py)
     assert v["steps_per_print"] is None and v["wall_clock_breakdown"] is False
     assert v["zero_optimization"]["stage"] == 0
     assert v["zero_optimization"]["reduce_bucket_size"] == 500_000_000

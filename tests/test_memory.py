@@ -28,7 +28,7 @@ def test_state_bytes_follow_the_zero_formulas(world, precision, micro):
         assert b["compute"] == compute
         acc = 0 if micro == 1 else 4 * (n // world if stage >= 2 else n)
         assert b["accumulator"] == acc
-        assert b["total"] == b["master"] + b["optimizer"] + b["compute"] + b["accumulator"] + b["other"]
+        assert b["total"] == b["master"] + b["optimizer"] + b["compute"] + b["accumulator"] + b["frozen"] + b["other"]
         assert b["other"] < 64 + 8 * len(state.buffers)  # counters and the loss scale: a few bytes
 
 
@@ -37,4 +37,4 @@ def test_state_bytes_ignore_non_tensor_leaves():
     counter = fzero.Transform(lambda flow, ctx: (flow, 7), lambda flow, state, ctx: (flow, state))
     tx = fzero.chain(counter, fzero.reduce_scatter(), fzero.shard_update(fzero.adamw()))
     b = state_bytes(fzero.init(model, tx, fzero.SimMesh(2)))
-    assert b["master"] > 0 and b["other"] == 16  # two int64 counters (steps, Adam updates); the int holds none
+    assert b["master"] > 0 and b["other"] == 24  # three int64 counters (steps, Adam updates, seed); the int holds none

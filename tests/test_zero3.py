@@ -95,8 +95,13 @@ def test_meta_errors():
         meta = GPT(CFG)
     with pytest.raises(ValueError, match="meta device; pass initializer=fn"):
         fzero.init(meta, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))
+    reset = lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None  # noqa: E731
     with pytest.raises(ValueError, match="only be constructed sharded under a chain with reduce_scatter"):
-        fzero.init(meta, fzero.zero0(fzero.adamw()), fzero.SimMesh(2), initializer=lambda m: None)
+        fzero.init(meta, fzero.zero0(fzero.adamw()), fzero.SimMesh(2), initializer=reset)
+    # an initializer that misses tensors (here: everything but the Linear layers) is caught, naming them
+    linear_only = lambda m: m.reset_parameters() if isinstance(m, torch.nn.Linear) else None  # noqa: E731
+    with pytest.raises(ValueError, match=r"left 4 tensors of unit '<root>' uninitialised \(wte.weight, wpe.weight, ln_f"):
+        fzero.init(meta, fzero.zero3(fzero.adamw()), fzero.SimMesh(2), initializer=linear_only)
     with pytest.raises(ValueError, match="GatherPolicy.prefetch must be an int >= 0"):
         fzero.GatherPolicy(prefetch=-1)
 

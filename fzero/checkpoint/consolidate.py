@@ -28,9 +28,13 @@ def _cast(dtype: torch.dtype | None, saved: torch.dtype) -> torch.dtype:
     return dtype if dtype is not None and saved.is_floating_point else saved
 
 
-def _plan(ckpt: Checkpoint, dtype: torch.dtype | None) -> tuple[str, list[TensorSpec], dict[str, tuple[str, str]]]:
-    """The master-parameter leaf's key, the output tensors in order (parameters in layout order, aliases after
-    their parameter, then frozen parameters and buffers), and where each non-parameter tensor comes from."""
+Plan = tuple[dict[str, tuple[str, torch.dtype]], list[TensorSpec], list[tuple[str, str]]]
+
+
+def _plan(ckpt: Checkpoint, dtype: torch.dtype | None) -> Plan:
+    """The param-space leaves to stream (`{space: (key, dtype)}`), the output tensors in order (parameters in
+    layout order, aliases after their parameter, then frozen parameters likewise, then persistent buffers), and
+    where each comes from: `("stream", space)` or `("value", key)` (a replicated leaf, read whole)."""
     m, lay = ckpt.manifest, ckpt.layout
     key = m.roles.get("params") or "params"
     entry = ckpt.entries.get(key)
@@ -38,40 +42,59 @@ def _plan(ckpt: Checkpoint, dtype: torch.dtype | None) -> tuple[str, list[Tensor
         raise CorruptCheckpointError(f"{ckpt.path}: the manifest names no master parameters (leaf {key!r})")
     if entry.lead:
         raise CorruptCheckpointError(f"{ckpt.path}: master parameters {key!r} have leading dimensions {entry.lead}")
-    pdtype = dtype or dtype_of(entry.dtype)
     aliases: dict[str, list[str]] = {}
     for alias, name in lay.aliases:
         aliases.setdefault(name, []).append(alias)
+    streams = {"params": (key, dtype or dtype_of(entry.dtype))}
     specs: list[TensorSpec] = []
+    origins: list[tuple[str, str]] = []
+
+    def add(name: str, dt: torch.dtype, shape: tuple[int, ...], origin: tuple[str, str]) -> None:
+        for n in (name, *aliases.get(name, ())):
+            specs.append(TensorSpec(n, dt, shape))
+            origins.append(origin)
+
     for leaf in lay.leaves:
-        for name in (leaf.name, *aliases.get(leaf.name, ())):
-            specs.append(TensorSpec(name, pdtype, leaf.shape))
-    sources: dict[str, tuple[str, str]] = {}
-    for role, spec_list in (("frozen", lay.frozen), ("buffers", lay.buffers)):
-        for s in spec_list:
-            leaf_key = m.roles.get(role, {}).get(s.name)
+        add(leaf.name, streams["params"][1], leaf.shape, ("stream", "params"))
+    frozen = m.roles.get("frozen")
+    if isinstance(frozen, str):  # one flat leaf
+        fentry = ckpt.entries[frozen]
+        if fentry.kind == "replicated" or fentry.space != "frozen" or fentry.lead:
+            raise CorruptCheckpointError(f"{ckpt.path}: frozen parameters {frozen!r} are not a flat frozen buffer")
+        streams["frozen"] = (frozen, _cast(dtype, dtype_of(fentry.dtype)))
+        for leaf in lay.frozen_layout.leaves if lay.frozen_layout is not None else ():
+            add(leaf.name, streams["frozen"][1], leaf.shape, ("stream", "frozen"))
+    elif lay.frozen:  # a checkpoint written before: one replicated leaf per frozen parameter
+        for s in lay.frozen:
+            leaf_key = (frozen or {}).get(s.name)
             if leaf_key is None or leaf_key not in ckpt.entries:
-                raise CorruptCheckpointError(f"{ckpt.path}: the manifest has no leaf for {role[:-1]} {s.name!r}")
-            for name in (s.name, *aliases.get(s.name, ())):
-                specs.append(TensorSpec(name, _cast(dtype, dtype_of(s.dtype)), tuple(s.shape)))
-                sources[name] = (leaf_key, s.name)
-    return key, specs, sources
+                raise CorruptCheckpointError(f"{ckpt.path}: the manifest has no leaf for frozen parameter {s.name!r}")
+            add(s.name, _cast(dtype, dtype_of(s.dtype)), tuple(s.shape), ("value", leaf_key))
+    for s in lay.buffers:
+        if not s.persistent:  # not in the model's state_dict()
+            continue
+        leaf_key = m.roles.get("buffers", {}).get(s.name)
+        if leaf_key is None or leaf_key not in ckpt.entries:
+            raise CorruptCheckpointError(f"{ckpt.path}: the manifest has no leaf for buffer {s.name!r}")
+        add(s.name, _cast(dtype, dtype_of(s.dtype)), tuple(s.shape), ("value", leaf_key))
+    return streams, specs, origins
 
 
 def _producer(
     ckpt: Checkpoint, dtype: torch.dtype | None, copy: bool = True
 ) -> tuple[list[TensorSpec], Callable[[int], Tensor]]:
-    """The output tensors and `produce(i)`: non-parameter tensors in any order; parameters (one dtype, so the
-    writer's dtype ordering keeps them in layout order) streamed unit by unit (views of the unit unless `copy`)."""
-    key, specs, sources = _plan(ckpt, dtype)
-    params = ckpt.named(key, dtype, copy=copy)
+    """The output tensors and `produce(i)`: replicated tensors in any order; each space's parameters (one dtype
+    per space, so the writer's dtype ordering keeps them in layout order) streamed unit by unit (views of the unit
+    unless `copy`)."""
+    streams, specs, origins = _plan(ckpt, dtype)
+    flows = {space: ckpt.named(key, dt, copy=copy) for space, (key, dt) in streams.items()}
 
     def produce(i: int) -> Tensor:
-        spec = specs[i]
-        if spec.name in sources:
-            t = ckpt.value(sources[spec.name][0])
+        spec, (how, where) = specs[i], origins[i]
+        if how == "value":
+            t = ckpt.value(where)
             return t.to(spec.dtype) if t.dtype != spec.dtype else t
-        name, t = next(params)
+        name, t = next(flows[where])
         if name != spec.name:  # cannot happen: both follow the layout's order
             raise RuntimeError(f"consolidate: expected parameter {spec.name!r}, the stream gave {name!r}")
         return t

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..layout import Layout
 from .errors import CheckpointVersionError, CorruptCheckpointError
-from .tree import PARAM_SPACE, REPLICATED, Entry
+from .tree import PARAM_SPACE, PARAMS, REPLICATED, SPACES, Entry
 
 __all__ = ["FORMAT", "VERSION", "FileInfo", "Manifest", "StoredEntry", "file_name", "read_manifest"]
 
@@ -53,9 +53,9 @@ class StoredEntry(Entry):
         return self.storage != "rank0" or rank == 0
 
     def stored_shape(self, layout: Layout) -> tuple[int, ...]:
-        """The shape of what one file holds."""
+        """The shape of what one file holds (`layout`: the state's; the leaf's space picks its part)."""
         if self.storage == "split":
-            return (*self.lead, self.shape[-1] if self.kind == "shard" else layout.shard_numel)
+            return (*self.lead, self.shape[-1] if self.kind == "shard" else self.layout_in(layout).shard_numel)
         return self.shape
 
 
@@ -137,26 +137,32 @@ def _entry(x: Any, where: str, i: int) -> StoredEntry:
             shape=tuple(int(s) for s in x["shape"]),
             dtype=str(x["dtype"]),
             world_axis=bool(x["world_axis"]),
+            space=str(x.get("space", PARAMS)),  # format 1 before frozen parameters had a space: all in params
             storage=str(x["storage"]),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptCheckpointError(f"{where}: leaf entry {i} is malformed ({err!r})") from None
-    if e.kind not in (*PARAM_SPACE, REPLICATED) or e.storage not in STORAGES:
-        raise CorruptCheckpointError(f"{where}: leaf {e.key!r} has unknown kind {e.kind!r} or storage {e.storage!r}")
+    if e.kind not in (*PARAM_SPACE, REPLICATED) or e.storage not in STORAGES or e.space not in SPACES:
+        raise CorruptCheckpointError(
+            f"{where}: leaf {e.key!r} has unknown kind {e.kind!r}, storage {e.storage!r} or space {e.space!r}"
+        )
     if e.storage == "split" and (e.kind == REPLICATED or not e.shape):
         raise CorruptCheckpointError(f"{where}: leaf {e.key!r} of kind {e.kind!r} cannot be stored split")
     return e
 
 
 def _roles(roles: Any, keys: set[str], where: str) -> dict[str, Any]:
-    """Which leaves hold the master parameters, frozen parameters and buffers; each must be a leaf's key."""
+    """Which leaves hold the master parameters, the frozen parameters (one flat leaf; `{name: key}` in checkpoints
+    written before frozen parameters had a flat buffer) and the buffers; each must be a leaf's key."""
     roles = roles if isinstance(roles, dict) else {}
-    params = roles.get("params")
-    named = {f: roles.get(f) if isinstance(roles.get(f), dict) else {} for f in ("frozen", "buffers")}
-    for key in [params, *named["frozen"].values(), *named["buffers"].values()]:
+    params, frozen = roles.get("params"), roles.get("frozen")
+    frozen = frozen if isinstance(frozen, (str, dict)) else None
+    buffers = roles.get("buffers") if isinstance(roles.get("buffers"), dict) else {}
+    named = list(frozen.values()) if isinstance(frozen, dict) else [frozen]
+    for key in [params, *named, *buffers.values()]:
         if key is not None and key not in keys:
             raise CorruptCheckpointError(f"{where}: roles name leaf {key!r}, which the manifest does not list")
-    return {"params": params, **named}
+    return {"params": params, "frozen": frozen, "buffers": buffers}
 
 
 def parse_manifest(text: str, where: str) -> Manifest:

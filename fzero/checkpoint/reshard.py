@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..layout import Layout, dtype_of
+from ..layout import Layout, dtype_of, flatten
 from .errors import IncompatibleCheckpointError
 from .manifest import StoredEntry
-from .sources import Source, check_param_source, unit, unit_into
-from .tree import FULL, PARAM_SPACE, REPLICATED, SHARD, Entry, FlatState
+from .sources import Source, check_param_source, rank_chunk, unit, unit_into
+from .tree import FROZEN, FULL, PARAM_SPACE, REPLICATED, SHARD, Entry, FlatState, _escape
 
 __all__ = ["build_leaves", "check_compatible", "model_difference"]
 
@@ -53,7 +53,8 @@ def _describe(e: Entry, layout: Layout) -> str:
 def _remap(source: Source, key: str, target: Layout, t: Entry, outs: dict[int, Tensor]) -> None:
     """Fill the target ranks' values (`outs`) of a param-space leaf laid out by another layout (see the module
     docstring)."""
-    src = source.layout
+    src = source.entries[key].layout_in(source.layout)
+    target = t.layout_in(target)
     src_leaves = {x.name: x for x in src.leaves}
     dtype = dtype_of(t.dtype)
     by_unit: dict[int, list] = {}
@@ -78,6 +79,10 @@ def _remap(source: Source, key: str, target: Layout, t: Entry, outs: dict[int, T
 
 def _check_leaf(source: Source, e: StoredEntry, t: Entry, target: Layout) -> None:
     """Whether the saved leaf `e` can fill the state's leaf `t` (raises if not; reads nothing)."""
+    if e.space != t.space:
+        raise IncompatibleCheckpointError(
+            f"leaf {t.key!r} follows the {t.space} layout in the state but the {e.space} layout in the checkpoint"
+        )
     if e.dtype != t.dtype:
         raise IncompatibleCheckpointError(
             f"leaf {t.key!r} is {e.dtype} in the checkpoint but {t.dtype} in the state (another precision?)"
@@ -91,14 +96,15 @@ def _check_leaf(source: Source, e: StoredEntry, t: Entry, target: Layout) -> Non
             raise IncompatibleCheckpointError(
                 f"leaf {t.key!r} has leading dimensions {e.lead} in the checkpoint, {t.lead} in the state"
             )
-        if e.storage == "per_rank" and not (source.layout == target and t.kind == FULL):
+        if e.storage == "per_rank" and not (e.layout_in(source.layout) == t.layout_in(target) and t.kind == FULL):
             check_param_source(e, t.key, _describe(t, target))
 
 
 def _fill_param(source: Source, e: StoredEntry, t: Entry, target: Layout, outs: dict[int, Tensor]) -> None:
-    if source.layout != target or e.storage == "rank0":
+    if e.layout_in(source.layout) != t.layout_in(target) or e.storage == "rank0":
         _remap(source, t.key, target, t, outs)
         return
+    target = t.layout_in(target)
     # the same layout: the stored tensors as they are, read straight into place
     first = None
     for r, out in outs.items():
@@ -118,6 +124,25 @@ def _fill_replicated(source: Source, e: StoredEntry, t: Entry, target: Layout, o
         source.read_into(t.key, r if own else 0, out)
 
 
+def _legacy_frozen(source: Source, like: FlatState) -> dict[str, str]:
+    """For checkpoints written before frozen parameters had a flat buffer (one replicated leaf per frozen
+    parameter, ``frozen/NAME``): `{name: key}` when the state's flat frozen leaf is missing and those are all there,
+    else empty."""
+    flay = like.layout.frozen_layout
+    wanted = [e for e in like.entries if e.space == FROZEN and e.key not in source.entries]
+    if flay is None or not wanted:
+        return {}
+    keys = {leaf.name: f"frozen/{_escape(leaf.name)}" for leaf in flay.leaves}
+    return keys if all(k in source.entries for k in keys.values()) else {}
+
+
+def _fill_legacy_frozen(source: Source, names: dict[str, str], t: Entry, target: Layout, outs: dict) -> None:
+    flay = t.layout_in(target)
+    full = flatten(flay, {name: source.read(key, 0).to(flay.torch_dtype) for name, key in names.items()})
+    for r, out in outs.items():
+        out.copy_(rank_chunk(flay, full, r) if t.kind == SHARD else full)
+
+
 def check_compatible(
     source: Source, like: FlatState, *, strict: bool = True, select: Callable[[str], bool] | None = None
 ) -> set[str]:
@@ -131,9 +156,11 @@ def check_compatible(
     if problem is not None:
         raise IncompatibleCheckpointError(f"checkpoint from another model: {problem}")
     wanted = [e.key for e in like.entries if select is None or select(e.key)]
+    legacy = _legacy_frozen(source, like)
     if strict:
-        missing = [k for k in wanted if k not in source.entries]
-        present = {e.key for e in like.entries}
+        converted = {e.key for e in like.entries if e.space == FROZEN} if legacy else set()
+        missing = [k for k in wanted if k not in source.entries and k not in converted]
+        present = {e.key for e in like.entries} | set(legacy.values())
         extra = [k for k in source.entries if k not in present]
         if missing:
             raise IncompatibleCheckpointError(
@@ -150,7 +177,8 @@ def check_compatible(
         e = source.entries.get(t.key)
         if e is not None and t.key in wanted:
             _check_leaf(source, e, t, like.layout)
-    return {k for k in wanted if k in source.entries}
+    converted = {e.key for e in like.entries if e.space == FROZEN} if legacy else set()
+    return {k for k in wanted if k in source.entries or k in converted}
 
 
 def build_leaves(
@@ -183,7 +211,10 @@ def build_leaves(
         # new tensors, owned by the state (never a file's mapping, never another state's memory)
         value = torch.empty((len(ranks), *t.shape) if t.world_axis else t.shape, dtype=like_leaf.dtype)
         outs = {r: value[i] for i, r in enumerate(ranks)} if t.world_axis else {ranks[0]: value}
-        fill = _fill_param if t.kind in PARAM_SPACE else _fill_replicated
-        fill(source, source.entries[t.key], t, like.layout, outs)
+        if t.key not in source.entries:  # a flat frozen leaf from an older checkpoint's per-name leaves
+            _fill_legacy_frozen(source, _legacy_frozen(source, like), t, like.layout, outs)
+        else:
+            fill = _fill_param if t.kind in PARAM_SPACE else _fill_replicated
+            fill(source, source.entries[t.key], t, like.layout, outs)
         out.append(value if like_leaf.device.type == "cpu" else value.to(like_leaf.device))
     return out

@@ -42,10 +42,12 @@ def _json(value: Any, name: str) -> Any:
 def _roles(state: Any, flat: FlatState) -> dict[str, Any]:
     """Which keys hold the master parameters, frozen parameters and buffers (read by `consolidate`)."""
     by_id = {id(x): e.key for e, x in zip(flat.entries, flat.leaves, strict=True)}
-    roles: dict[str, Any] = {"params": by_id.get(id(getattr(state, "params", None)))}
-    for field in ("frozen", "buffers"):
-        values = getattr(state, field, None) or {}
-        roles[field] = {name: by_id[id(x)] for name, x in values.items() if id(x) in by_id}
+    roles: dict[str, Any] = {
+        "params": by_id.get(id(getattr(state, "params", None))),
+        "frozen": by_id.get(id(getattr(state, "frozen", None))),
+    }
+    buffers = getattr(state, "buffers", None) or {}
+    roles["buffers"] = {name: by_id[id(x)] for name, x in buffers.items() if id(x) in by_id}
     return roles
 
 

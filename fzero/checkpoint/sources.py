@@ -58,7 +58,7 @@ def unit_into(source: Source, key: str, index: int, out: Tensor) -> None:
     """Write unit `index` of the leaf's full, unit-major value into `out` (`[..., unit size]`), reading every
     rank's part."""
     e = source.entries[key]
-    lay = source.layout
+    lay = e.layout_in(source.layout)
     if e.storage != "split":  # a full value stored whole (rank 0's)
         source.read_into(key, 0, out, lay.unit_slice(index))
         return
@@ -71,7 +71,7 @@ def unit_into(source: Source, key: str, index: int, out: Tensor) -> None:
 def unit(source: Source, key: str, index: int) -> Tensor:
     """Unit `index` of the leaf's full, unit-major value (`[..., unit size]`), read from every rank's part."""
     e = source.entries[key]
-    out = torch.empty(*e.lead, source.layout.units[index].size, dtype=dtype_of(e.dtype))
+    out = torch.empty(*e.lead, e.layout_in(source.layout).units[index].size, dtype=dtype_of(e.dtype))
     unit_into(source, key, index, out)
     return out
 
@@ -85,9 +85,9 @@ def named(
     e = source.entries[key]
     if e.kind not in PARAM_SPACE:
         raise ValueError(f"leaf {key!r} is not parameter-shaped (kind {e.kind!r})")
-    lay = source.layout
+    lay = e.layout_in(source.layout)
     aliases: dict[str, list[str]] = {}
-    for alias, name in lay.aliases:
+    for alias, name in source.layout.aliases:
         aliases.setdefault(name, []).append(alias)
     current, data, t = -1, None, None
     for leaf in lay.leaves:
@@ -128,14 +128,14 @@ class MemorySource:
         """`read(key, rank)` as views to be written one after the other (no copy)."""
         e = self.entries[key]
         if e.storage == "split" and e.kind == FULL:
-            return rank_pieces(self.layout, self._value(key, 0), rank)
+            return rank_pieces(e.layout_in(self.layout), self._value(key, 0), rank)
         return [self._view(key, rank, None)]
 
     def _view(self, key: str, rank: int, index: slice | None) -> Tensor:
         e = self.entries[key]
         if e.storage == "split" and e.kind == FULL:
             # a full value every rank holds alike, stored as the layout's shards: rank r keeps its chunk
-            return _last(rank_chunk(self.layout, self._value(key, 0), rank), index)
+            return _last(rank_chunk(e.layout_in(self.layout), self._value(key, 0), rank), index)
         return _last(self._value(key, 0 if e.storage == "rank0" else rank), index)
 
     def read(self, key: str, rank: int, index: slice | None = None) -> Tensor:

@@ -5,12 +5,14 @@ sub-state found there: `"tx_state/AdamState/exp_avg"` rather than `"tx_state/4/e
 sub-states at different chain positions (`accumulate` comes before `reduce_scatter` in stage 1, after it in stage
 2), so a key names the same quantity in every stage and a checkpoint moves between them.
 
-Every leaf also has a **kind**, told by its per-rank shape against the layout:
+Every leaf also has a **space** and a **kind**. The space is the flat buffer layout it follows: ``"frozen"`` for
+the state's `frozen` field (`layout.frozen_layout`), ``"params"`` (`layout`) for everything else. The kind is told
+by the leaf's per-rank shape against its space's layout:
 
-- ``"shard"``: last dimension `layout.shard_numel`: this rank's shard, in the layout's shard order;
-- ``"full"``: last dimension `layout.numel`: a full, unit-major buffer;
-- ``"replicated"``: anything else (counters, loss-scale values, frozen parameters and buffers, which are known
-  by their names in the layout), kept as is.
+- ``"shard"``: last dimension `shard_numel`: this rank's shard, in the layout's shard order;
+- ``"full"``: last dimension `numel`: a full, unit-major buffer;
+- ``"replicated"``: anything else (counters, loss-scale values, buffers, which are known by their names in the
+  layout), kept as is.
 
 At world 1 a shard is the full buffer; such leaves are called shards. On a `SimMesh` a leaf carries the leading
 world axis when its first dimension is the world size and it has at least one dimension; 0-d leaves (counters)
@@ -29,10 +31,13 @@ from torch import Tensor
 
 from ..layout import Layout
 
-__all__ = ["FULL", "REPLICATED", "SHARD", "Entry", "FlatState", "dtype_name", "flatten_state"]
+__all__ = ["FULL", "REPLICATED", "SHARD", "SPACES", "Entry", "FlatState", "dtype_name", "flatten_state"]
 
 SHARD, FULL, REPLICATED = "shard", "full", "replicated"
 PARAM_SPACE = (SHARD, FULL)
+KINDS = (SHARD, FULL, REPLICATED)
+PARAMS, FROZEN = "params", "frozen"
+SPACES = (PARAMS, FROZEN)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -50,6 +55,7 @@ class Entry:
       shape: the shape on one rank (without the `SimMesh` world axis).
       dtype: the dtype's name, e.g. ``"float32"``.
       world_axis: whether the leaf carries the `SimMesh` world axis (False on `DistMesh`).
+      space: ``"params"`` or ``"frozen"``: the flat buffer layout a shard or full leaf follows.
     """
 
     key: str
@@ -58,11 +64,20 @@ class Entry:
     shape: tuple[int, ...]
     dtype: str
     world_axis: bool
+    space: str = PARAMS
 
     @property
     def lead(self) -> tuple[int, ...]:
         """The dimensions before the flat one, for param-space leaves."""
         return self.shape[:-1]
+
+    def layout_in(self, layout: Layout) -> Layout:
+        """The layout this leaf's space follows, within the state's `layout`."""
+        if self.space == FROZEN:
+            if layout.frozen_layout is None:
+                raise ValueError(f"leaf {self.key!r} is in the frozen space, but the layout has no frozen parameters")
+            return layout.frozen_layout
+        return layout
 
 
 @dataclass(frozen=True)
@@ -135,16 +150,12 @@ def _keys(accessors: list[Any]) -> list[str]:
     return keys
 
 
-def _spec_names(layout: Layout) -> dict[str, tuple[int, ...]]:
-    return {s.name: tuple(s.shape) for s in (*layout.frozen, *layout.buffers)}
-
-
 def classify(layout: Layout, shape: tuple[int, ...], last_entry: Any) -> str:
-    """The kind of a leaf of per-rank `shape` (see the module docstring)."""
+    """The kind of a leaf of per-rank `shape` in the space laid out by `layout` (see the module docstring)."""
     if isinstance(last_entry, optree.MappingEntry):
-        spec = _spec_names(layout).get(str(last_entry.key))
+        spec = {s.name: tuple(s.shape) for s in layout.buffers}.get(str(last_entry.key))
         if spec is not None and spec == shape:
-            return REPLICATED  # a frozen parameter or buffer, whatever its size
+            return REPLICATED  # a buffer, whatever its size
     if shape and shape[-1] == layout.shard_numel:
         return SHARD
     if shape and shape[-1] == layout.numel:
@@ -173,9 +184,11 @@ def flatten_state(state: Any) -> FlatState:
             raise TypeError(f"state leaf {acc.codify('state')} is a {what}; a checkpoint holds tensors only")
         world_axis = simulated and leaf.ndim >= 1 and leaf.shape[0] == layout.world
         shape = tuple(leaf.shape[1:] if world_axis else leaf.shape)
-        last = list(acc)[-1] if len(acc) else None
-        kind = classify(layout, shape, last)
-        entries.append(Entry(key, acc.codify("state"), kind, shape, dtype_name(leaf.dtype), world_axis))
+        parts = list(acc)
+        space = FROZEN if parts and _named(parts[0]) == "frozen" else PARAMS
+        lay = layout.frozen_layout if space == FROZEN else layout
+        kind = classify(lay, shape, parts[-1] if parts else None)
+        entries.append(Entry(key, acc.codify("state"), kind, shape, dtype_name(leaf.dtype), world_axis, space))
     seen: dict[str, str] = {}
     for e in entries:
         if e.key in seen:

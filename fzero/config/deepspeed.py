@@ -366,7 +366,7 @@ SCHEMA = Section(
         "gradient_accumulation_steps": Field(Nullable(Int()), None),
         "steps_per_print": Field(Nullable(Int(1)), None, effect="one console line every N optimizer steps (rank 0)"),
         "wall_clock_breakdown": Field(Bool(), False, effect="forward/backward/step times in the line and the JSONL"),
-        "gradient_clipping": Field(Num(0), 1.0, effect="global-norm clipping; 0 turns it off"),
+        "gradient_clipping": Field(Num(0), 0.0, effect="global-norm clipping; 0 (DeepSpeed's default) turns it off"),
         "communication_data_type": Field(
             Nullable(Str(_DTYPE_NAMES)), None, effect="dtype gradients are reduced in (default fp32)"
         ),

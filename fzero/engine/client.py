@@ -85,7 +85,8 @@ def _groups_agree(opt: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[str
 
 
 def check_params(model: nn.Module, params: Iterable[Any] | None, what: str) -> None:
-    """`params` (parameters or param-group dicts) must be exactly the model's trainable parameters."""
+    """`params` (parameters or param-group dicts) must be exactly the model's trainable parameters, with or without
+    its frozen ones (which are ignored, as DeepSpeed ignores them)."""
     if params is None:
         return
     ids: set[int] = set()
@@ -103,11 +104,13 @@ def check_params(model: nn.Module, params: Iterable[Any] | None, what: str) -> N
         else:
             ids.add(id(item))
     want = {id(p) for p in trainable_params(model)}
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    ids -= frozen  # DeepSpeed accepts model.parameters() with frozen ones among them, and trains the others
     if ids != want:
         raise ValueError(
             f"{what}: fzero trains exactly the model's parameters with requires_grad=True ({len(want)} tensors), "
-            f"but {what} holds {len(ids & want)} of them and {len(ids - want)} others; freeze what should not train "
-            "with requires_grad_(False)"
+            f"but {what} holds {len(ids & want)} of them and {len(ids - want)} tensors that are not the model's "
+            "parameters; freeze what should not train with requires_grad_(False)"
         )
 
 

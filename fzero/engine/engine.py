@@ -4,10 +4,15 @@ The engine holds a `TrainState` and rebinds it; every number comes from the core
 
     engine(*args)          functional_call(model, views of leaf, ...) where leaf = compute_params(state).detach(),
                            requires grad (one leaf per micro-step, shared by every forward until step())
-    engine.backward(loss)  g += autograd.grad(loss * S, leaf)        S: the state's loss scale (1 unless fp16)
+    engine.backward(loss)  g += gradient of loss * S at leaf        S: the state's loss scale (1 unless fp16)
     engine.step()          state, metrics = apply_gradients(state, g, loss, tx, mesh)   on every micro-step
 
-so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset.
+so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset. From the first
+forward of a micro-step to its `step()` the views stay bound into the model (`fzero.bind`), so that an
+activation-checkpoint recompute in the backward computes with them. A forward under `torch.no_grad()` (or
+`inference_mode`), e.g. an evaluation between steps, starts no micro-step: it computes with the current parameters
+(stage 3 gathering one unit at a time and freeing each after its module ran) and leaves training untouched, except
+for the buffers a train-mode forward updates, as in plain PyTorch.
 
 Gradient accumulation: DeepSpeed divides each micro-batch's gradients by `gradient_accumulation_steps` (GAS) in a
 hook and sums them; the chain's `accumulate(GAS)` sums and then divides: the same mean, so `backward` does not
@@ -23,6 +28,7 @@ optimizer's update count and hence the LR schedule advance only on applied updat
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -32,6 +38,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from ..bind import bound
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
@@ -40,7 +47,7 @@ from ..metrics import Monitor, transformer_flops
 from ..optim import AdamState, Hyper, SGDState, hyper_value
 from ..stage3 import UnitGathering
 from ..state import TrainState
-from ..step import apply_gradients, compute_params, init
+from ..step import apply_gradients, compute_params, frozen_params, init, named_tensors
 from ..step import state_dict as consolidated
 from ..transforms import Transform
 from . import checkpointing
@@ -94,11 +101,8 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
-        self._leaf: Tensor | None = None
-        self._params: dict[str, Tensor] = {}
-        self._gathering: UnitGathering | None = None
+        self._micro: _MicroStep | None = None
         self._gas_factor = 1.0
-        self._micro_buffers: dict[str, Tensor] | None = None
         self._grad: Tensor | None = None
         self._loss: Tensor | None = None
         self._step_losses: list[Tensor] = []
@@ -215,33 +219,49 @@ class Engine(nn.Module):
 
     # ------------------------------------------------------------------------------------- forward, backward, step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward with the current compute parameters."""
+        """The model's forward with the current compute parameters (see the module docstring for `no_grad`)."""
         t0 = time.perf_counter()
-        if self._t_step is None:
-            self._t_step = t0
-        if self._leaf is None:
-            self._begin_micro_step()
-        params = {**self._params, **self._frozen(), **self._micro_buffers}
         if self.config["fp16"]["auto_cast"]:
             args, kwargs = self._policy.cast_to_compute((args, kwargs))
-        out = torch.func.functional_call(self._modules["module"], params, args, kwargs)
+        if not torch.is_grad_enabled() and self._micro is None:
+            return self._forward_without_grad(args, kwargs)
+        if self._t_step is None:
+            self._t_step = t0
+        if self._micro is None:
+            self._micro = _MicroStep(self)
+        out = torch.func.functional_call(self._modules["module"], self._micro.named, args, kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
 
-    def _begin_micro_step(self) -> None:
-        state = self.state
-        if not self._sim and state.compute is not None and state.compute.shape[-1] != state.layout.numel:
-            # stage 3: gather one unit at a time inside the forward and the backward (fzero.stage3)
-            self._gathering = UnitGathering(
-                self.mesh, state.layout, self._modules["module"], state.compute, self._gather_policy, state.reduce_dtype
-            )
-            self._leaf, self._params = self._gathering.shard, self._gathering.params()
+    def _stage3(self) -> bool:
+        """Whether compute parameters are sharded at rest and gathered unit by unit (stage 3 on a real mesh)."""
+        compute = self.state.compute
+        return not self._sim and compute is not None and not self.state.layout.is_full(compute)
+
+    def _forward_without_grad(self, args: Any, kwargs: Any) -> Any:
+        """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
+        updates them (a train-mode BatchNorm), nothing else changed."""
+        state, module = self.state, self._modules["module"]
+        buffers = {k: self._local(v).clone() for k, v in state.buffers.items()}
+        gathering = None
+        if self._stage3():
+            gathering = UnitGathering(
+                self.mesh, state.layout, module, state.compute, state.frozen, self._gather_policy, None,
+                state.frozen_dtype, grad=False,
+            )  # fmt: skip
+            named = {**gathering.params(), **buffers}
         else:
-            compute = compute_params(state, self.mesh)
-            self._leaf = self._local(compute).detach().requires_grad_()
-            self._params = unflatten(state.layout, self._leaf)
-        # the forward may update buffers in place (BatchNorm): the state's own stay untouched until step()
-        self._micro_buffers = {k: self._local(v).clone() for k, v in self.state.buffers.items()}
+            frozen = frozen_params(state, self.mesh)
+            compute = self._local(compute_params(state, self.mesh))
+            named = named_tensors(state.layout, compute, None if frozen is None else self._local(frozen), buffers)
+        try:
+            out = torch.func.functional_call(module, named, args, kwargs)
+        finally:
+            if gathering is not None:
+                gathering.close()
+        if buffers:
+            self.state = state.replace(buffers={k: self._per_rank(v) for k, v in buffers.items()})
+        return out
 
     def _local(self, x: Tensor) -> Tensor:
         """This rank's value of a per-rank tensor (the single row of a one-rank SimMesh)."""
@@ -249,9 +269,6 @@ class Engine(nn.Module):
 
     def _per_rank(self, x: Tensor) -> Tensor:
         return x.unsqueeze(0) if self._sim else x
-
-    def _frozen(self) -> dict[str, Tensor]:
-        return {k: self._local(v) for k, v in self.state.frozen.items()}
 
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the current loss scale, for a manual `scale(loss).backward()` (fp16); `step()` then uses
@@ -274,20 +291,26 @@ class Engine(nn.Module):
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {shape}")
-        if self._leaf is None:
-            raise RuntimeError("engine.backward(loss): no engine(...) forward since the last engine.step()")
+        micro = self._micro
+        if micro is None:
+            raise RuntimeError(
+                "engine.backward(loss): no engine(...) forward with gradients since the last engine.step() (a "
+                "forward under torch.no_grad() computes no gradients)"
+            )
         if not loss.requires_grad:
             raise RuntimeError(
                 "engine.backward(loss): the loss does not depend on the engine's parameters "
                 "(computed under torch.no_grad(), or not from engine(...)'s outputs?)"
             )
-        (grad,) = torch.autograd.grad(self.scale(loss), self._leaf, retain_graph=retain_graph, allow_unused=True)
+        earlier, micro.leaf.grad = micro.leaf.grad, None  # a manual loss.backward() before this one
+        self.scale(loss).backward(retain_graph=retain_graph)  # not autograd.grad: reentrant checkpointing refuses it
+        grad, micro.leaf.grad = micro.leaf.grad, earlier
         gas = self.config.gas
-        if self._gathering is not None:  # the units' gradients were reduced into the gathering during the backward
+        if micro.gathering is not None:  # the units' gradients were reduced into the gathering during the backward
             self._gas_factor = gas if not scale_wrt_gas and gas > 1 else 1.0
         else:
             if grad is None:
-                grad = torch.zeros_like(self._leaf)
+                grad = torch.zeros_like(micro.leaf)
             if not scale_wrt_gas and gas > 1:
                 grad = grad.to(self._policy.accum_dtype or grad.dtype) * gas
             self._grad = grad if self._grad is None else self._grad + grad
@@ -297,26 +320,26 @@ class Engine(nn.Module):
         return out / gas if scale_wrt_gas else out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients of the current micro-step (DeepSpeed's `engine.zero_grad()`)."""
-        if self._gathering is not None:
-            self._gathering.close()
-            self._gathering = self._leaf = None
-            self._params = {}
+        """Drop the current micro-step's gradients and forwards (DeepSpeed's `engine.zero_grad()`)."""
+        self._discard_micro_step()
         self._grad = self._loss = None
-        if self._leaf is not None:
-            self._leaf.grad = None
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End the micro-step: the chain accumulates its gradients and, on the boundary, updates the parameters."""
         t0 = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
-        reduced = self._gathering is not None
-        grads = self._take_grads()
+        micro = self._micro
+        if micro is None:
+            raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
+        reduced = micro.gathering is not None
+        try:
+            grads = self._take_grads(micro)
+        finally:
+            micro.close()
+            self._micro = None
         loss = self._loss if self._loss is not None else torch.tensor(math.nan)
-        buffers = {k: self._per_rank(v) for k, v in self._micro_buffers.items()}
-        state = self.state.replace(buffers=buffers)
-        self._leaf = self._micro_buffers = self._grad = self._loss = self._gathering = None
-        self._params = {}
+        state = self.state.replace(buffers={k: self._per_rank(v) for k, v in micro.buffers.items()})
+        self._grad = self._loss = None
         new, metrics = apply_gradients(
             state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh, reduced=reduced
         )
@@ -335,15 +358,14 @@ class Engine(nn.Module):
         self._sync_module()
         self.micro_steps += 1
 
-    def _take_grads(self) -> Tensor:
-        if self._gathering is not None:
-            if not self._gathering.received:
-                self._gathering.close()
+    def _take_grads(self, micro: _MicroStep) -> Tensor:
+        if micro.gathering is not None:
+            if not micro.gathering.received:
                 raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
-            grads = self._gathering.finish()
+            grads = micro.gathering.finish()
             return grads * self._gas_factor if self._gas_factor != 1.0 else grads
         grads = self._grad
-        direct = self._leaf.grad if self._leaf is not None else None
+        direct = micro.leaf.grad
         if direct is not None:  # a manual loss.backward() (or engine.scale(loss).backward())
             grads = direct if grads is None else grads + direct
         if grads is None:
@@ -470,7 +492,7 @@ class Engine(nn.Module):
     def _check_between_steps(self, what: str) -> None:
         """Checkpoints hold the state between micro-steps: gradients of a micro-step not yet stepped are not in it."""
         pending = self._loss is not None or self._grad is not None
-        if self._leaf is not None and self._leaf.grad is not None:
+        if self._micro is not None and self._micro.leaf.grad is not None:
             pending = True
         if pending:
             raise RuntimeError(
@@ -481,10 +503,9 @@ class Engine(nn.Module):
 
     def _discard_micro_step(self) -> None:
         """Drop a forward in flight (no gradients yet): its parameters are the old state's."""
-        if self._gathering is not None:
-            self._gathering.close()
-        self._leaf = self._micro_buffers = self._grad = self._loss = self._gathering = None
-        self._params = {}
+        if self._micro is not None:
+            self._micro.close()
+            self._micro = None
 
     # --------------------------------------------------------------------------------------------------- reporting
     def _make_monitor(self, printer: Any) -> Monitor:
@@ -529,17 +550,17 @@ class Engine(nn.Module):
     def _sync_module(self) -> None:
         """Point the module's parameters at the state's compute parameters (stages 0-2; no copy), empty them at
         stage 3 (they are sharded), and its buffers at the state's."""
-        compute = self.state.compute
-        full = compute is not None and compute.shape[-1] == self.state.layout.numel
-        views = unflatten(self.state.layout, self._local(compute)) if full else {}
+        state = self.state
         named = dict(self._modules["module"].named_parameters())
         with torch.no_grad():
-            for leaf in self.state.layout.leaves:
-                p = named[leaf.name]
-                p.data = views[leaf.name] if full else torch.empty(0, dtype=p.dtype, device=p.device)
-            for name, value in self.state.frozen.items():
-                if name in named:
-                    named[name].data = self._local(value)
+            for lay, flat in ((state.layout, state.compute), (state.layout.frozen_layout, state.frozen)):
+                if lay is None:
+                    continue
+                full = flat is not None and lay.is_full(flat)
+                views = unflatten(lay, self._local(flat)) if full else {}
+                for leaf in lay.leaves:
+                    p = named[leaf.name]
+                    p.data = views[leaf.name] if full else torch.empty(0, dtype=p.dtype, device=p.device)
             module_buffers = dict(self._modules["module"].named_buffers())
             for name, value in self.state.buffers.items():
                 if name in module_buffers:
@@ -575,3 +596,33 @@ class Engine(nn.Module):
             f"fzero.Engine(ZeRO-{c.stage}, {c.precision}, {self.mesh!r}, micro batch {c.micro_batch}, "
             f"accumulate {c.gas}, {self.state.layout.real_numel:,} parameters)"
         )
+
+
+class _MicroStep:
+    """What lives from a micro-step's first forward with gradients to its `step()`: the leaf the gradients are
+    taken at (stage 3: the gathering's shard), the named tensors bound into the model, the forward's buffers."""
+
+    def __init__(self, engine: Engine) -> None:
+        state, module = engine.state, engine.module
+        # the forward may update buffers in place (BatchNorm): the state's own stay untouched until step()
+        self.buffers = {k: engine._local(v).clone() for k, v in state.buffers.items()}
+        self.gathering: UnitGathering | None = None
+        if engine._stage3():  # gather one unit at a time inside the forward and the backward (fzero.stage3)
+            self.gathering = UnitGathering(
+                engine.mesh, state.layout, module, state.compute, state.frozen, engine._gather_policy,
+                state.reduce_dtype, state.frozen_dtype,
+            )  # fmt: skip
+            self.leaf = self.gathering.shard
+            named = self.gathering.params()
+        else:
+            self.leaf = engine._local(compute_params(state, engine.mesh)).detach().requires_grad_()
+            frozen = frozen_params(state, engine.mesh)
+            named = named_tensors(state.layout, self.leaf, None if frozen is None else engine._local(frozen), {})
+        self.named = {**named, **self.buffers}
+        self._binding = contextlib.ExitStack()
+        self._binding.enter_context(bound(module, self.named))
+
+    def close(self) -> None:
+        self._binding.close()
+        if self.gathering is not None:
+            self.gathering.close()

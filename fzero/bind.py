@@ -1,0 +1,95 @@
+"""Bind named tensors into a module for the whole of a forward *and* its backward.
+
+`torch.func.functional_call` swaps tensors into a module for the duration of the call only. Activation
+checkpointing (`torch.utils.checkpoint`, HF's `gradient_checkpointing_enable()`) recomputes parts of the forward
+during the backward, *after* `functional_call` has put the module's own tensors back: the recompute would run
+with them instead of the step's parameters (silently wrong gradients). fzero's step therefore binds the step's
+tensors into the module around the forward and the backward; `functional_call` inside a user's `loss_fn` then swaps
+in the same tensors and, on its way out, restores the bound ones, so every recompute sees exactly the step's
+parameters.
+
+Parameters that are not available (stage 3's units that are gathered only while their module runs) are bound to
+`Unavailable` placeholders: using one outside its module's forward raises an error that names it, instead of
+computing with a stale tensor.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> w = torch.zeros(1, 2)
+    >>> with bound(model, {"weight": w}):
+    ...     model.weight is w
+    True
+    >>> isinstance(model.weight, torch.nn.Parameter)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Unavailable", "bound"]
+
+
+def _slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:
+    """The dict (`_parameters` or `_buffers` of the owning module) and key that hold tensor `name`."""
+    owner_path, _, short = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_path) if owner_path else model
+    except AttributeError:
+        raise KeyError(f"{type(model).__name__} has no submodule {owner_path!r} (for tensor {name!r})") from None
+    for table in (owner._parameters, owner._buffers):
+        if short in table:
+            return table, short
+    raise KeyError(f"{type(model).__name__} has no parameter or buffer {name!r}")
+
+
+@contextlib.contextmanager
+def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
+    """Put `tensors` (parameter and buffer names of `model`, tied names included) in place of the module's own,
+    and put the module's own back on exit, in reverse order."""
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for name, value in tensors.items():
+            table, key = _slot(model, name)
+            saved.append((table, key, table[key]))
+            table[key] = value
+        yield
+    finally:
+        for table, key, value in reversed(saved):
+            table[key] = value
+
+
+class Unavailable(Tensor):
+    """A placeholder with a parameter's shape, dtype and device, and no data: any operation on it raises an error
+    that names the parameter (stage 3 binds it where a unit's parameter is not gathered)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls, name: str, unit: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Unavailable:
+        t = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        t.param_name, t.unit_name = name, unit
+        return t
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Unavailable({self.param_name!r}, unit {self.unit_name!r}, shape {tuple(self.shape)})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        found = next(
+            (a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, Unavailable)), None
+        )
+        name, unit = (found.param_name, found.unit_name) if found is not None else ("?", "?")
+        raise RuntimeError(
+            f"parameter {name!r} was used ({func}) outside the forward of its stage-3 unit {unit!r}: at stage 3 a "
+            "unit's parameters exist only while its module runs. Keep that parameter in a unit that is gathered "
+            "for the whole step (e.g. fzero.init(..., units=...) placing it in the root unit), or call the module "
+            "instead of reading its parameter"
+        )
