@@ -349,7 +349,8 @@ def _func_grads(run: _Forward, state, compute, frozen, buffers, batch, seed) -> 
         with rng.stream(int(seed)):
             grads, out = torch.func.grad(f, has_aux=True)(compute, buffers)
     except RuntimeError as e:
-        if "saved tensor hooks" in str(e):
+        hf_checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in run.model.modules())
+        if "saved tensor hooks" in str(e) or hf_checkpointing:
             raise ValueError(
                 "autodiff='func' cannot differentiate a model with activation checkpointing (torch.func rejects "
                 "saved-tensor hooks): use autodiff='autograd', the default"
