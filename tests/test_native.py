@@ -550,10 +550,16 @@ def test_slice_segments_runs_pieces_like_the_whole(case, cuts, seed):
 
 
 def test_segment_table_errors_say_what_is_wrong():
-    p, g, m, v = torch.zeros(100), torch.zeros(100), torch.zeros(100), torch.zeros(100)
+    """Every fault of a table or of the per-group values is named; a refused call has written nothing (the compiled
+    paths leave the table's check to the kernel, which refuses before it writes, and explain the refusal)."""
+    p, g, m, v = state(100, 8)
+    before = [x.clone() for x in (p, m, v)]
 
     def call(segments, lr=(0.1, 0.2), **kw):
-        native.adam_step(p, g, m, v, step=1, lr=list(lr), segments=segments, **kw)
+        try:
+            native.adam_step(p, g, m, v, step=1, lr=list(lr), segments=segments, **kw)
+        finally:
+            assert_bitwise((p, m, v), before, "a refused call wrote")
 
     for isa in [*COMPILED, "torch"]:
         native.set_isa(isa)
@@ -598,9 +604,13 @@ def test_segment_table_errors_say_what_is_wrong():
         with pytest.raises(ValueError, match=r"lr has one value per group \(2\), but no segments were given"):
             call(None)
     # a float for every group needs no group count: any non-negative group index is fine, the table still checked
-    native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30, 100], [7, 3]))
     with pytest.raises(ValueError, match="segments end at 30"):
         native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30], [0]))
+    with pytest.raises(ValueError, match=r"group\[1\] = -3 is negative"):
+        native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30, 100], [0, -3]))
+    with pytest.raises(ValueError, match="segments end at 1, but params has 0 elements"):  # nothing to update
+        native.adam_step(*(torch.zeros(0) for _ in range(4)), step=1, lr=[0.1], segments=([1], [0]))
+    native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30, 100], [7, 3]))
 
 
 def test_the_kernel_checks_the_table_itself():
