@@ -4,7 +4,9 @@
  * Every kernel has three implementations (scalar, AVX2+FMA+F16C, AVX-512F) chosen at run time from the CPU's
  * features (never from the build machine's), and runs on `nthreads` OpenMP threads above a size threshold.
  * The Adam paths perform the same IEEE operations (multiply, fused multiply-add, square root, divide, round to
- * nearest even) on every element in the same order, so all three give bitwise identical results.
+ * nearest even) on every element in the same order, so all three give bitwise identical results. The Adam step
+ * also takes its hyper-parameters per segment of the buffer (parameter groups: fz_adam_step_segments), each
+ * segment bitwise what an ungrouped call on it gives.
  *
  * The declarations between FZ_CDEF_BEGIN and FZ_CDEF_END are also read by cffi (native/build.py): keep them
  * free of preprocessor directives.
