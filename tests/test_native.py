@@ -393,9 +393,7 @@ def groupings(draw, max_n: int = 3000):
         per_group = draw(st.lists(st.sampled_from(choices), min_size=ngroups, max_size=ngroups))
         shared = draw(st.booleans())
         values[name] = per_group[0] if shared else per_group
-    if all(not isinstance(v, list) for v in values.values()):
-        values["lr"] = [values["lr"]] * ngroups  # at least one per-group value, so the group count is ngroups
-    return n, (ends, group), ngroups, values
+    return n, (ends, group), values  # all values shared: the table is checked, then one ungrouped pass
 
 
 def group_kwargs(values: dict, g: int | None) -> dict:
@@ -458,7 +456,7 @@ def test_segments_equal_per_slice_calls_bitwise(case, seed, t, decoupled, bias_c
     """A grouped call gives every segment bitwise what an ungrouped call on its slice with its group's
     hyper-parameters gives, on every path (the twin against the twin); the compiled paths agree with each other
     bitwise."""
-    n, (ends, group), _, values = case
+    n, (ends, group), values = case
     segments = (torch.tensor(ends), torch.tensor(group)) if as_tensors else (tuple(ends), tuple(group))
     p, g, m, v = state(n, seed, gdt)
     common = {"decoupled": decoupled, "bias_correction": bias_correction, "grad_scale": grad_scale}
@@ -532,7 +530,7 @@ def test_segments_across_threads_and_streaming():
 def test_slice_segments_runs_pieces_like_the_whole(case, cuts, seed):
     """Pieces of a buffer (as offload pipelines them), each with `slice_segments` of the table, give bitwise the
     grouped call on the whole buffer."""
-    n, segments, _, values = case
+    n, segments, values = case
     p, g, m, v = state(n, seed)
     common = {"decoupled": True, "bias_correction": True, "grad_scale": 1.0}
     want = grouped(COMPILED[-1], p, g, m, v, 2, segments, values, common)
