@@ -1,8 +1,9 @@
 """CPU Adam, side by side in one run: fzero's native kernel, torch's AdamW (fused, foreach), DeepSpeed's
 `DeepSpeedCPUAdam` (when installed) and a bandwidth ceiling; then the whole offload update; then the gradient
-statistics.
+statistics; then parameter groups (the kernel with two groups against one).
 
     .venv/bin/python benchmarks/adam.py [--log2-sizes 24 26] [--threads 1 2] [--rounds 7]
+                                        [--parts plain offload stats groups]
 
 For each size (float32 elements) and thread count (`torch.set_num_threads`, which the kernel follows):
 
@@ -14,7 +15,12 @@ For each size (float32 elements) and thread count (`torch.set_num_threads`, whic
   `grad.mul_(f)` + fused AdamW + `out.copy_(p)`, `torch._fused_adamw_(..., grad_scale=1/f)` + `out.copy_(p)`, and
   the foreach equivalent;
 - the gradient statistics (sum of squares in float64, non-finite flag): `fzero.native.grad_stats` against
-  `torch.linalg.vector_norm(g, dtype=float64) ** 2` (what `grad_stats` in fzero/transforms/base.py did before).
+  `torch.linalg.vector_norm(g, dtype=float64) ** 2` (what `grad_stats` in fzero/transforms/base.py did before);
+- parameter groups: `adam_step(..., segments=...)` with two groups (different lr and weight decay) against the
+  ungrouped call, on the plain update and on the offload update, for a realistic segmentation (the groups
+  alternate every 2048-8192 elements: a decay / no-decay split of a model's parameters) and a worst case (a
+  segment every 16-64 elements). The whole Python call is timed. The ungrouped call also runs twice under two
+  names: the ratio of the two is this run's noise floor.
 
 All variants of a size update the same four buffers (placement in physical memory moves a memory-bound kernel by
 several percent). Rounds alternate between the variants in a shuffled order (so machine noise hits all alike);
@@ -140,6 +146,45 @@ def stats_variants(g: torch.Tensor) -> dict[str, Callable[[], None]]:
     }
 
 
+def segment_table(n: int, low: int, high: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments of random lengths in [low, high], multiples of 16 (fzero's parameter alignment), groups 0 and 1
+    alternating: `(ends, group)` as int64 tensors, built once (as an optimizer would at init)."""
+    rng = random.Random(seed)
+    ends, end = [], 0
+    while end < n:
+        end = min(n, end + rng.randrange(low, high + 1, 16))
+        ends.append(end)
+    return torch.tensor(ends), torch.arange(len(ends)) % 2
+
+
+def group_variants(p, g, m, v) -> tuple[dict[str, Callable[[], None]], dict[str, int]]:
+    """One group (the ungrouped call) against two groups on two segmentations, plain and offload update; also
+    returns the segment count of each segmentation."""
+    n = p.numel()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    tables = {"realistic": segment_table(n, 2048, 8192), "worst case": segment_table(n, 16, 64)}
+    one = {"lr": LR, "weight_decay": WD}
+    two = {"lr": [LR, 2 * LR], "weight_decay": [WD, 0.0]}  # decay / no decay, and a second learning rate
+    step = [1]
+
+    def call(segments, hyper, offload):
+        def run():
+            step[0] += 1
+            extra = {"grad_scale": FACTOR, "out": out} if offload else {}
+            native.adam_step(p.detach(), g, m, v, step=step[0], betas=BETAS, eps=EPS, segments=segments, **hyper,
+                             **extra)  # fmt: skip
+
+        return run
+
+    # the same call twice: their ratio is the noise floor of this run, which the other ratios must be read against
+    variants = {"1 group": call(None, one, False), "1 group (control: the same call again)": call(None, one, False)}
+    for name, table in tables.items():
+        variants[f"2 groups, {name}"] = call(table, two, False)
+    variants["offload: 1 group"] = call(None, one, True)
+    variants["offload: 2 groups, realistic"] = call(tables["realistic"], two, True)
+    return variants, {name: len(table[0]) for name, table in tables.items()}
+
+
 def measure(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each variant, one per round; rounds visit the variants in a shuffled order."""
     for f in variants.values():
@@ -174,6 +219,8 @@ def main() -> None:
     ap.add_argument("--log2-sizes", type=int, nargs="+", default=[24, 26])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--parts", nargs="+", default=["plain", "offload", "stats", "groups"],
+                    choices=["plain", "offload", "stats", "groups"])  # fmt: skip
     args = ap.parse_args()
     print(f"fzero.native: path {native.isa()}, OpenMP {native.openmp()}, torch {torch.__version__}")
     for threads in args.threads:
@@ -182,16 +229,27 @@ def main() -> None:
             n = 2**log2
             print(f"\n2^{log2} = {n} float32 elements, {threads} thread(s)")
             p, g, m, v = buffers(n)
-            plain = measure(plain_variants(p, g, m, v), args.rounds)
-            report("plain AdamW update", n, plain, [("native", "torch fused"), ("native", "torch foreach"),
-                                                    ("native", "deepspeed"), ("native", "ceiling")])  # fmt: skip
-            full = measure(offload_variants(p, g, m, v), args.rounds)
-            best = min((k for k in full if k.startswith("torch")), key=lambda k: statistics.median(full[k]))
-            full["torch fastest"] = full[best]
-            report(f"offload update: factor + AdamW + bf16 copy (torch fastest: {best})", n, full,
-                   [("native fused", "torch fastest")])  # fmt: skip
-            stats = measure(stats_variants(g), args.rounds)
-            report("gradient statistics", n, stats, [("native grad_stats", "torch vector_norm(float64)**2")])
+            if "plain" in args.parts:
+                plain = measure(plain_variants(p, g, m, v), args.rounds)
+                report("plain AdamW update", n, plain, [("native", "torch fused"), ("native", "torch foreach"),
+                                                        ("native", "deepspeed"), ("native", "ceiling")])  # fmt: skip
+            if "offload" in args.parts:
+                full = measure(offload_variants(p, g, m, v), args.rounds)
+                best = min((k for k in full if k.startswith("torch")), key=lambda k: statistics.median(full[k]))
+                full["torch fastest"] = full[best]
+                report(f"offload update: factor + AdamW + bf16 copy (torch fastest: {best})", n, full,
+                       [("native fused", "torch fastest")])  # fmt: skip
+            if "stats" in args.parts:
+                stats = measure(stats_variants(g), args.rounds)
+                report("gradient statistics", n, stats, [("native grad_stats", "torch vector_norm(float64)**2")])
+            if "groups" in args.parts:
+                variants, counts = group_variants(p, g, m, v)
+                groups = measure(variants, args.rounds)
+                segs = ", ".join(f"{k}: {c} segments" for k, c in counts.items())
+                report(f"parameter groups, speed relative to one group ({segs})", n, groups,
+                       [("1 group (control: the same call again)", "1 group"),
+                        ("2 groups, realistic", "1 group"), ("2 groups, worst case", "1 group"),
+                        ("offload: 2 groups, realistic", "offload: 1 group")])  # fmt: skip
 
 
 if __name__ == "__main__":

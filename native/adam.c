@@ -15,6 +15,11 @@
  *     p  = fma(-lr / (1 - beta1^t), m / d, p * decay)                    (decay = 1 - lr * wd for AdamW)
  *
  * The scalar factors are computed in double by the caller and rounded once to float.
+ *
+ * Parameter groups (fz_adam_step_segments): the scalars may differ per segment of the buffer. Since every path
+ * computes each element alone, cutting the buffer into pieces changes no result, so one parallel pass runs the
+ * vector loop once per piece with that piece's scalars, and each segment comes out bitwise as an ungrouped call on
+ * it would; fz_adam_step is the one-segment case of the same code.
  */
 #include "fzero_native.h"
 
@@ -158,9 +163,32 @@ typedef struct {
     const void *g;
     float *p_out, *m_out, *v_out;
     void *out16;
-    int g_dtype, out_dtype, l2;
-    int stream; /* write the low-precision copy with non-temporal stores (large calls: see fz_adam_step) */
+    int g_dtype, out_dtype;
+    int stream; /* write the low-precision copy with non-temporal stores where aligned (large calls: see
+                 * fz_adam_step_segments); fz_adam_chunk fences them */
 } fz_adam_args;
+
+/* One call's work: the arguments, and the segment table (fz_adam_step_segments) whose hyper structs replace
+ * args.h piece by piece. */
+typedef struct fz_adam_task {
+    void (*fn)(const struct fz_adam_task *, size_t, size_t); /* the chosen path's fz_adam_range_* */
+    fz_adam_args args;
+    const fz_adam_hyper *hypers;
+    const int64_t *ends, *group;
+    size_t nseg;
+} fz_adam_task;
+
+/* The segment that holds element i: the first whose end is above i (so never an empty one). The table is valid
+ * (ends non-decreasing, ends[nseg - 1] == n > i), so one exists. */
+FZ_INLINE size_t fz_segment_of(const int64_t *ends, size_t nseg, size_t i) {
+    size_t lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if ((size_t)ends[mid] > i) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
 
 FZ_INLINE void fz_adam1(const fz_adam_args a, size_t i, const int dt, const int odt, const int l2) {
     const fz_adam_hyper h = a.h;
@@ -202,31 +230,52 @@ FZ_INLINE void fz_adam_loop_scalar(const fz_adam_args a, size_t b, size_t e, con
     for (size_t i = b; i < e; i++) fz_adam1(a, i, dt, odt, l2);
 }
 
-/* Instantiate `LOOP(args, b, e, dt, odt, l2)` for every (gradient dtype, copy-out dtype, L2) combination, so
- * each inner loop is compiled with its branches folded away. */
-#define FZ_CASE(LOOP, a, b, e, dt, odt)                                                                         \
-    case (dt) * 4 + (odt) + 1:                                                                                  \
-        if ((a)->l2) LOOP(*(a), b, e, dt, odt, 1);                                                              \
-        else LOOP(*(a), b, e, dt, odt, 0);                                                                      \
-        break
-#define FZ_DISPATCH(LOOP, a, b, e)                                                                              \
+/* Run `LOOP(args, b, e, dt, odt, l2)` over the elements [b, e) of task t: once per run of consecutive segments
+ * of one group (the first found by binary search), with that group's hyper struct. Cutting a range into pieces
+ * never changes a result (every path computes each element alone, lane by lane the scalar step), so a piece
+ * gives bitwise what an ungrouped call on it would. The walk sits inside the (dtype, copy-out) dispatch, so a
+ * piece costs a few loads and one predictable branch (L2 or not), not a call and a switch. */
+#define FZ_WALK(LOOP, t, b, e, dt, odt)                                                                         \
     do {                                                                                                        \
-        switch ((a)->g_dtype * 4 + (a)->out_dtype + 1) {                                                        \
-            FZ_CASE(LOOP, a, b, e, FZ_F32, FZ_NONE);                                                            \
-            FZ_CASE(LOOP, a, b, e, FZ_F32, FZ_BF16);                                                            \
-            FZ_CASE(LOOP, a, b, e, FZ_F32, FZ_F16);                                                             \
-            FZ_CASE(LOOP, a, b, e, FZ_BF16, FZ_NONE);                                                           \
-            FZ_CASE(LOOP, a, b, e, FZ_BF16, FZ_BF16);                                                           \
-            FZ_CASE(LOOP, a, b, e, FZ_BF16, FZ_F16);                                                            \
-            FZ_CASE(LOOP, a, b, e, FZ_F16, FZ_NONE);                                                            \
-            FZ_CASE(LOOP, a, b, e, FZ_F16, FZ_BF16);                                                            \
-            FZ_CASE(LOOP, a, b, e, FZ_F16, FZ_F16);                                                             \
+        fz_adam_args a_ = (t)->args;                                                                            \
+        const int64_t *ends_ = (t)->ends, *group_ = (t)->group;                                                 \
+        const size_t e_ = (e), last_ = (t)->nseg - 1;                                                           \
+        size_t b_ = (b);                                                                                        \
+        for (size_t s_ = fz_segment_of(ends_, (t)->nseg, b_); b_ < e_; s_++) {                                  \
+            const int64_t k_ = group_[s_];                                                                      \
+            while (s_ < last_ && (size_t)ends_[s_] < e_ && group_[s_ + 1] == k_) s_++;                         \
+            size_t end_ = (size_t)ends_[s_] < e_ ? (size_t)ends_[s_] : e_;                                      \
+            if (end_ <= b_) continue; /* an empty segment */                                                    \
+            a_.h = (t)->hypers[k_];                                                                             \
+            if (a_.h.l2 != 0.0f) LOOP(a_, b_, end_, dt, odt, 1);                                                \
+            else LOOP(a_, b_, end_, dt, odt, 0);                                                                \
+            b_ = end_;                                                                                          \
+        }                                                                                                       \
+    } while (0)
+/* Instantiate the walk for every (gradient dtype, copy-out dtype) combination, and with it the loop for both
+ * L2 modes, so each inner loop is compiled with its branches folded away. */
+#define FZ_CASE(LOOP, t, b, e, dt, odt)                                                                         \
+    case (dt) * 4 + (odt) + 1:                                                                                  \
+        FZ_WALK(LOOP, t, b, e, dt, odt);                                                                        \
+        break
+#define FZ_DISPATCH(LOOP, t, b, e)                                                                              \
+    do {                                                                                                        \
+        switch ((t)->args.g_dtype * 4 + (t)->args.out_dtype + 1) {                                              \
+            FZ_CASE(LOOP, t, b, e, FZ_F32, FZ_NONE);                                                            \
+            FZ_CASE(LOOP, t, b, e, FZ_F32, FZ_BF16);                                                            \
+            FZ_CASE(LOOP, t, b, e, FZ_F32, FZ_F16);                                                             \
+            FZ_CASE(LOOP, t, b, e, FZ_BF16, FZ_NONE);                                                           \
+            FZ_CASE(LOOP, t, b, e, FZ_BF16, FZ_BF16);                                                           \
+            FZ_CASE(LOOP, t, b, e, FZ_BF16, FZ_F16);                                                            \
+            FZ_CASE(LOOP, t, b, e, FZ_F16, FZ_NONE);                                                            \
+            FZ_CASE(LOOP, t, b, e, FZ_F16, FZ_BF16);                                                            \
+            FZ_CASE(LOOP, t, b, e, FZ_F16, FZ_F16);                                                             \
         default: break;                                                                                         \
         }                                                                                                       \
     } while (0)
 
-static void fz_adam_range_scalar(const fz_adam_args *a, size_t b, size_t e) {
-    FZ_DISPATCH(fz_adam_loop_scalar, a, b, e);
+static void fz_adam_range_scalar(const fz_adam_task *t, size_t b, size_t e) {
+    FZ_DISPATCH(fz_adam_loop_scalar, t, b, e);
 }
 
 /* Gradient statistics: the sum of squares in double, on four accumulators to keep the adds off one dependency
@@ -331,12 +380,11 @@ FZ_AVX2 FZ_INLINE void fz_adam_loop_avx2(const fz_adam_args a, size_t b, size_t 
         fz_adam8(a, k, i + 8, dt, odt, l2, stream);
     }
     for (; i + 8 <= e; i += 8) fz_adam8(a, k, i, dt, odt, l2, stream);
-    if (stream) _mm_sfence(); /* order the streamed stores before whoever reads the copy next */
     for (; i < e; i++) fz_adam1(a, i, dt, odt, l2); /* the tail: the same operations, one lane */
 }
 
-FZ_AVX2 static void fz_adam_range_avx2(const fz_adam_args *a, size_t b, size_t e) {
-    FZ_DISPATCH(fz_adam_loop_avx2, a, b, e);
+FZ_AVX2 static void fz_adam_range_avx2(const fz_adam_task *t, size_t b, size_t e) {
+    FZ_DISPATCH(fz_adam_loop_avx2, t, b, e);
 }
 
 FZ_AVX2 FZ_INLINE void fz_sumsq8(__m256 x, __m256d *lo, __m256d *hi) {
@@ -430,12 +478,11 @@ FZ_AVX512 FZ_INLINE void fz_adam_loop_avx512(const fz_adam_args a, size_t b, siz
         _mm512_storeu_ps(a.p_out + i, p);
         fz_store16(a.out16, odt, i, p, stream);
     }
-    if (stream) _mm_sfence();
     for (; i < e; i++) fz_adam1(a, i, dt, odt, l2);
 }
 
-FZ_AVX512 static void fz_adam_range_avx512(const fz_adam_args *a, size_t b, size_t e) {
-    FZ_DISPATCH(fz_adam_loop_avx512, a, b, e);
+FZ_AVX512 static void fz_adam_range_avx512(const fz_adam_task *t, size_t b, size_t e) {
+    FZ_DISPATCH(fz_adam_loop_avx512, t, b, e);
 }
 
 FZ_AVX512 FZ_INLINE void fz_sumsq16(__m512 x, __m512d *lo, __m512d *hi) {
@@ -556,28 +603,44 @@ static void fz_run(size_t n, int nthreads, fz_task task, void *ctx) {
     }
 }
 
-typedef struct {
-    void (*fn)(const fz_adam_args *, size_t, size_t);
-    fz_adam_args args;
-} fz_adam_task;
-
+/* One chunk [b, e) of the buffer: the chosen path walks the segments it intersects (FZ_WALK). */
 static void fz_adam_chunk(void *ctx, size_t k, size_t b, size_t e) {
     (void)k;
-    fz_adam_task *t = (fz_adam_task *)ctx;
-    t->fn(&t->args, b, e);
+    const fz_adam_task *t = (const fz_adam_task *)ctx;
+    t->fn(t, b, e);
+#if FZ_X86
+    /* Order the streamed stores before whoever reads the copy next: once per chunk, not per piece (a fence per
+     * 16-element segment would cost more than the segment's arithmetic). */
+    if (t->args.stream) _mm_sfence();
+#endif
 }
 
-int fz_adam_step(const fz_adam_hyper *h, size_t n, const float *p_in, const void *g, int g_dtype,
-                 const float *m_in, const float *v_in, float *p_out, float *m_out, float *v_out, void *out16,
-                 int out16_dtype, int nthreads) {
+/* 0 if the table is valid for n elements and ngroups groups, else -2. Checked here too (not only by the Python
+ * wrapper), so no caller can make the kernel read outside hypers or the buffers. */
+static int fz_check_segments(int ngroups, const int64_t *ends, const int64_t *group, size_t nseg, size_t n) {
+    if (nseg == 0) return n == 0 ? 0 : -2;
+    int64_t prev = 0;
+    for (size_t s = 0; s < nseg; s++) {
+        if (ends[s] < prev || group[s] < 0 || group[s] >= ngroups) return -2;
+        prev = ends[s];
+    }
+    return (uint64_t)prev == (uint64_t)n ? 0 : -2;
+}
+
+int fz_adam_step_segments(const fz_adam_hyper *hypers, int ngroups, const int64_t *ends, const int64_t *group,
+                          size_t nseg, size_t n, const float *p_in, const void *g, int g_dtype, const float *m_in,
+                          const float *v_in, float *p_out, float *m_out, float *v_out, void *out16, int out16_dtype,
+                          int nthreads) {
     if (g_dtype < FZ_F32 || g_dtype > FZ_F16) return -1;
     if (out16_dtype != FZ_NONE && out16_dtype != FZ_BF16 && out16_dtype != FZ_F16) return -1;
+    if (fz_check_segments(ngroups, ends, group, nseg, n) != 0) return -2;
+    if (n == 0) return 0;
     /* Above a few MiB the copy will not stay in cache anyway: stream it to memory and skip reading its old
      * contents first (a write-allocate costs a read of every line written). */
     int stream = n >= FZ_STREAM_MIN;
     fz_adam_task t = {fz_adam_range_scalar,
-                      {*h, p_in, m_in, v_in, g, p_out, m_out, v_out, out16, g_dtype, out16_dtype, h->l2 != 0.0f,
-                       stream}};
+                      {hypers[0], p_in, m_in, v_in, g, p_out, m_out, v_out, out16, g_dtype, out16_dtype, stream},
+                      hypers, ends, group, nseg};
 #if FZ_X86
     int isa = fz_isa();
     if (isa == FZ_ISA_AVX512) t.fn = fz_adam_range_avx512;
@@ -587,6 +650,14 @@ int fz_adam_step(const fz_adam_hyper *h, size_t n, const float *p_in, const void
 #endif
     fz_run(n, nthreads, fz_adam_chunk, &t);
     return 0;
+}
+
+int fz_adam_step(const fz_adam_hyper *h, size_t n, const float *p_in, const void *g, int g_dtype,
+                 const float *m_in, const float *v_in, float *p_out, float *m_out, float *v_out, void *out16,
+                 int out16_dtype, int nthreads) {
+    const int64_t end = (int64_t)n, group = 0;
+    return fz_adam_step_segments(h, 1, &end, &group, 1, n, p_in, g, g_dtype, m_in, v_in, p_out, m_out, v_out, out16,
+                                 out16_dtype, nthreads);
 }
 
 typedef struct {

@@ -1,7 +1,8 @@
 """Check the AVX-512 path on a machine without AVX-512: compile `adam.c`'s AVX-512 source against SIMDe (portable
 implementations of the intrinsics, https://github.com/simd-everywhere/simde) and compare it bitwise with the
 installed extension's scalar path, over every tail length, unaligned views, every gradient / copy-out dtype, both
-weight-decay modes, the streaming threshold, and the gradient statistics.
+weight-decay modes, the streaming threshold, the gradient statistics, and the grouped step
+(`fz_adam_step_segments`) against the scalar path's ungrouped calls on each segment.
 
     pip install --target /tmp/simde cmeel-simde     # SIMDe's headers, from PyPI
     .venv/bin/python native/emulate_avx512.py --simde /tmp/simde/cmeel.prefix/include
@@ -97,10 +98,70 @@ def main() -> None:
                 want_s, want_flag = native.grad_stats(x)
                 # the emulated AVX-512 sum adds in another order than the scalar path: float64 rounding only
                 assert math.isclose(s[0], want_s, rel_tol=2 * max(n, 1) * 2.0**-53) and bool(flag[0]) == want_flag
+        grouped = check_segments(ffi, lib, ptr, codes, native)
         print(
             f"AVX-512 path (emulated by SIMDe) equals the scalar path bitwise: {cases} Adam cases, "
-            f"sizes 0-79, 255, 1000 and 2^20 + 21, offsets 0-5, every dtype pairing; statistics agree"
+            f"sizes 0-79, 255, 1000 and 2^20 + 21, offsets 0-5, every dtype pairing; statistics agree; "
+            f"{grouped} grouped cases equal the scalar path's per-segment calls"
         )
+
+
+def check_segments(ffi, lib, ptr, codes, native) -> int:
+    """The emulated grouped step against the installed scalar path's ungrouped calls, one per segment: random
+    tables (boundaries anywhere or at multiples of 16, empty segments, 1-4 groups with random hyper-parameters),
+    segments of every length 0-40 in a shuffled order, unaligned views, every dtype pairing, both decay modes, and
+    a buffer above the streaming threshold."""
+    gen = torch.Generator().manual_seed(1)
+    choice = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]  # noqa: E731
+    lengths = torch.arange(41).repeat(2)
+    every_length = lengths[torch.randperm(len(lengths), generator=gen)].cumsum(0).tolist()
+    tables = [every_length]
+    for n, grid, count in [(1000, 1, 50), (4000, 16, 200), (3001, 1, 3), ((1 << 20) + 21, 16, 300), (77, 1, 0)]:
+        cuts = (torch.randint(0, n // grid + 1, (count,), generator=gen) * grid).sort().values.tolist()
+        tables.append([*cuts, n])
+    cases = 0
+    for ends in tables:
+        n = ends[-1]
+        ngroups = choice([1, 2, 3, 4])
+        group = torch.randint(0, ngroups, (len(ends),), generator=gen).tolist()
+        hyper = [(choice([0.0, 1e-3, 0.3]), choice([0.0, 0.9]), choice([0.9, 0.999]), choice([1e-8, 1e-3]),
+                  choice([0.0, 0.1])) for _ in range(ngroups)]  # fmt: skip
+        for offset in (0, 3):
+            for gdt in codes:
+                for odt in (None, torch.bfloat16, torch.float16):
+                    for decoupled in (True, False):
+                        p, g, m = (torch.randn(n + offset, generator=gen)[offset:] * 3 for _ in range(3))
+                        v = m.square()
+                        g = g.to(gdt)
+                        want = [x.clone() for x in (p, m, v)]
+                        w_out = torch.empty(n, dtype=odt) if odt is not None else None
+                        begin = 0
+                        for end, k in zip(ends, group, strict=True):
+                            lr, b1, b2, eps, wd = hyper[k]
+                            native.adam_step(want[0][begin:end], g[begin:end], want[1][begin:end],
+                                             want[2][begin:end], step=4, lr=lr, betas=(b1, b2), eps=eps,
+                                             weight_decay=wd, decoupled=decoupled, grad_scale=0.37,
+                                             out=w_out[begin:end] if odt is not None else None)  # fmt: skip
+                            begin = end
+                        got = [x.clone() for x in (p, m, v)]
+                        g_out = torch.empty(n + offset, dtype=odt)[offset:] if odt is not None else None
+                        hs = [native.adam_hyper(4, lr, b1, b2, eps, wd, decoupled, True, 0.37)._asdict()
+                              for lr, b1, b2, eps, wd in hyper]  # fmt: skip
+                        e, k = torch.tensor(ends, dtype=torch.int64), torch.tensor(group, dtype=torch.int64)
+                        rc = lib.fz_adam_step_segments(ffi.new("fz_adam_hyper[]", hs), ngroups,
+                                                       ffi.cast("int64_t *", e.data_ptr()),
+                                                       ffi.cast("int64_t *", k.data_ptr()), len(ends), n, ptr(p),
+                                                       ptr(g), codes[gdt], ptr(m), ptr(v), ptr(got[0]), ptr(got[1]),
+                                                       ptr(got[2]), ptr(g_out) if g_out is not None else ffi.NULL,
+                                                       {None: -1, torch.bfloat16: 1, torch.float16: 2}[odt],
+                                                       1)  # fmt: skip
+                        assert rc == 0
+                        for a, b in zip(want, got, strict=True):
+                            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (n, offset, gdt, odt)
+                        if odt is not None:
+                            assert torch.equal(w_out.view(torch.int16), g_out.view(torch.int16)), (n, odt)
+                        cases += 1
+    return cases
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
  * Every kernel has three implementations (scalar, AVX2+FMA+F16C, AVX-512F) chosen at run time from the CPU's
  * features (never from the build machine's), and runs on `nthreads` OpenMP threads above a size threshold.
  * The Adam paths perform the same IEEE operations (multiply, fused multiply-add, square root, divide, round to
- * nearest even) on every element in the same order, so all three give bitwise identical results.
+ * nearest even) on every element in the same order, so all three give bitwise identical results. The Adam step
+ * also takes its hyper-parameters per segment of the buffer (parameter groups: fz_adam_step_segments), each
+ * segment bitwise what an ungrouped call on it gives.
  *
  * The declarations between FZ_CDEF_BEGIN and FZ_CDEF_END are also read by cffi (native/build.py): keep them
  * free of preprocessor directives.
@@ -13,6 +15,7 @@
 #define FZERO_NATIVE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* FZ_CDEF_BEGIN */
 typedef struct fz_adam_hyper {
@@ -39,6 +42,18 @@ enum { FZ_ISA_AUTO = -1, FZ_ISA_SCALAR = 0, FZ_ISA_AVX2 = 1, FZ_ISA_AVX512 = 2 }
 int fz_adam_step(const fz_adam_hyper *h, size_t n, const float *p_in, const void *g, int g_dtype,
                  const float *m_in, const float *v_in, float *p_out, float *m_out, float *v_out,
                  void *out16, int out16_dtype, int nthreads);
+
+/* The same step with hyper-parameters per segment: elements [ends[s-1], ends[s]) (ends[-1] = 0) use
+ * hypers[group[s]]. ends must be non-decreasing (an empty segment is skipped) with ends[nseg - 1] == n, and
+ * 0 <= group[s] < ngroups; nseg may be 0 only when n is 0. Each segment's result is bitwise fz_adam_step's on that
+ * slice with that hyper struct (fz_adam_step is this call with one segment), on every path and thread count.
+ * One parallel region covers the whole buffer: each chunk of work finds its first segment by binary search and
+ * runs the vector loop once per piece of a segment it holds. Returns 0, -1 for an unknown dtype code, or -2 for
+ * an invalid segment table. */
+int fz_adam_step_segments(const fz_adam_hyper *hypers, int ngroups, const int64_t *ends, const int64_t *group,
+                          size_t nseg, size_t n, const float *p_in, const void *g, int g_dtype, const float *m_in,
+                          const float *v_in, float *p_out, float *m_out, float *v_out, void *out16, int out16_dtype,
+                          int nthreads);
 
 /* Sum of squares of n gradients (accumulated in double, by chunks added in order: the result depends on the path
  * and n, not on the thread count) and whether any is inf or nan. Returns 0 or -1. */

@@ -16,6 +16,7 @@ bitwise (with each other, and across thread counts); the twin (torch's op order)
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -359,6 +360,314 @@ def test_custom_op_compiles_into_one_graph():
     assert counter.frame_count == 1
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=False))
+
+
+# --- hyper-parameters per segment (parameter groups) --------------------------------------------------------------
+
+HYPER_CHOICES = {
+    "lr": [0.0, 1e-3, 1e-2, 0.3],
+    "beta1": [0.0, 0.5, 0.9],
+    "beta2": [0.0, 0.9, 0.999],
+    "eps": [1e-8, 1e-6, 1e-3],
+    "weight_decay": [0.0, 0.01, 0.1],
+}
+
+
+@st.composite
+def groupings(draw, max_n: int = 3000):
+    """A buffer length, a segment table over it and per-group hyper-parameters. Boundaries are multiples of 16
+    (fzero's parameter alignment) or anywhere; 1 to a few hundred segments (duplicate cut points make empty
+    segments); 1-4 groups; each hyper-parameter one float for all groups or one per group."""
+    # 70001: three chunks of work, so segments cross the threads' chunks (one case in four: it is the slow one)
+    n = draw(st.sampled_from([None, None, None, 70_001])) or draw(st.integers(0, max_n))
+    grid = draw(st.sampled_from([1, 16]))
+    count = draw(st.integers(0, 300))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    cuts = (torch.randint(0, n // grid + 1, (count,), generator=gen) * grid).sort().values.tolist()
+    ends = [*cuts, n]
+    ngroups = draw(st.integers(1, 4))
+    group = torch.randint(0, ngroups, (len(ends),), generator=gen).tolist()
+    values = {}
+    for name, choices in HYPER_CHOICES.items():
+        per_group = draw(st.lists(st.sampled_from(choices), min_size=ngroups, max_size=ngroups))
+        shared = draw(st.booleans())
+        values[name] = per_group[0] if shared else per_group
+    return n, (ends, group), values  # all values shared: the table is checked, then one ungrouped pass
+
+
+def group_kwargs(values: dict, g: int | None) -> dict:
+    """`adam_step`'s hyper-parameter arguments: per group (`g` None) or group `g`'s floats."""
+    pick = (lambda v: v) if g is None else (lambda v: v[g] if isinstance(v, list) else v)
+    return {"lr": pick(values["lr"]), "betas": (pick(values["beta1"]), pick(values["beta2"])),
+            "eps": pick(values["eps"]), "weight_decay": pick(values["weight_decay"])}  # fmt: skip
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (so NaNs and signed zeros compare exactly)."""
+    return t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16)
+
+
+def assert_bitwise(got, want, where) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(bits(a), bits(b)), where
+
+
+def state(n: int, seed: int, gdt: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    p, g, m = (torch.randn(n, generator=gen) for _ in range(3))
+    return p, g.to(gdt), m, m.square() * 0.5
+
+
+def grouped(isa, p, g, m, v, t, segments, values, common, out_dtype=None, in_place=True):
+    """One grouped call; returns the new `(p, m, v, out)`."""
+    native.set_isa(isa)
+    n = p.numel()
+    out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
+    if in_place:
+        p, m, v = p.clone(), m.clone(), v.clone()
+        native.adam_step(p, g, m, v, step=t, out=out, segments=segments, **group_kwargs(values, None), **common)
+        return p, m, v, out
+    outs = {"params_out": torch.empty(n), "exp_avg_out": torch.empty(n), "exp_avg_sq_out": torch.empty(n)}
+    native.adam_step(p, g, m, v, step=t, out=out, segments=segments, **group_kwargs(values, None), **common, **outs)
+    return outs["params_out"], outs["exp_avg_out"], outs["exp_avg_sq_out"], out
+
+
+def per_slice(isa, p, g, m, v, t, segments, values, common, out_dtype=None):
+    """The reference: one ungrouped call per segment, on its slice, with its group's floats."""
+    native.set_isa(isa)
+    p, m, v = p.clone(), m.clone(), v.clone()
+    out = torch.empty(p.numel(), dtype=out_dtype) if out_dtype is not None else None
+    begin = 0
+    for end, k in zip(*segments, strict=True):
+        part = out[begin:end] if out is not None else None
+        native.adam_step(p[begin:end], g[begin:end], m[begin:end], v[begin:end], step=t, out=part,
+                         **group_kwargs(values, k), **common)  # fmt: skip
+        begin = end
+    return p, m, v, out
+
+
+@given(case=groupings(), seed=st.integers(0, 2**16), t=st.integers(1, 5), decoupled=st.booleans(),
+       bias_correction=st.booleans(), grad_scale=st.sampled_from([1.0, 0.37]),
+       gdt=st.sampled_from([torch.float32, *LOW]), out_dtype=st.sampled_from([None, *LOW]),
+       in_place=st.booleans(), as_tensors=st.booleans())  # fmt: skip
+def test_segments_equal_per_slice_calls_bitwise(case, seed, t, decoupled, bias_correction, grad_scale, gdt,
+                                                out_dtype, in_place, as_tensors):  # fmt: skip
+    """A grouped call gives every segment bitwise what an ungrouped call on its slice with its group's
+    hyper-parameters gives, on every path (the twin against the twin); the compiled paths agree with each other
+    bitwise."""
+    n, (ends, group), values = case
+    segments = (torch.tensor(ends), torch.tensor(group)) if as_tensors else (tuple(ends), tuple(group))
+    p, g, m, v = state(n, seed, gdt)
+    common = {"decoupled": decoupled, "bias_correction": bias_correction, "grad_scale": grad_scale}
+    results = {}
+    for isa in [*COMPILED, "torch"]:
+        got = grouped(isa, p, g, m, v, t, segments, values, common, out_dtype, in_place)
+        want = per_slice(isa, p, g, m, v, t, (ends, group), values, common, out_dtype)
+        assert_bitwise(got, want, (isa, "grouped != per-slice"))
+        results[isa] = got
+    for isa in COMPILED[1:]:
+        assert_bitwise(results[isa], results[COMPILED[0]], (isa, "differs from", COMPILED[0]))
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_segments_of_every_length_and_phase(isa):
+    """Segments of every length 0-40 in a shuffled order, so pieces start at every phase of the vector widths and
+    end in every tail, at element offsets 0-3 (unaligned loads and stores), three groups: equal to the scalar
+    path's per-slice calls bitwise."""
+    if isa not in COMPILED:
+        pytest.skip(f"this CPU cannot run the {isa} path (it supports {', '.join(native.supported_isas())})")
+    lengths = list(range(41)) * 2
+    torch.manual_seed(0)
+    lengths = [lengths[i] for i in torch.randperm(len(lengths)).tolist()]
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    group = [i % 3 for i in range(len(ends))]
+    values = {"lr": [1e-2, 3e-3, 0.1], "beta1": [0.9, 0.5, 0.0], "beta2": 0.999, "eps": [1e-8, 1e-6, 1e-3],
+              "weight_decay": [0.1, 0.0, 0.01]}  # fmt: skip
+    n = ends[-1]
+    for offset in range(4):
+        p, g, m, v = (x.new_empty(n + offset)[offset:].copy_(x) for x in state(n, offset))
+        for decoupled in (True, False):
+            common = {"decoupled": decoupled, "bias_correction": True, "grad_scale": 0.5}
+            for gdt in (torch.float32, *LOW):
+                got = grouped(isa, p, g.to(gdt), m, v, 3, (ends, group), values, common, torch.bfloat16)
+                want = per_slice("scalar", p, g.to(gdt), m, v, 3, (ends, group), values, common, torch.bfloat16)
+                assert_bitwise(got, want, (isa, offset, decoupled, gdt))
+
+
+def test_segments_across_threads_and_streaming():
+    """Segments crossing the chunks the threads share, above the streaming threshold (2^20), aligned and not:
+    the same bits on 1-3 threads, on every path, as the scalar path's per-slice calls on one thread. An
+    unaligned copy-out takes the ordinary stores."""
+    n = (1 << 20) + 37
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 5000, (400,), generator=gen) * 16
+    lengths[::7] = torch.randint(1, 64, lengths[::7].shape, generator=gen)  # some unaligned boundaries
+    ends = [e for e in lengths.cumsum(0).tolist() if e < n] + [n]
+    group = [i % 2 for i in range(len(ends))]
+    values = {"lr": [1e-3, 1e-2], "beta1": 0.9, "beta2": [0.999, 0.99], "eps": 1e-8, "weight_decay": [0.01, 0.0]}
+    common = {"decoupled": True, "bias_correction": True, "grad_scale": 0.37}
+    p, g, m, v = state(n, 6, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = per_slice("scalar", p, g, m, v, 2, (ends, group), values, common, torch.float16)
+        for k in (1, 2, 3):
+            torch.set_num_threads(k)
+            for isa in COMPILED:
+                got = grouped(isa, p, g, m, v, 2, (ends, group), values, common, torch.float16)
+                assert_bitwise(got, want, (isa, k))
+                unaligned = torch.empty(n + 1, dtype=torch.float16)[1:]
+                q = p.clone()
+                native.adam_step(q, g, m.clone(), v.clone(), step=2, out=unaligned, segments=(ends, group),
+                                 **group_kwargs(values, None), **common)  # fmt: skip
+                assert torch.equal(bits(unaligned), bits(want[3])) and torch.equal(bits(q), bits(want[0])), (isa, k)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@given(case=groupings(max_n=5000), cuts=st.lists(st.floats(0, 1), max_size=3), seed=st.integers(0, 2**16))
+def test_slice_segments_runs_pieces_like_the_whole(case, cuts, seed):
+    """Pieces of a buffer (as offload pipelines them), each with `slice_segments` of the table, give bitwise the
+    grouped call on the whole buffer."""
+    n, segments, values = case
+    p, g, m, v = state(n, seed)
+    common = {"decoupled": True, "bias_correction": True, "grad_scale": 1.0}
+    want = grouped(COMPILED[-1], p, g, m, v, 2, segments, values, common)
+    bounds = [0, *sorted(round(c * n) for c in cuts), n]
+    p, m, v = p.clone(), m.clone(), v.clone()
+    for start, stop in itertools.pairwise(bounds):
+        ends, group = native.slice_segments(segments, start, stop)
+        assert ends.numel() >= 1 and int(ends[-1]) == stop - start and bool((ends.diff() >= 0).all())
+        native.adam_step(p[start:stop], g[start:stop], m[start:stop], v[start:stop], step=2, segments=(ends, group),
+                         **group_kwargs(values, None), **common)  # fmt: skip
+    assert_bitwise((p, m, v), want[:3], bounds)
+    with pytest.raises(ValueError, match=rf"need 0 <= start <= stop <= {n} \(the table's length\), got start 0, "
+                                         rf"stop {n + 1}"):  # fmt: skip
+        native.slice_segments(segments, 0, n + 1)
+
+
+def test_segment_table_errors_say_what_is_wrong():
+    """Every fault of a table or of the per-group values is named; a refused call has written nothing (the compiled
+    paths leave the table's check to the kernel, which refuses before it writes, and explain the refusal)."""
+    p, g, m, v = state(100, 8)
+    before = [x.clone() for x in (p, m, v)]
+
+    def call(segments, lr=(0.1, 0.2), **kw):
+        try:
+            native.adam_step(p, g, m, v, step=1, lr=list(lr), segments=segments, **kw)
+        finally:
+            assert_bitwise((p, m, v), before, "a refused call wrote")
+
+    for isa in [*COMPILED, "torch"]:
+        native.set_isa(isa)
+        with pytest.raises(ValueError, match=r"ends must be non-decreasing, but ends\[2\] = 40 follows ends\[1\] = 60"):
+            call(([20, 60, 40, 100], [0, 1, 0, 1]))
+        with pytest.raises(ValueError, match=r"ends\[0\] = -4 is negative"):
+            call(([-4, 100], [0, 1]))
+        with pytest.raises(ValueError, match="segments end at 90, but params has 100 elements"):
+            call(([50, 90], [0, 1]))
+        with pytest.raises(ValueError, match="segments end at 120, but params has 100 elements"):
+            call(([50, 120], [0, 1]))
+        with pytest.raises(ValueError, match="no segments, but params has 100 elements"):
+            call(([], []))
+        with pytest.raises(ValueError, match=r"group\[1\] = 2 is out of range: the hyper-parameters give 2 groups "
+                                             r"\(lr has 2 values\)"):  # fmt: skip
+            call(([50, 100], [0, 2]))
+        with pytest.raises(ValueError, match=r"group\[0\] = -1 is negative"):
+            call(([50, 100], [-1, 0]), lr=[0.1])
+        with pytest.raises(ValueError, match="group has 3 entries but ends has 2: one group index per segment"):
+            call(([50, 100], [0, 1, 0]))
+        with pytest.raises(ValueError, match="weight_decay has 3 values but lr has 2: per-group hyper-parameters "
+                                             "need one value per group each"):  # fmt: skip
+            call(([50, 100], [0, 1]), weight_decay=[0.0, 0.1, 0.2])
+        with pytest.raises(ValueError, match=r"betas\[1\] has 1 values but lr has 2"):
+            call(([50, 100], [0, 1]), betas=(0.9, [0.999]))
+        with pytest.raises(ValueError, match="eps is an empty sequence"):
+            call(([50, 100], [0, 1]), eps=[])
+        with pytest.raises(TypeError, match=r"lr\[1\] is 'fast'; expected a float"):
+            call(([50, 100], [0, 1]), lr=[0.1, "fast"])
+        with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\)"):
+            call(([50, 100], [0, 1]), betas=(0.9, 0.99, 0.999))
+        with pytest.raises(TypeError, match="segments ends has dtype torch.float32; expected integers"):
+            call((torch.tensor([50.0, 100.0]), [0, 1]))
+        with pytest.raises(TypeError, match="segments group has dtype torch.bool"):
+            call(([50, 100], torch.tensor([False, True])))
+        with pytest.raises(ValueError, match=r"segments ends has shape \(1, 2\); expected one dimension"):
+            call((torch.tensor([[50, 100]]), [0, 1]))
+        with pytest.raises(TypeError, match=r"segments must be a pair \(ends, group\), got int"):
+            call(100)
+        with pytest.raises(TypeError, match="segments ends must be a 1-D integer tensor or a sequence of ints"):
+            call((100, 0))
+        with pytest.raises(ValueError, match=r"lr has one value per group \(2\), but no segments were given"):
+            call(None)
+    # a float for every group needs no group count: any non-negative group index is fine, the table still checked
+    with pytest.raises(ValueError, match="segments end at 30"):
+        native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30], [0]))
+    with pytest.raises(ValueError, match=r"group\[1\] = -3 is negative"):
+        native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30, 100], [0, -3]))
+    with pytest.raises(ValueError, match="segments end at 1, but params has 0 elements"):  # nothing to update
+        native.adam_step(*(torch.zeros(0) for _ in range(4)), step=1, lr=[0.1], segments=([1], [0]))
+    native.adam_step(p, g, m, v, step=1, lr=0.1, segments=([30, 100], [7, 3]))
+
+
+def test_the_kernel_checks_the_table_itself():
+    """The C entry point refuses an invalid table (-2) on its own, so no caller that skips the Python checks can
+    make it read outside the hyper structs or the buffers."""
+    ffi, lib = native._ffi, native._lib
+    n = 64
+    p, g, m, v = (torch.zeros(n) for _ in range(4))
+    hypers = ffi.new("fz_adam_hyper[]", [native.adam_hyper(1, 0.1, 0.9, 0.999, 1e-8, 0.0, True, True)._asdict()] * 2)
+    fp = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
+
+    def rc(ends, group, count=None, ngroups=2):
+        e, k = torch.tensor(ends, dtype=torch.int64), torch.tensor(group, dtype=torch.int64)
+        table = (ffi.cast("int64_t *", e.data_ptr()), ffi.cast("int64_t *", k.data_ptr()))
+        tensors = (fp(p), fp(g), 0, fp(m), fp(v), fp(p), fp(m), fp(v), ffi.NULL, -1, 2)
+        return lib.fz_adam_step_segments(hypers, ngroups, *table, len(ends) if count is None else count, n, *tensors)
+
+    assert rc([32, 64], [0, 1]) == 0
+    assert rc([32, 32, 64], [0, 1, 1]) == 0  # an empty segment
+    assert rc([40, 32, 64], [0, 1, 1]) == -2  # decreasing
+    assert rc([-1, 64], [0, 1]) == -2
+    assert rc([32, 63], [0, 1]) == -2 and rc([32, 65], [0, 1]) == -2  # not ending at n
+    assert rc([32, 64], [0, 2]) == -2 and rc([32, 64], [-1, 0]) == -2  # group out of range
+    assert rc([32, 64], [0, 1], ngroups=0) == -2
+    assert rc([], [], count=0) == -2  # no segments for 64 elements
+
+
+def test_grouped_custom_op_compiles_into_one_graph():
+    """`torch.ops.fzero.adam_step_segments_` passes torch.library's checks, equals `adam_step(..., segments=...)`
+    bitwise, and compiles with the rest of a step into one graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    n = 200
+    p, g, m, v = state(n, 7)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    ends, group = torch.tensor([16, 64, 64, 130, 200]), torch.tensor([1, 0, 1, 1, 0])
+    hyper = ([1e-2, 3e-3], [0.9, 0.8], [0.999, 0.99], [1e-8, 1e-6], [0.01, 0.0])
+    args = (p, g, m, v, out, ends, group, 2, *hyper, True, True, 0.5)
+    torch.library.opcheck(torch.ops.fzero.adam_step_segments_.default,
+                          tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))  # fmt: skip
+
+    def step(p, g, m, v, out):
+        g = g * 2
+        torch.ops.fzero.adam_step_segments_(p, g, m, v, out, ends, group, 2, *hyper, True, True, 0.5)
+        return out.float().sum()
+
+    direct = [x.clone() for x in (p, g, m, v, out)]
+    native.adam_step(direct[0], direct[1] * 2, direct[2], direct[3], step=2, lr=hyper[0], betas=hyper[1:3],
+                     eps=hyper[3], weight_decay=hyper[4], grad_scale=0.5, out=direct[4],
+                     segments=(ends, group))  # fmt: skip
+    eager = [x.clone() for x in (p, g, m, v, out)]
+    compiled = [x.clone() for x in (p, g, m, v, out)]
+    counter = CompileCounter()
+    want = step(*eager)
+    got = torch.compile(step, backend=counter, fullgraph=True)(*compiled)
+    assert counter.frame_count == 1 and torch.equal(got, want)
+    for a, b, c in zip(eager, compiled, direct, strict=True):
+        if a is not eager[1]:
+            assert torch.equal(bits(a), bits(b)) and torch.equal(bits(a), bits(c))
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

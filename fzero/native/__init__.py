@@ -14,6 +14,16 @@ with one warning.
     >>> p
     tensor([0.9000, 0.9000, 0.9000, 0.9000, 0.9000])
 
+Hyper-parameters per segment (parameter groups): `adam_step(..., segments=(ends, group))` gives each segment of
+the flat buffer (elements `[ends[s-1], ends[s])`) the hyper-parameters of its group; `lr`, `betas[0]`, `betas[1]`,
+`eps` and `weight_decay` may then be sequences with one value per group. One pass over the buffer, each segment
+bitwise what an ungrouped call on its slice with its group's values gives.
+
+    >>> p, g, m, v = torch.ones(4), torch.full((4,), 0.5), torch.zeros(4), torch.zeros(4)
+    >>> fzero.native.adam_step(p, g, m, v, step=1, lr=[0.1, 0.2], segments=((1, 4), (0, 1)))
+    >>> p
+    tensor([0.9000, 0.8000, 0.8000, 0.8000])
+
 Choosing the path: `FZERO_ISA=scalar|avx2|avx512|torch|auto` in the environment (read at first use), or
 `set_isa(...)` (tests use it to run every path on one machine). The kernels run on `torch.get_num_threads()`
 OpenMP threads above `parallel_threshold()` elements and release the GIL.
@@ -22,8 +32,10 @@ OpenMP threads above `parallel_threshold()` elements and release the GIL.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -52,6 +64,7 @@ __all__ = [
     "openmp",
     "parallel_threshold",
     "set_isa",
+    "slice_segments",
     "sumsq",
     "supported_isas",
 ]
@@ -191,6 +204,13 @@ def _check_aliasing(where: str, inputs: dict[str, Tensor], outputs: dict[str, Te
 # --- kernels -----------------------------------------------------------------------------------------------------
 
 
+PerGroup = float | Sequence[float]
+"""A hyper-parameter for `adam_step(..., segments=...)`: one float for every group, or one per group."""
+Segments = tuple[Tensor | Sequence[int], Tensor | Sequence[int]]
+"""`(ends, group)`: the exclusive end offset of each segment (non-decreasing, the last one the buffer's length) and
+the group index of each segment (1-D integer CPU tensors, or sequences of ints)."""
+
+
 def adam_step(
     params: Tensor,
     grads: Tensor,
@@ -198,10 +218,10 @@ def adam_step(
     exp_avg_sq: Tensor,
     *,
     step: int,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    lr: PerGroup,
+    betas: tuple[PerGroup, PerGroup] = (0.9, 0.999),
+    eps: PerGroup = 1e-8,
+    weight_decay: PerGroup = 0.0,
     decoupled: bool = True,
     bias_correction: bool = True,
     grad_scale: float = 1.0,
@@ -209,6 +229,7 @@ def adam_step(
     params_out: Tensor | None = None,
     exp_avg_out: Tensor | None = None,
     exp_avg_sq_out: Tensor | None = None,
+    segments: Segments | None = None,
 ) -> None:
     """One Adam (`decoupled=False`) or AdamW step, in place unless `*_out` tensors are given.
 
@@ -220,16 +241,25 @@ def adam_step(
 
     Args:
       params, exp_avg, exp_avg_sq: float32 CPU tensors (master weights, first and second moments), contiguous,
-        all with the same number of elements (any shape: the kernel is elementwise).
+        all with the same number of elements (any shape: the kernel is elementwise, on the flat buffer).
       grads: float32, bfloat16 or float16 (upcast on load).
-      step: the 1-based number of this update (for the bias corrections).
-      lr, betas, eps, weight_decay: as `torch.optim.AdamW` / `Adam`.
+      step: the 1-based number of this update (for the bias corrections); shared by all groups.
+      lr, betas, eps, weight_decay: as `torch.optim.AdamW` / `Adam`. With `segments`, each (and each entry of the
+        pair `betas`) may be a float, for every group, or a sequence with one float per group.
       decoupled: AdamW's decoupled weight decay (True) or Adam's L2 penalty (False).
       bias_correction: divide by `1 - beta^t` (DeepSpeed's `bias_correction=False` turns both off).
       grad_scale: multiplies every gradient as it is loaded (1 / loss scale times the clipping coefficient).
       out: optional bfloat16 or float16 tensor that receives the updated parameters, rounded to nearest even:
         bitwise `params.to(out.dtype)`, written in the same pass.
       params_out, exp_avg_out, exp_avg_sq_out: where to write the new values (default: in place).
+      segments: `(ends, group)`, hyper-parameters per segment of the flat buffer: segment `s` is the elements
+        `[ends[s-1], ends[s])` (`ends[-1]` read as 0; an empty segment is allowed and skipped), and it uses
+        group `group[s]`'s values. `ends` must be non-decreasing and end at `params.numel()`. Each segment's
+        result is bitwise what an ungrouped call on its slice with its group's values gives (the scalars of each
+        group are computed as the ungrouped call computes its one set, `fzero/native/hyper.py`). None: one group.
+
+    Raises:
+      TypeError, ValueError: naming the tensor, hyper-parameter or segment-table entry at fault.
     """
     where = "adam_step"
     n = params.numel() if isinstance(params, Tensor) else 0
@@ -246,16 +276,36 @@ def adam_step(
         outputs["out"] = _check(where, "out", out, n, _LOW)
     inputs = {"params": params, "grads": grads, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     _check_aliasing(where, inputs, outputs)
-    h = adam_hyper(step, lr, betas[0], betas[1], eps, weight_decay, decoupled, bias_correction, grad_scale)
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    values = {"lr": lr, "betas[0]": betas[0], "betas[1]": betas[1], "eps": eps, "weight_decay": weight_decay}
+    ngroups, rows = _per_group(where, values)
+    table = None
+    if segments is not None:
+        table = _segment_arrays(where, segments)
+        # The table's contents (order, last end, group range) are checked by the kernel itself, in C, before it
+        # writes anything: a Python check costs ~10 torch calls per step (6% of a 2^20-element step); it runs
+        # only to explain a refusal. The twin, a call with nothing to update, and a table whose groups all share
+        # one set of values (the ungrouped kernel then runs) are checked here.
+        if ngroups is None or n == 0 or isa() == "torch":
+            _check_table(where, *table, n, ngroups, values)
+        if ngroups is None:
+            table = None
+    elif ngroups is not None:
+        name = next(k for k, x in values.items() if _is_sequence(x))
+        raise ValueError(f"{where}: {name} has one value per group ({len(values[name])}), but no segments were "
+                         "given: pass segments=(ends, group), or a float")  # fmt: skip
+    hypers = [adam_hyper(step, *row, decoupled, bias_correction, grad_scale) for row in rows]
     if isa() == "torch":
-        twin.adam_step(h, params, grads, exp_avg, exp_avg_sq, out, p_out, m_out, v_out)
+        segs = None if table is None else (table[0].tolist(), table[1].tolist())
+        twin.adam_step(hypers if table is not None else hypers[0], params, grads, exp_avg, exp_avg_sq, out, p_out,
+                       m_out, v_out, segments=segs)  # fmt: skip
         return
     if n == 0:
         return
     ffi, lib = _ffi, _lib
     fp = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
-    rc = lib.fz_adam_step(
-        ffi.new("fz_adam_hyper *", h._asdict()),
+    common = (
         n,
         fp(params),
         ffi.cast("void *", grads.data_ptr()),
@@ -269,8 +319,137 @@ def adam_step(
         _LOW[out.dtype] if out is not None else -1,
         torch.get_num_threads(),
     )
+    if table is None:
+        rc = lib.fz_adam_step(ffi.new("fz_adam_hyper *", hypers[0]._asdict()), *common)
+    else:
+        ends, group = table
+        rc = lib.fz_adam_step_segments(ffi.new("fz_adam_hyper[]", hypers), len(hypers),  # field order = C's
+                                       ffi.cast("int64_t *", ends.data_ptr()), ffi.cast("int64_t *", group.data_ptr()),
+                                       ends.numel(), *common)  # fmt: skip
+    if rc == -2:  # the kernel refused the segment table (and wrote nothing): say what is wrong with it
+        _check_table(where, *table, n, ngroups, values)
     if rc != 0:  # unreachable after the checks above; kept so a C-side refusal never passes silently
         raise RuntimeError(f"{where}: the kernel rejected its arguments (code {rc})")
+
+
+# --- per-group hyper-parameters and segment tables ----------------------------------------------------------------
+
+
+def _is_sequence(x: object) -> bool:
+    if type(x) in (float, int, list, tuple):  # the common cases, without the ABC checks below
+        return type(x) in (list, tuple)
+    return (isinstance(x, Sequence) and not isinstance(x, str)) or (isinstance(x, Tensor) and x.ndim == 1)
+
+
+def _per_group(where: str, values: dict[str, object]) -> tuple[int | None, list[list]]:
+    """The number of groups the per-group sequences among `values` give (they must agree; None if every value is
+    one number for all groups), and each group's values in `values`' order: a per-group entry as a Python float
+    (so `adam_hyper` computes in double, as for a float given to an ungrouped call), a shared value as given
+    (exactly what an ungrouped call receives)."""
+    ngroups, first = None, None
+    for name, x in values.items():
+        if not _is_sequence(x):
+            continue
+        if len(x) == 0:
+            raise ValueError(f"{where}: {name} is an empty sequence; expected a float or one float per group")
+        for i, item in enumerate(x):
+            if type(item) is float:  # the common case, without the ABC check below
+                continue
+            if isinstance(item, bool) or not isinstance(item, numbers.Real | Tensor):
+                raise TypeError(f"{where}: {name}[{i}] is {item!r}; expected a float (one per group)")
+        if ngroups is None:
+            ngroups, first = len(x), name
+        elif len(x) != ngroups:
+            raise ValueError(f"{where}: {name} has {len(x)} values but {first} has {ngroups}: per-group "
+                             "hyper-parameters need one value per group each")  # fmt: skip
+    columns = [[float(i) for i in x] if _is_sequence(x) else [x] * (ngroups or 1) for x in values.values()]
+    return ngroups, [list(row) for row in zip(*columns, strict=True)]
+
+
+def _index_tensor(where: str, name: str, x: object) -> Tensor:
+    """`x` (a 1-D integer tensor or a sequence of ints) as a contiguous int64 CPU tensor (no copy if it is one)."""
+    if isinstance(x, Tensor) and x.dtype == torch.int64 and x.ndim == 1 and x.device.type == "cpu":
+        return x.contiguous()  # the common case (a table built once), with the fewest tensor attribute reads
+    if isinstance(x, Tensor):
+        t = x
+    elif _is_sequence(x):
+        t = torch.tensor(list(x)) if len(x) else torch.zeros(0, dtype=torch.int64)
+    else:
+        raise TypeError(f"{where}: segments {name} must be a 1-D integer tensor or a sequence of ints, got "
+                        f"{type(x).__name__}")  # fmt: skip
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{where}: segments {name} has dtype {t.dtype}; expected integers")
+    if t.ndim != 1:
+        raise ValueError(f"{where}: segments {name} has shape {tuple(t.shape)}; expected one dimension")
+    if t.device.type != "cpu":
+        raise ValueError(f"{where}: segments {name} is on {t.device}; expected a CPU tensor")
+    return t.to(torch.int64).contiguous()
+
+
+def _segment_arrays(where: str, segments: object) -> tuple[Tensor, Tensor]:
+    """`segments` as `(ends, group)`, contiguous int64 CPU tensors of equal length (contents not checked)."""
+    if not isinstance(segments, Sequence) or len(segments) != 2:
+        raise TypeError(f"{where}: segments must be a pair (ends, group), got {type(segments).__name__}")
+    ends, group = _index_tensor(where, "ends", segments[0]), _index_tensor(where, "group", segments[1])
+    if group.numel() != ends.numel():
+        raise ValueError(f"{where}: segments group has {group.numel()} entries but ends has {ends.numel()}: one "
+                         "group index per segment")  # fmt: skip
+    return ends, group
+
+
+def _check_table(where: str, ends: Tensor, group: Tensor, n: int, ngroups: int | None, values: dict) -> None:
+    """Raise ValueError naming the first fault of the segment table `(ends, group)` for a buffer of `n` elements
+    and `ngroups` groups (None: any non-negative group index); the same rules as the kernel's own check."""
+    if ends.numel() == 0:
+        if n:
+            raise ValueError(f"{where}: segments has no segments, but params has {n} elements (the last end must "
+                             f"be {n})")  # fmt: skip
+        return
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    bad = torch.nonzero(ends < starts)
+    if bad.numel():
+        i = int(bad[0])
+        if i == 0:
+            raise ValueError(f"{where}: segments ends[0] = {int(ends[0])} is negative")
+        raise ValueError(f"{where}: segments ends must be non-decreasing, but ends[{i}] = {int(ends[i])} follows "
+                         f"ends[{i - 1}] = {int(ends[i - 1])}")  # fmt: skip
+    if int(ends[-1]) != n:
+        raise ValueError(f"{where}: segments end at {int(ends[-1])}, but params has {n} elements (the last end "
+                         "must be the buffer's length)")  # fmt: skip
+    low = int(group.min())
+    high = int(group.max())
+    if low < 0:
+        i = int(torch.nonzero(group < 0)[0])
+        raise ValueError(f"{where}: segments group[{i}] = {int(group[i])} is negative")
+    if ngroups is not None and high >= ngroups:
+        i = int(torch.nonzero(group >= ngroups)[0])
+        name = next(k for k, x in values.items() if _is_sequence(x))
+        raise ValueError(f"{where}: segments group[{i}] = {int(group[i])} is out of range: the hyper-parameters "
+                         f"give {ngroups} groups ({name} has {ngroups} values)")  # fmt: skip
+
+
+def slice_segments(segments: Segments, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """The segment table of the elements `[start, stop)` of the buffer `segments` describes, with offsets relative
+    to `start`: what `adam_step(..., segments=...)` needs for a piece of a flat buffer (e.g. one pipelined piece
+    of an offloaded shard).
+
+    Args:
+      segments: `(ends, group)` as for `adam_step` (the table is not validated here).
+      start, stop: `0 <= start <= stop <= ends[-1]`.
+
+    Returns:
+      `(ends, group)`, int64 tensors: the segments that intersect `[start, stop)` (a single empty one when
+      `start == stop`), their ends clipped to `stop` and shifted by `-start`.
+    """
+    ends, group = (_index_tensor("slice_segments", k, x) for k, x in zip(("ends", "group"), segments, strict=True))
+    total = int(ends[-1]) if ends.numel() else 0
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"slice_segments: need 0 <= start <= stop <= {total} (the table's length), got start "
+                         f"{start}, stop {stop}")  # fmt: skip
+    first = int(torch.searchsorted(ends, start, right=True)) if start < total else max(ends.numel() - 1, 0)
+    last = int(torch.searchsorted(ends, stop, right=False)) if stop > start else first
+    sub_ends = ends[first : last + 1].clamp(max=stop) - start
+    return sub_ends, group[first : last + 1].clone()
 
 
 def grad_stats(grads: Tensor) -> tuple[float, bool]:

@@ -9,6 +9,7 @@ low-precision copy-out is `params.to(dtype)` itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +20,45 @@ __all__ = ["adam_step", "ceiling", "grad_stats"]
 
 
 def adam_step(
+    h: AdamHyper | Sequence[AdamHyper],
+    params: Tensor,
+    grads: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    out: Tensor | None,
+    params_out: Tensor,
+    exp_avg_out: Tensor,
+    exp_avg_sq_out: Tensor,
+    segments: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> None:
+    """One Adam step in torch operations; arguments as `fzero.native.adam_step` after validation (outputs may be
+    the inputs themselves).
+
+    Without `segments`, `h` is the step's one `AdamHyper`. With `segments = (ends, group)` (a validated table, as
+    lists of ints), `h` holds one `AdamHyper` per group, and each non-empty segment runs the ungrouped step on its
+    slice of the flat buffers with `h[group[s]]`: bitwise what an ungrouped call on that slice gives, by
+    construction (the same torch operations on the same views).
+    """
+    if segments is None:
+        _step(h, params, grads, exp_avg, exp_avg_sq, out, params_out, exp_avg_out, exp_avg_sq_out)
+        return
+    flat = [t.view(-1) for t in (params, grads, exp_avg, exp_avg_sq)]
+    flat_outs = [t.view(-1) for t in (params_out, exp_avg_out, exp_avg_sq_out)]
+    flat16 = out.view(-1) if out is not None else None
+    # an in-place output is its input's very slice object, as in an ungrouped in-place call on that slice
+    in_place = [o is i for o, i in zip((params_out, exp_avg_out, exp_avg_sq_out), (params, exp_avg, exp_avg_sq),
+                                       strict=True)]  # fmt: skip
+    begin = 0
+    for end, g in zip(*segments, strict=True):
+        if end > begin:
+            p, gr, m, v = (t[begin:end] for t in flat)
+            p_out, m_out, v_out = (x if same else o[begin:end] for x, o, same in zip((p, m, v), flat_outs, in_place,
+                                                                                      strict=True))  # fmt: skip
+            _step(h[g], p, gr, m, v, flat16[begin:end] if flat16 is not None else None, p_out, m_out, v_out)
+        begin = end
+
+
+def _step(
     h: AdamHyper,
     params: Tensor,
     grads: Tensor,
@@ -29,8 +69,6 @@ def adam_step(
     exp_avg_out: Tensor,
     exp_avg_sq_out: Tensor,
 ) -> None:
-    """One Adam step in torch operations; arguments as `fzero.native.adam_step` after validation (outputs may be
-    the inputs themselves)."""
     g = grads.to(torch.float32)
     if h.grad_scale != 1.0:
         g = g * h.grad_scale
