@@ -40,10 +40,11 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
-def _shell_case(stage: int, precision: str, rank: int) -> dict:
+def _shell_case(stage: int, precision: str, rank: int | None) -> dict:
     """GPT-2 with a frozen (tied) embedding through `fzero.initialize`, activation checkpointing on, and evaluation
     passes between steps: under `no_grad` in eval mode, under `inference_mode`, and a grad-enabled forward whose
-    graph is dropped before the training forward."""
+    graph is dropped before the training forward. `rank`: this process's rank, or None for one process training on
+    every rank's examples."""
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}  # fmt: skip
     if precision == "bf16":
@@ -54,9 +55,11 @@ def _shell_case(stage: int, precision: str, rank: int) -> dict:
         model=model, model_parameters=model.parameters(), config=config, printer=lambda line: None
     )
     batches = token_batches(WORLD, STEPS, seed=5)
+    if rank is None:
+        config["train_micro_batch_size_per_gpu"] = 2 * WORLD
     seen = []
     for batch in batches:
-        x = batch["x"][rank]
+        x = batch["x"].flatten(0, 1) if rank is None else batch["x"][rank]
         engine.eval()
         with torch.no_grad():
             seen.append(engine(x).logits)
@@ -74,7 +77,7 @@ def _shell_case(stage: int, precision: str, rank: int) -> dict:
     except RuntimeError:
         strict = False
     out = {"params": _digest(params[k] for k in sorted(params)), "eval": _digest(seen), "strict_load": strict}
-    if rank == 0:
+    if not rank:
         out["vs_reference"] = max_difference(params, reference(frozen_embeddings(), batches))
     return out
 

@@ -318,3 +318,35 @@ def test_load_into_dist_state_without_mesh_is_explained(tmp_path):
     with pytest.raises(TypeError, match="needs its mesh"):
         fzero.load(tmp_path, fake)
     assert not list(Path(tmp_path).iterdir())
+
+
+class Legacy(nn.Module):
+    """The model tests/data/legacy-v1 was saved from (by fzero before frozen parameters had a flat buffer and the
+    state a random stream): a frozen embedding and head, two units, BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.emb.weight.requires_grad_(False)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.norm = nn.BatchNorm1d(4)
+        self.frozen_head = nn.Linear(4, 3)
+        self.frozen_head.requires_grad_(False)
+
+
+LEGACY = Path(__file__).parent / "data" / "legacy-v1"
+
+
+@pytest.mark.parametrize("preset", [fzero.zero2, fzero.zero3])
+def test_checkpoints_written_before_the_frozen_buffer_still_load(preset):
+    """A checkpoint of the first format (frozen parameters as one leaf each, no seed) loads into today's state, at
+    its stage or another, with the values it was saved with; consolidation reads it too."""
+    from safetensors.torch import load_file
+
+    expected = load_file(LEGACY / "expected.safetensors")
+    like = fzero.init(Legacy(), preset(fzero.adamw(1e-2)), fzero.SimMesh(2))
+    with pytest.warns(UserWarning, match="before fzero kept the step's random stream"):
+        state, extra = fzero.load(LEGACY, like)
+    assert extra["data_position"] == 2 and int(state.step) == 2
+    assert_same(fzero.state_dict(state), expected)
+    assert_same(fzero.consolidate(LEGACY), expected)

@@ -12,6 +12,7 @@ For each leaf of the target (`like`), matched to the source by key:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -157,6 +158,13 @@ def check_compatible(
         raise IncompatibleCheckpointError(f"checkpoint from another model: {problem}")
     wanted = [e.key for e in like.entries if select is None or select(e.key)]
     legacy = _legacy_frozen(source, like)
+    if "seed" in wanted and "seed" not in source.entries:
+        warnings.warn(
+            "the checkpoint was written before fzero kept the step's random stream in the state: the resumed run "
+            "draws from the new state's seed (fzero.init(seed=...))",
+            stacklevel=3,
+        )
+        wanted.remove("seed")
     if strict:
         converted = {e.key for e in like.entries if e.space == FROZEN} if legacy else set()
         missing = [k for k in wanted if k not in source.entries and k not in converted]
