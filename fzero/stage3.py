@@ -1,26 +1,37 @@
 """ZeRO-3's unit-at-a-time gathering inside the forward and the backward.
 
-Stage 3 keeps each rank's compute parameters as a shard. Within a step a unit's full buffer exists only while the
-unit computes:
+Stage 3 keeps each rank's compute parameters, trainable and frozen, as shards. Within a step a unit's full buffers
+exist only while the unit computes:
 
-    forward    pre-hook of the unit's module:  all-gather it (or wait for its prefetch); prefetch the next unit
-               post-hook:                      free it; wrap its outputs so that their backward re-gathers it
-    backward   its outputs' gradients arrive:  all-gather it again; prefetch the unit before it
+    forward    pre-hook of the unit's module:  all-gather it (or wait for its prefetch); prefetch the next unit;
+                                               put views of its buffers into the module
+               post-hook:                      put the module's tensors back; free the unit; hook its outputs
+    backward   an output's gradient arrives:   all-gather it again, views into the module until its backward is
+                                               done; prefetch the unit before it
                its gradient is complete:       reduce-scatter the gradient (mean over ranks) into this rank's
-                                               gradient shard, free the unit
+                                               gradient shard, free the trainable buffer (the frozen one once the
+                                               gradients of the unit's inputs exist)
 
 so full parameters and full gradients never exist for more than the live units (at most `1 + prefetch`, bounded by
 `max_live_elements`). Units that are not modules (the root unit: parameters outside the `ModuleList` children) and
 units at or below `persistence_threshold` elements are gathered once at the start and kept until their gradient is
 reduced: the backward begins where the forward ended, so re-gathering them would only add traffic. Per step and
-rank this moves `Psi` (forward gathers) `+ Psi - Psi_kept` (backward gathers) `+ Psi` (reduce-scatters) elements.
+rank this moves `Psi` (forward gathers) `+ Psi - Psi_kept` (backward gathers) `+ Psi` (reduce-scatters) elements,
+plus the frozen parameters' two gathers.
+
+The everyday habits of real models hold: hooks firing inside a backward are an activation-checkpoint recompute
+(they neither prefetch forward nor free the unit, whose backward comes next); a forward under `no_grad` frees each
+unit right after it ran; the output hooks are tensor hooks, so in-place operations on a unit's outputs stay legal;
+the views stay in the unit's modules through its backward, where a recompute of a layer's `forward` (not
+`__call__`, as Hugging Face checkpoints it) reads them; a parameter read outside its unit's forward is an
+`Unavailable` placeholder that raises an error naming it.
 
 Why this mechanism: `torch.func` can neither differentiate through collectives nor accept saved-tensor hooks
-(docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full buffer is the
-output of an autograd Function whose backward receives the unit's complete gradient exactly once, after its last
-use; the buffer's storage is resized to zero after the forward and refilled before the backward (FSDP's technique),
-so the tensors autograd saved stay valid, and writing through a separate alias keeps their version counters
-untouched.
+(docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full trainable buffer is
+the output of an autograd Function whose backward receives the unit's complete gradient exactly once, after its
+last use; the buffers' storage is resized to zero after the forward and refilled before the backward (FSDP's
+technique), so the tensors autograd saved stay valid, and writing through a separate alias keeps their version
+counters untouched.
 
 On a `SimMesh` the ranks run one after another, so a unit's gradient is reduced once every rank's backward is done;
 the arithmetic (a rank-ordered sum divided by the world size) and the ledger are those of a real run.
