@@ -37,9 +37,10 @@ def build(width: int, layers: int, world: int):
     tx = fzero.zero2(fzero.adamw(1e-3))
     state = fzero.init(model, tx, fzero.SimMesh(world))
     g = torch.Generator().manual_seed(1)
-    exp_avg = torch.randn(state.tx_state[4].exp_avg.shape, generator=g)  # non-zero moments, as after training
-    adam = state.tx_state[4]._replace(exp_avg=exp_avg, exp_avg_sq=exp_avg.abs())
-    return model, tx, state.replace(tx_state=(*state.tx_state[:4], adam, *state.tx_state[5:]))
+    adam = state.tx_state["shard_update"]
+    exp_avg = torch.randn(adam.exp_avg.shape, generator=g)  # non-zero moments, as after training
+    adam = adam._replace(exp_avg=exp_avg, exp_avg_sq=exp_avg.abs())
+    return model, tx, state.replace(tx_state={**state.tx_state, "shard_update": adam})
 
 
 def stored_tensors(path: Path) -> dict[str, torch.Tensor]:

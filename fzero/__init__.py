@@ -15,7 +15,7 @@ from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .memory import state_bytes
 from .mesh import DistMesh, Ledger, Mesh, SimMesh
-from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, sgd
+from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, param_groups, sgd
 from .precision import Policy, get_policy
 from .stage3 import GatherPolicy
 from .state import TrainState, pytree
@@ -81,6 +81,7 @@ __all__ = [
     "loss_scale",
     "native",
     "optim",
+    "param_groups",
     "precision",
     "pytree",
     "reduce_scatter",

@@ -28,11 +28,8 @@ from .state import TrainState
 
 __all__ = ["state_bytes"]
 
-_CATEGORIES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "momentum_buffer": "optimizer", "acc": "accumulator"}
-
-
-def _named(x: object) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
+# a transform's state counts by the transform's name in the chain (its counters, 0-d, count as "other")
+_CATEGORIES = {"shard_update": "optimizer", "accumulate": "accumulator"}
 
 
 def state_bytes(state: TrainState) -> dict[str, int]:
@@ -59,18 +56,19 @@ def state_bytes(state: TrainState) -> dict[str, int]:
         add("compute", state.compute)
 
     def walk(node: object, category: str) -> None:
-        if isinstance(node, Tensor):
-            add(category, node)
-        elif isinstance(node, tuple) and hasattr(node, "_fields"):  # the optimizers' and transforms' states
-            for name, child in node._asdict().items():
-                walk(child, _CATEGORIES.get(name, category))
-        else:
-            children = optree.tree_leaves(node, namespace="fzero", is_leaf=lambda x: x is not node and _named(x))
-            if children != [node]:  # a leaf that is no tensor (a Python number in a custom state) holds no memory
-                for child in children:
-                    walk(child, category)
+        for leaf in optree.tree_leaves(node, namespace="fzero"):
+            if isinstance(leaf, Tensor):  # a leaf that is no tensor (a number in a custom state) holds no memory
+                add(category if leaf.ndim else "other", leaf)
 
-    walk(state.tx_state, "other")
+    def walk_chain(tx_state: object) -> None:
+        if not isinstance(tx_state, dict):
+            walk(tx_state, "other")
+            return
+        for name, sub in tx_state.items():
+            category = _CATEGORIES.get(name.split("#")[0])
+            walk(sub, category) if category else walk_chain(sub)
+
+    walk_chain(state.tx_state)
     if state.frozen is not None:
         add("frozen", state.frozen)
     for rest in (state.loss_scale, state.buffers, state.step, state.seed):

@@ -109,10 +109,10 @@ def test_missing_or_unreadable_manifest(saved):
 def test_newer_format_version(saved):
     root, path, _, _, like = saved
     m = json.loads((path / "manifest.json").read_text())
-    m["version"], m["fzero_version"] = 2, "9.0"
+    m["version"], m["fzero_version"] = 3, "9.0"
     (path / "manifest.json").write_text(json.dumps(m))
-    expect_nothing_loaded(root, like, CheckpointVersionError, r"manifest.json: written in checkpoint format version 2 "
-                          r"\(by fzero 9.0\); this fzero \(.*\) reads versions up to 1. Upgrade fzero")  # fmt: skip
+    expect_nothing_loaded(root, like, CheckpointVersionError, r"manifest.json: written in checkpoint format version 3 "
+                          r"\(by fzero 9.0\); this fzero \(.*\) reads versions up to 2. Upgrade fzero")  # fmt: skip
 
 
 def test_checkpoint_of_another_model(saved, tmp_path_factory):

@@ -50,7 +50,7 @@ def test_state_dtypes(precision):
         assert state.params.dtype == torch.float32  # fp32 master weights
         assert state.compute.dtype == dtype  # the gathered compute copy in the compute dtype
         assert state.compute.shape[-1] == (state.layout.shard_numel if preset == "zero3" else state.layout.numel)
-        acc = [s for s in state.tx_state if isinstance(s, fzero.transforms.AccumulateState)]
+        acc = [s for s in [fzero.transforms.lookup(state.tx_state, "accumulate")] if s is not None]
         assert acc[0].acc.dtype == torch.float32  # fp32 gradient accumulation
         assert all(v.dtype == torch.float32 for v in full.values())
 

@@ -159,7 +159,7 @@ def test_non_boundary_micro_steps_do_no_optimizer_work():
             state, metrics = step(state, batch)
             boundary = i == 2
             assert metrics["applied"] is boundary
-            opt_state = next(s for s in state.tx_state if isinstance(s, fzero.optim.AdamState))
+            opt_state = fzero.transforms.lookup(state.tx_state, "shard_update")
             assert int(opt_state.count) == (1 if boundary else 0)
             assert (state.params is params) is not boundary
             if not boundary:

@@ -2,7 +2,7 @@
 
 ```json
 {"format": "fzero-checkpoint", "version": 1, "tag": "step8", "step": 8, "world": 2, "processes": 1,
- "layout": {...}, "leaves": [{"key": "tx_state/AdamState/exp_avg", "kind": "shard", "storage": "split", ...}],
+ "layout": {...}, "leaves": [{"key": "tx_state/shard_update/exp_avg", "kind": "shard", "storage": "split", ...}],
  "files": [{"name": "rank-00000-of-00002.safetensors", "rank": 0, "bytes": 1234, "sha256": "..."}, ...],
  "precision": {"master": "float32", "compute": "bfloat16"}, "data_position": 640, "user_state": {}, "config": {}}
 ```
@@ -33,7 +33,7 @@ from .tree import PARAM_SPACE, PARAMS, REPLICATED, SPACES, Entry
 __all__ = ["FORMAT", "VERSION", "FileInfo", "Manifest", "StoredEntry", "file_name", "read_manifest"]
 
 FORMAT = "fzero-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: leaves carry a space (frozen parameters' flat buffer), chain states are named by transform
 STORAGES = ("split", "rank0", "per_rank")
 _FILE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 

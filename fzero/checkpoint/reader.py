@@ -8,6 +8,7 @@ only the bytes it asks for.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -26,7 +27,7 @@ from .errors import CorruptCheckpointError
 from .manifest import Manifest, StoredEntry, read_manifest
 from .safetensors_io import DTYPES, file_sha256, open_safetensors, raw_bytes
 from .sources import named
-from .tree import dtype_name
+from .tree import dtype_name, legacy_key
 
 __all__ = ["Checkpoint"]
 
@@ -87,14 +88,21 @@ class Checkpoint:
       verify: check every shard file's size and sha256 now (reads every byte once).
 
     Example:
-      >>> # with Checkpoint("ckpts") as ckpt: exp_avg = dict(ckpt.named("tx_state/AdamState/exp_avg"))
+      >>> # with Checkpoint("ckpts") as ckpt: exp_avg = dict(ckpt.named("tx_state/shard_update/exp_avg"))
     """
 
     def __init__(self, path: str | os.PathLike[str], tag: str | None = None, *, verify: bool = True) -> None:
         self.path: Path = resolve(path, tag)
         self.manifest: Manifest = read_manifest(self.path)
         self.layout = self.manifest.layout
-        self.entries: dict[str, StoredEntry] = {e.key: e for e in self.manifest.leaves}
+        self.entries: dict[str, StoredEntry] = {}
+        self._stored: dict[str, str] = {}  # today's key -> the key in the files, where they differ (format 1)
+        for e in self.manifest.leaves:
+            key = legacy_key(e.key) if self.manifest.version < 2 else e.key
+            if key != e.key:
+                self._stored[key] = e.key
+                e = dataclasses.replace(e, key=key)
+            self.entries[key] = e
         self._open: dict[int, Any] = {}
         if verify:
             self.verify()
@@ -201,9 +209,10 @@ class Checkpoint:
                 return
             start = index.indices(shape[-1])[0]
             for i in range(rows.shape[0]):
-                shard.read_into(key, rows[i], (i * shape[-1] + start) * item)
+                shard.read_into(self._stored.get(key, key), rows[i], (i * shape[-1] + start) * item)
             return
         start = 0 if index is None else index.indices(shape[-1])[0]
+        key = self._stored.get(key, key)
         if out.is_contiguous():
             shard.read_into(key, out, start * item)
         else:
@@ -218,7 +227,7 @@ class Checkpoint:
         return rng.split(tensors, shard.meta)
 
     def named(self, key: str, dtype: torch.dtype | None = None, *, copy: bool = True):
-        """A param-space leaf (e.g. ``"params"`` or ``"tx_state/AdamState/exp_avg"``) by parameter name, streamed
+        """A param-space leaf (e.g. ``"params"`` or ``"tx_state/shard_update/exp_avg"``) by parameter name, streamed
         unit by unit: an iterator of `(name, tensor)` (see `fzero.checkpoint.sources.named`)."""
         if key not in self.entries:
             raise KeyError(f"{self.path}: no leaf {key!r}; it has {', '.join(self.entries)}")

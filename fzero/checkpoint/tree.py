@@ -1,9 +1,11 @@
 """The leaves of a `TrainState`, named and classified generically (no field of the state is hard-coded).
 
-Every tensor leaf gets a **key**, its path in the pytree with sequence positions replaced by the type of the
-sub-state found there: `"tx_state/AdamState/exp_avg"` rather than `"tx_state/4/exp_avg"`. Stages put the same
-sub-states at different chain positions (`accumulate` comes before `reduce_scatter` in stage 1, after it in stage
-2), so a key names the same quantity in every stage and a checkpoint moves between them.
+Every tensor leaf gets a **key**, its path in the pytree: a chain's state is `{transform name: state}`, so the keys
+read `"tx_state/shard_update/exp_avg"`, `"tx_state/accumulate/acc"`. Stages put the same transforms at different
+chain positions (`accumulate` comes before `reduce_scatter` in stage 1, after it in stage 2) under the same names, so
+a key names the same quantity in every stage and a checkpoint moves between them; a sequence position whose child is
+a named node (a NamedTuple or dataclass sub-state) becomes that node's type name. Checkpoints of format 1 named the
+chain's entries by their state's type (`"tx_state/AdamState/exp_avg"`): `legacy_key` maps those keys.
 
 Every leaf also has a **space** and a **kind**. The space is the flat buffer layout it follows: ``"frozen"`` for
 the state's `frozen` field (`layout.frozen_layout`), ``"params"`` (`layout`) for everything else. The kind is told
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from ..layout import Layout
 
-__all__ = ["FULL", "REPLICATED", "SHARD", "SPACES", "Entry", "FlatState", "dtype_name", "flatten_state"]
+__all__ = ["FULL", "REPLICATED", "SHARD", "SPACES", "Entry", "FlatState", "dtype_name", "flatten_state", "legacy_key"]
 
 SHARD, FULL, REPLICATED = "shard", "full", "replicated"
 PARAM_SPACE = (SHARD, FULL)
@@ -148,6 +150,24 @@ def _keys(accessors: list[Any]) -> list[str]:
                 parts.append(_component(e))
         keys.append("/".join(parts) if parts else "<root>")
     return keys
+
+
+_LEGACY = {"AdamState": "shard_update", "SGDState": "shard_update", "AccumulateState": "accumulate"}
+
+
+def legacy_key(key: str) -> str:
+    """Today's key of a format-1 checkpoint's key (`tx_state/AdamState#1/exp_avg` -> `tx_state/shard_update#1/...`).
+
+    Example:
+      >>> legacy_key("tx_state/AccumulateState/acc"), legacy_key("params")
+      ('tx_state/accumulate/acc', 'params')
+    """
+    parts = key.split("/")
+    if parts[0] == "tx_state" and len(parts) > 1:
+        base, sep, nth = parts[1].partition("#")
+        if base in _LEGACY:
+            parts[1] = _LEGACY[base] + sep + nth
+    return "/".join(parts)
 
 
 def classify(layout: Layout, shape: tuple[int, ...], last_entry: Any) -> str:

@@ -13,7 +13,7 @@ Everything numeric (parameters, optimizer moments and update count, hence the LR
 the loss scale) is a leaf of the `TrainState`, saved and resharded by the format. Which leaves a load takes:
 
     load_module_only=True          params, compute, frozen/*, buffers/*           (the rest: the engine's own)
-    load_optimizer_states=False    everything but the optimizer's state (tx_state/AdamState|SGDState/*)
+    load_optimizer_states=False    everything but the optimizer's state (tx_state/shard_update/*)
     default                        everything
 """
 
@@ -33,6 +33,7 @@ from ..checkpoint import load as fzero_load
 from ..checkpoint import save as fzero_save
 from ..checkpoint.coord import Coordinator
 from ..mesh import SimMesh
+from ..transforms import lookup
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -42,7 +43,6 @@ __all__ = ["ENGINE_FORMAT", "check_json", "load_checkpoint", "save_checkpoint"]
 ENGINE_FORMAT = "fzero-engine"
 ENGINE_VERSION = 1
 _MODULE_ROOTS = ("params", "compute", "frozen", "buffers")
-_OPTIMIZER_STATES = ("AdamState", "SGDState")
 
 
 def check_json(value: Any, where: str) -> None:
@@ -179,18 +179,15 @@ def _is_module(key: str) -> bool:
 
 
 def _is_optimizer(key: str) -> bool:
+    """Whether a checkpoint key is the optimizer's state (`shard_update`'s, under its name in the chain)."""
     parts = key.split("/")
-    return parts[0] == "tx_state" and any(p.split("#")[0] in _OPTIMIZER_STATES for p in parts[1:])
+    return parts[0] == "tx_state" and any(p.split("#")[0] == "shard_update" for p in parts[1:])
 
 
 def _accumulated(state: Any) -> int | None:
     """The chain's micro-steps held since the last boundary (None without accumulation)."""
-    from ..transforms.accumulate import AccumulateState
-
-    for sub in state.tx_state if isinstance(state.tx_state, tuple) else (state.tx_state,):
-        if isinstance(sub, AccumulateState):
-            return int(sub.count)
-    return None
+    acc = lookup(state.tx_state, "accumulate")
+    return None if acc is None or not hasattr(acc, "count") else int(acc.count)
 
 
 def _counters(engine: Engine, record: dict[str, Any] | None, step: int, tag: str) -> dict[str, int]:

@@ -34,7 +34,6 @@ import os
 import time
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
@@ -44,12 +43,12 @@ from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
 from ..mesh import Mesh, SimMesh
 from ..metrics import Monitor, transformer_flops
-from ..optim import AdamState, Hyper, SGDState, hyper_value
+from ..optim import Hyper, hyper_value
 from ..stage3 import UnitGathering
 from ..state import TrainState
 from ..step import apply_gradients, compute_params, frozen_params, init, named_tensors
 from ..step import state_dict as consolidated
-from ..transforms import Transform
+from ..transforms import Transform, lookup
 from . import checkpointing
 from .client import OptimizerView
 
@@ -184,14 +183,8 @@ class Engine(nn.Module):
 
     def applied_updates(self) -> int:
         """Updates the optimizer applied (skipped steps excluded): what the LR schedule is a function of."""
-        counts = [
-            int(x.count)
-            for x in optree.tree_leaves(
-                self.state.tx_state, is_leaf=lambda x: isinstance(x, (AdamState, SGDState)), none_is_leaf=False
-            )
-            if isinstance(x, (AdamState, SGDState))
-        ]
-        return counts[0] if counts else self._applied_fallback
+        opt = lookup(self.state.tx_state, "shard_update")
+        return int(opt.count) if opt is not None and hasattr(opt, "count") else self._applied_fallback
 
     def get_lr(self) -> list[float]:
         """The learning rate of the next update, per param group (DeepSpeed's `engine.get_lr()`)."""

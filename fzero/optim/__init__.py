@@ -7,6 +7,7 @@ is elementwise, so an update of a shard equals the same slice of the update of t
 from .adam import AdamState, adam, adamw
 from .base import Hyper, Optimizer, hyper_value
 from .cpu_adam import cpu_adam, cpu_adamw
+from .groups import ParamGroups, param_groups
 from .schedules import constant, one_cycle, one_cycle_momentum, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from .sgd import SGDState, sgd
 
@@ -14,6 +15,7 @@ __all__ = [
     "AdamState",
     "Hyper",
     "Optimizer",
+    "ParamGroups",
     "SGDState",
     "adam",
     "adamw",
@@ -23,6 +25,7 @@ __all__ = [
     "hyper_value",
     "one_cycle",
     "one_cycle_momentum",
+    "param_groups",
     "sgd",
     "warmup_cosine_lr",
     "warmup_decay_lr",

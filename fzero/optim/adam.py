@@ -13,12 +13,14 @@ so on the same gradients the result equals `torch.optim.AdamW(foreach=False)` bi
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .base import Hyper, Optimizer, check_hyper, hyper_value
+from .groups import ParamGroups, Segments
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -31,19 +33,31 @@ class AdamState(NamedTuple):
     exp_avg_sq: Tensor
 
 
-def _adam(lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool) -> Optimizer:
-    check_hyper("learning rate", lr, 0.0)
-    check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
-    check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
-    check_hyper("epsilon value", eps, 0.0)
-    check_hyper("weight_decay value", weight_decay, 0.0)
+def _adam(
+    lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool, groups: Any = None
+) -> Optimizer:
+    def check(h: Mapping[str, Any]) -> None:
+        check_hyper("learning rate", h["lr"], 0.0)
+        if not isinstance(h["betas"], (tuple, list)) or len(h["betas"]) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {h['betas']!r}")
+        check_hyper("beta parameter at index 0", h["betas"][0], 0.0, 1.0)
+        check_hyper("beta parameter at index 1", h["betas"][1], 0.0, 1.0)
+        check_hyper("epsilon value", h["eps"], 0.0)
+        check_hyper("weight_decay value", h["weight_decay"], 0.0)
+
+    defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+    check(defaults)
 
     def init(params: Tensor) -> AdamState:
         return AdamState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params), torch.zeros_like(params))
 
-    def update(grads: Tensor, state: AdamState, params: Tensor, *, donate: bool = False) -> tuple[Tensor, AdamState]:
+    def update(
+        grads: Tensor, state: AdamState, params: Tensor, *, donate: bool = False, segments: Segments | None = None
+    ) -> tuple[Tensor, AdamState]:
         applied = int(state.count)
         t = applied + 1
+        if segments is not None:
+            return _grouped(grads, state, params, donate, segments, defaults, decoupled)
         lr_t = hyper_value(lr, applied)
         b1, b2 = hyper_value(betas[0], applied), hyper_value(betas[1], applied)
         p = params
@@ -63,11 +77,55 @@ def _adam(lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float
         p = torch.addcdiv(p, m, denom, value=-step_size, out=p if own else None)
         return p, AdamState(torch.tensor(t, dtype=torch.int64), m, v)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, defaults=defaults, groups=groups, check=check)
+
+
+def _grouped(
+    grads: Tensor,
+    state: AdamState,
+    params: Tensor,
+    donate: bool,
+    segments: Segments,
+    defaults: Mapping[str, Any],
+    decoupled: bool,
+) -> tuple[Tensor, AdamState]:
+    """The update group by group: per group, the same torch ops on the views of its segments (`_foreach_` ops:
+    one call per op for all of a group's segments), with the group's scalars computed as above."""
+    applied = int(state.count)
+    t = applied + 1
+    if donate:
+        p, m, v = params, state.exp_avg, state.exp_avg_sq
+    else:
+        p, m, v = params.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
+    flat_p, flat_g, flat_m, flat_v = (x.reshape(-1) for x in (p, grads, m, v))
+    for group, ranges in segments.pieces().items():
+        h = {**defaults, **segments.overrides[group]}
+        lr_t, eps, wd = hyper_value(h["lr"], applied), h["eps"], h["weight_decay"]
+        b1, b2 = hyper_value(h["betas"][0], applied), hyper_value(h["betas"][1], applied)
+        ps, gs, ms, vs = ([x[a:b] for a, b in ranges] for x in (flat_p, flat_g, flat_m, flat_v))
+        if wd != 0:
+            if decoupled:
+                torch._foreach_mul_(ps, 1 - lr_t * wd)
+            else:
+                gs = torch._foreach_add(gs, ps, alpha=wd)
+        torch._foreach_lerp_(ms, gs, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        step_size = lr_t / (1 - b1**t)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, (1 - b2**t) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, ms, denom, value=-step_size)
+    return p, AdamState(torch.tensor(t, dtype=torch.int64), m, v)
 
 
 def adamw(
-    lr: Hyper = 1e-3, betas: tuple[Hyper, Hyper] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+    lr: Hyper = 1e-3,
+    betas: tuple[Hyper, Hyper] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    groups: ParamGroups | None = None,
 ) -> Optimizer:
     """AdamW (decoupled weight decay), matching `torch.optim.AdamW` and its defaults.
 
@@ -76,6 +134,8 @@ def adamw(
       betas: coefficients of the running averages of the gradient and its square (each may be a schedule too).
       eps: added to the bias-corrected square root, for stability.
       weight_decay: decoupled decay: `p <- p * (1 - lr * weight_decay)` before the Adam step.
+      groups: parameter groups (`fzero.param_groups`): other values of `lr`, `betas`, `eps`, `weight_decay` for
+        the parameters they name.
 
     Example:
       >>> import torch
@@ -85,11 +145,16 @@ def adamw(
       >>> p
       tensor([0.9000, 0.9000, 0.9000])
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+    return _adam(lr, betas, eps, weight_decay, decoupled=True, groups=groups)
 
 
 def adam(
-    lr: Hyper = 1e-3, betas: tuple[Hyper, Hyper] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+    lr: Hyper = 1e-3,
+    betas: tuple[Hyper, Hyper] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    groups: ParamGroups | None = None,
 ) -> Optimizer:
     """Adam with L2 weight decay (`g <- g + weight_decay * p`), matching `torch.optim.Adam`; see `adamw`."""
-    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, decoupled=False, groups=groups)

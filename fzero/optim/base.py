@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
@@ -18,7 +18,9 @@ class InitFn(Protocol):
 
 
 class UpdateFn(Protocol):
-    def __call__(self, grads: Tensor, state: Any, params: Tensor, *, donate: bool = False) -> tuple[Tensor, Any]: ...
+    def __call__(
+        self, grads: Tensor, state: Any, params: Tensor, *, donate: bool = False, segments: Any = None
+    ) -> tuple[Tensor, Any]: ...
 
 
 class Optimizer(NamedTuple):
@@ -26,8 +28,12 @@ class Optimizer(NamedTuple):
 
     Attributes:
       init: `init(params) -> state`, the state shaped like `params`.
-      update: `update(grads, state, params, *, donate=False) -> (new_params, new_state)`. Pure unless `donate`,
-        in which case `params` and the state's tensors are overwritten in place (and returned).
+      update: `update(grads, state, params, *, donate=False, segments=None) -> (new_params, new_state)`. Pure
+        unless `donate`, in which case `params` and the state's tensors are overwritten in place (and returned).
+        `segments` (`fzero.optim.groups.Segments`): per-group hyper-parameters over runs of the flat buffer.
+      defaults: the optimizer's hyper-parameters by name (what a parameter group may override).
+      groups: parameter groups (`fzero.param_groups`), resolved against the layout's names by `shard_update`.
+      check: validates a group's hyper-parameters (raises as the constructor would).
       features: what `update` can fuse into its pass over memory, each a keyword or ability it accepts beyond the
         protocol (empty for the torch-op optimizers; `shard_update` does the work itself then):
         `"grad_scale"`: `update(..., grad_scale=f)` multiplies the gradients by `f` as it reads them;
@@ -39,6 +45,13 @@ class Optimizer(NamedTuple):
     init: InitFn
     update: UpdateFn
     features: frozenset[str] = frozenset()
+    defaults: Mapping[str, Any] = {}
+    groups: Any = None
+    check: Callable[[Mapping[str, Any]], None] | None = None
+
+    def group_hypers(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """A group's hyper-parameters: the optimizer's defaults with the group's overrides."""
+        return {**self.defaults, **overrides}
 
 
 def hyper_value(h: Hyper, applied: int) -> float:

@@ -17,12 +17,16 @@ and tested in `tests/test_native.py`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .. import native
 from .adam import AdamState
 from .base import Hyper, Optimizer, check_hyper, hyper_value
+from .groups import ParamGroups, Segments
 
 __all__ = ["cpu_adam", "cpu_adamw"]
 
@@ -30,13 +34,25 @@ FEATURES = frozenset({"grad_scale", "grad_dtype", "out"})
 
 
 def _cpu_adam(
-    lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool, bias_correction: bool
+    lr: Hyper,
+    betas: tuple[Hyper, Hyper],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    bias_correction: bool,
+    groups: ParamGroups | None,
 ) -> Optimizer:
-    check_hyper("learning rate", lr, 0.0)
-    check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
-    check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
-    check_hyper("epsilon value", eps, 0.0)
-    check_hyper("weight_decay value", weight_decay, 0.0)
+    def check(h: Mapping[str, Any]) -> None:
+        check_hyper("learning rate", h["lr"], 0.0)
+        if not isinstance(h["betas"], (tuple, list)) or len(h["betas"]) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {h['betas']!r}")
+        check_hyper("beta parameter at index 0", h["betas"][0], 0.0, 1.0)
+        check_hyper("beta parameter at index 1", h["betas"][1], 0.0, 1.0)
+        check_hyper("epsilon value", h["eps"], 0.0)
+        check_hyper("weight_decay value", h["weight_decay"], 0.0)
+
+    defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+    check(defaults)
     name = "cpu_adamw" if decoupled else "cpu_adam"
     native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
 
@@ -61,9 +77,26 @@ def _cpu_adam(
         donate: bool = False,
         grad_scale: float = 1.0,
         out: Tensor | None = None,
+        segments: Segments | None = None,
     ) -> tuple[Tensor, AdamState]:
         check_params(params)
         applied = int(state.count)
+        hyper = {
+            "lr": hyper_value(lr, applied),
+            "betas": (hyper_value(betas[0], applied), hyper_value(betas[1], applied)),
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        table = None
+        if segments is not None:  # one value per group, each the group's own (schedules evaluated here)
+            per = [{**defaults, **o} for o in segments.overrides]
+            hyper = {
+                "lr": [hyper_value(h["lr"], applied) for h in per],
+                "betas": tuple([hyper_value(h["betas"][i], applied) for h in per] for i in (0, 1)),
+                "eps": [h["eps"] for h in per],
+                "weight_decay": [h["weight_decay"] for h in per],
+            }
+            table = segments.tensors()
         if donate:
             p, m, v = params, state.exp_avg, state.exp_avg_sq
             outs = {}
@@ -76,19 +109,17 @@ def _cpu_adam(
             state.exp_avg,
             state.exp_avg_sq,
             step=applied + 1,
-            lr=hyper_value(lr, applied),
-            betas=(hyper_value(betas[0], applied), hyper_value(betas[1], applied)),
-            eps=eps,
-            weight_decay=weight_decay,
+            **hyper,
             decoupled=decoupled,
             bias_correction=bias_correction,
             grad_scale=grad_scale,
             out=out,
+            segments=table,
             **outs,
         )
         return p, AdamState(torch.tensor(applied + 1, dtype=torch.int64), m, v)
 
-    return Optimizer(init, update, FEATURES)
+    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=check)
 
 
 def cpu_adamw(
@@ -98,9 +129,10 @@ def cpu_adamw(
     weight_decay: float = 1e-2,
     *,
     bias_correction: bool = True,
+    groups: ParamGroups | None = None,
 ) -> Optimizer:
     """AdamW (decoupled weight decay) on the native CPU kernel; the hyper-parameters of `fzero.adamw` and
-    `torch.optim.AdamW`, plus DeepSpeed's `bias_correction`.
+    `torch.optim.AdamW` (parameter groups included), plus DeepSpeed's `bias_correction`.
 
     Args:
       lr: learning rate, a float or a function of the number of updates already applied.
@@ -117,7 +149,7 @@ def cpu_adamw(
       >>> p
       tensor([0.9000, 0.9000, 0.9000])
     """
-    return _cpu_adam(lr, betas, eps, weight_decay, True, bias_correction)
+    return _cpu_adam(lr, betas, eps, weight_decay, True, bias_correction, groups)
 
 
 def cpu_adam(
@@ -127,7 +159,8 @@ def cpu_adam(
     weight_decay: float = 0.0,
     *,
     bias_correction: bool = True,
+    groups: ParamGroups | None = None,
 ) -> Optimizer:
     """Adam with an L2 penalty (`g <- g + weight_decay p`, as `torch.optim.Adam`) on the native CPU kernel; see
     `cpu_adamw`. Unlike DeepSpeed's `"type": "Adam"`, this is never silently AdamW."""
-    return _cpu_adam(lr, betas, eps, weight_decay, False, bias_correction)
+    return _cpu_adam(lr, betas, eps, weight_decay, False, bias_correction, groups)

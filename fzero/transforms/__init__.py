@@ -1,7 +1,7 @@
 """Composable pieces of a training step, and the ZeRO presets built from them."""
 
 from .accumulate import AccumulateState, accumulate
-from .base import Context, Flow, GradStats, Transform, chain, grad_stats, identity
+from .base import Context, Flow, GradStats, Transform, chain, grad_stats, identity, lookup, named_chain
 from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, gather_params, reduce_scatter
 from .presets import zero0, zero1, zero2, zero3
@@ -22,6 +22,8 @@ __all__ = [
     "gather_params",
     "grad_stats",
     "identity",
+    "lookup",
+    "named_chain",
     "reduce_scatter",
     "scale_loss",
     "shard_update",

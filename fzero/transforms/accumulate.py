@@ -59,4 +59,4 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
         fresh = acc.zero_() if ctx.donate else torch.zeros_like(acc)
         return flow._replace(grads=mean), AccumulateState(count(0), fresh)
 
-    return Transform(init, update)
+    return Transform(init, update, "accumulate")

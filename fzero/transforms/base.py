@@ -26,7 +26,7 @@ from .. import native
 from ..layout import Layout
 from ..mesh import Mesh
 
-__all__ = ["Context", "Flow", "GradStats", "Transform", "chain", "grad_stats", "identity"]
+__all__ = ["Context", "Flow", "GradStats", "Transform", "chain", "grad_stats", "identity", "lookup", "named_chain"]
 
 
 class GradStats(NamedTuple):
@@ -94,22 +94,70 @@ class Context(NamedTuple):
 
 
 class Transform(NamedTuple):
-    """A pair of pure functions (see the module docstring)."""
+    """A pair of pure functions (see the module docstring) and a name: in a chain, a transform's state is found
+    (and saved in checkpoints) under its name, which neither a renamed class nor an inserted transform changes."""
 
     init: Callable[[Flow, Context], tuple[Flow, Any]]
     update: Callable[[Flow, Any, Context], tuple[Flow, Any]]
+    name: str = "transform"
 
 
 def identity() -> Transform:
     """The transform that changes nothing and holds no state."""
-    return Transform(lambda flow, ctx: (flow, ()), lambda flow, state, ctx: (flow, state))
+    return Transform(lambda flow, ctx: (flow, ()), lambda flow, state, ctx: (flow, state), "identity")
 
 
-def chain(*transforms: Transform) -> Transform:
-    """Compose transforms left to right; the state is the tuple of their states.
+def _unique(names: list[str]) -> list[str]:
+    """Names made unique in order: a repeated name gets `#1`, `#2`, ... (as optax's `named_chain` needs them)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out.append(name if n == 0 else f"{name}#{n}")
+    return out
+
+
+def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform:
+    """Compose transforms left to right; the state is `{name: state}`, in order.
 
     A transform that defers the micro-step (`accumulate` before its boundary) stops the chain there: the
     transforms after it do no work and keep their state.
+
+    Example:
+      >>> import fzero
+      >>> tx = fzero.named_chain(("reduce", fzero.reduce_scatter()), ("adam", fzero.shard_update(fzero.adamw())))
+    """
+    names = [n for n, _ in pairs]
+    for i, (n, t) in enumerate(pairs):
+        if not isinstance(t, Transform):
+            raise TypeError(f"chain: argument {i} ({n!r}) is a {type(t).__name__}, not a Transform")
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain: names must be unique, got {names}")
+
+    def init(flow: Flow, ctx: Context) -> tuple[Flow, dict[str, Any]]:
+        states = {}
+        for n, t in pairs:
+            flow, states[n] = t.init(flow, ctx)
+        return flow, states
+
+    def update(flow: Flow, state: dict[str, Any], ctx: Context) -> tuple[Flow, dict[str, Any]]:
+        if not isinstance(state, dict) or list(state) != names:
+            got = list(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"chain of transforms {names} got a state for {got}; was the chain changed after init?")
+        new = dict(state)
+        for n, t in pairs:
+            flow, new[n] = t.update(flow, state[n], ctx)
+            if flow.deferred:
+                break
+        return flow, new
+
+    return Transform(init, update, name)
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Compose transforms left to right; the state is `{name: state}` under each transform's name (`#1`, `#2` for
+    repeats), see `named_chain`.
 
     Example:
       >>> import fzero
@@ -118,26 +166,27 @@ def chain(*transforms: Transform) -> Transform:
     for i, t in enumerate(transforms):
         if not isinstance(t, Transform):
             raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a Transform")
+    return named_chain(*zip(_unique([t.name for t in transforms]), transforms, strict=True))
 
-    def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
-        states = []
-        for t in transforms:
-            flow, s = t.init(flow, ctx)
-            states.append(s)
-        return flow, tuple(states)
 
-    def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
-        if not isinstance(state, tuple) or len(state) != len(transforms):
-            got = len(state) if isinstance(state, tuple) else type(state).__name__
-            raise ValueError(f"chain of {len(transforms)} transforms got a state of {got} entries")
-        new = list(state)
-        for i, t in enumerate(transforms):
-            flow, new[i] = t.update(flow, state[i], ctx)
-            if flow.deferred:
-                break
-        return flow, tuple(new)
+def lookup(tx_state: Any, name: str) -> Any:
+    """The state of the first transform called `name` (searching nested chains in order), or None.
 
-    return Transform(init, update)
+    Example:
+      >>> import torch, fzero
+      >>> state = fzero.init(torch.nn.Linear(2, 2), fzero.zero2(fzero.adamw()), fzero.SimMesh(1))
+      >>> int(lookup(state.tx_state, "shard_update").count)
+      0
+    """
+    if not isinstance(tx_state, dict):
+        return None
+    if name in tx_state:
+        return tx_state[name]
+    for sub in tx_state.values():
+        found = lookup(sub, name)
+        if found is not None:
+            return found
+    return None
 
 
 def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:

@@ -27,4 +27,4 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         coef = min(1.0, max_norm / (norm + 1e-6)) if stats.finite else 1.0
         return flow._replace(grad_factor=flow.grad_factor * coef), state
 
-    return Transform(lambda flow, ctx: (flow, ()), update)
+    return Transform(lambda flow, ctx: (flow, ()), update, "clip_by_global_norm")

@@ -43,7 +43,7 @@ def all_reduce(dtype: torch.dtype | None = None) -> Transform:
         grads = ctx.mesh.all_reduce(_cast(flow.grads, dtype), "mean")
         return flow._replace(grads=grads, reduced=True), state
 
-    return Transform(lambda flow, ctx: (flow, ()), update)
+    return Transform(lambda flow, ctx: (flow, ()), update, "all_reduce")
 
 
 def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
@@ -65,7 +65,7 @@ def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
         grads = ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), "mean")
         return flow._replace(grads=grads, reduced=True), state
 
-    return Transform(init, update)
+    return Transform(init, update, "reduce_scatter")
 
 
 def gather_params(mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -87,4 +87,6 @@ def gather(dtype: torch.dtype | None = None, lazy: bool = False) -> Transform:
         compute = _cast(flow.params, dtype) if lazy else gather_params(ctx.mesh, ctx.layout, flow.params, dtype)
         return flow._replace(compute=compute)
 
-    return Transform(lambda flow, ctx: (apply(flow, ctx), ()), lambda flow, state, ctx: (apply(flow, ctx), state))
+    return Transform(
+        lambda flow, ctx: (apply(flow, ctx), ()), lambda flow, state, ctx: (apply(flow, ctx), state), "gather"
+    )

@@ -44,4 +44,4 @@ def scale_loss(loss_scale: Any = "dynamic", *, skip_nonfinite: bool = True, **dy
             return flow._replace(deferred=True), state
         return flow, state
 
-    return Transform(init, update)
+    return Transform(init, update, "scale_loss")

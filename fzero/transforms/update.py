@@ -18,13 +18,16 @@ On a CPU-only machine the copies are no-ops and the same loop runs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
 
+from ..layout import Layout
 from ..optim import Optimizer
+from ..optim.groups import ParamGroups, Resolved, Segments, segments
 from .base import Context, Flow, Transform
 
 __all__ = ["shard_update"]
@@ -88,6 +91,7 @@ def shard_update(
     features = optimizer.features
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, Any]:
+        group_segments(optimizer, ctx, flow.params)  # resolve the groups now: their errors come at init
         params = flow.params if dtype is None else flow.params.to(dtype)
         if offload is None:
             return flow._replace(params=params, compute=None), optimizer.init(params)
@@ -119,6 +123,9 @@ def shard_update(
                 "state) before shard_update() in the chain"
             )
         grads, kw = prepare(flow, flow.params)
+        segs = group_segments(optimizer, ctx, flow.params)
+        if segs is not None:
+            kw["segments"] = segs
         if offload is not None:
             params, state, compute = _offload_update(optimizer, grads, state, flow.params, kw, ctx.donate,
                                                      compute_dtype, chunk)  # fmt: skip
@@ -129,7 +136,29 @@ def shard_update(
         params, state = optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
         return flow._replace(grads=None, params=params, compute=compute), state
 
-    return Transform(init, update)
+    return Transform(init, update, "shard_update")
+
+
+def group_segments(optimizer: Optimizer, ctx: Context, params: Tensor) -> Segments | None:
+    """The segment table of `params` (this rank's buffer, or a SimMesh's `[world, n]`) for the optimizer's
+    parameter groups, from the layout's names (None without groups). Resolved once per layout (cached)."""
+    if optimizer.groups is None:
+        return None
+    defaults = tuple(sorted(optimizer.defaults.items()))
+    resolved = _resolve(optimizer.groups, ctx.layout, defaults, optimizer.check)
+    ranks = range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
+    return segments(ctx.layout, resolved, full=ctx.layout.is_full(params), ranks=ranks)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve(groups: ParamGroups, layout: Layout, defaults: tuple, check: Any) -> Resolved:
+    resolved = groups.resolve([leaf.name for leaf in layout.leaves], dict(defaults))
+    for overrides in resolved.overrides:
+        try:
+            check({**dict(defaults), **dict(overrides)})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"parameter group {dict(overrides)}: {e}") from None
+    return resolved
 
 
 def _pieces(n: int, size: int) -> list[tuple[int, int]]:
@@ -193,7 +222,9 @@ def _offload_update(
             if events:
                 events[i].synchronize()
             sub = optree.tree_map(lambda x, a=a, b=b: sliced(x, a, b), state)
-            extra = {**kw, "out": out[a:b]} if out is not None else kw
+            extra = {**kw, "out": out[a:b]} if out is not None else dict(kw)
+            if "segments" in kw:
+                extra["segments"] = kw["segments"].slice(a, b)
             p_piece, s_piece = optimizer.update(host_g[a:b], sub, flat_p[a:b], donate=True, **extra)
             _keep(flat_p[a:b], p_piece)
             new_state = optree.tree_map(lambda whole, mine, got: _merge(whole, mine, got, params), state, sub, s_piece)
