@@ -83,9 +83,7 @@ class Unavailable(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        found = next(
-            (a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, Unavailable)), None
-        )
+        found = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, Unavailable)), None)
         name, unit = (found.param_name, found.unit_name) if found is not None else ("?", "?")
         raise RuntimeError(
             f"parameter {name!r} was used ({func}) outside the forward of its stage-3 unit {unit!r}: at stage 3 a "

@@ -71,7 +71,7 @@ def state_bytes(state: TrainState) -> dict[str, int]:
     walk_chain(state.tx_state)
     if state.frozen is not None:
         add("frozen", state.frozen)
-    for rest in (state.loss_scale, state.buffers, state.step, state.seed):
+    for rest in (state.buffers, state.step, state.seed):
         walk(rest, "other")
     out["total"] = sum(out.values())
     return out

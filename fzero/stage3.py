@@ -39,6 +39,7 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,8 +52,9 @@ from torch import Tensor, nn
 from .bind import Unavailable
 from .layout import ROOT_UNIT, Layout
 from .mesh import Mesh, SimMesh, Work
+from .ranks import Ranks, Reduction, ranks_of
 
-__all__ = ["GatherPolicy", "Gatherer", "UnitGathering", "frozen_shard", "sharded_backward"]
+__all__ = ["GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,15 @@ class GatherPolicy:
 TRAIN, FROZEN = 0, 1  # the two flat spaces a unit has: trainable parameters, frozen parameters
 
 
+class Phase(enum.Enum):
+    """Where a unit is in the step (FSDP2's training states)."""
+
+    IDLE = "idle"  # before its forward, or between its forward and its backward
+    FORWARD = "forward"  # its module is computing (a forward, or a recompute's)
+    BACKWARD = "backward"  # its outputs' gradients arrived: gathered again, its views in its modules
+    DONE = "done"  # its gradient is reduced
+
+
 def _in_backward() -> bool:
     """Whether autograd is executing a backward now (a hook firing inside it is an activation-checkpoint
     recompute)."""
@@ -114,7 +125,7 @@ class _Unit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
-        ctx.gatherer.unit_backward(ctx.index, grad)
+        ctx.gatherer.post_backward(ctx.index, grad)
         return None, None, None
 
 
@@ -128,97 +139,92 @@ class _UnitRecord:
         units at or below the persistence threshold, units holding a parameter tied across units).
       sizes: elements of the unit's full buffer in each space (0 where the space has no real element in it: such
         a space is never gathered).
+      phase: where the unit is in the step (`Phase`).
       stores: each space's full buffer while gathered; its storage is resized to 0 when released.
-      live: whether each space's buffer is gathered now.
+      live: whether each space's buffer is gathered now (unsharded).
       pending: collectives in flight into `stores`.
       views: the unit's parameters as named views of `stores` (created once, when the unit first runs).
       swaps: how many times the views are in the unit's modules now (its forward, its backward; an activation-
         checkpoint recompute that stopped early never ends its forward): the modules' own tensors come back
         when it drops to 0.
       originals: `(owner, name, original)` for the module slots the views took.
-      reduced: its gradient has been reduced (its trainable buffer is no longer needed).
       inputs_done: the gradient of an input of its module exists (its frozen buffer is no longer needed).
-      in_backward: between the unit's pre-backward and the end of its backward (its views in its modules).
     """
 
     index: int
     name: str
     module: nn.Module | None
     sizes: tuple[int, int]
+    phase: Phase = Phase.IDLE
     stores: list[Tensor | None] = field(default_factory=lambda: [None, None])
     live: list[bool] = field(default_factory=lambda: [False, False])
     pending: list[Work] = field(default_factory=list)
     views: dict[str, Tensor] | None = None
     swaps: int = 0
     originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
-    reduced: bool = False
     inputs_done: bool = False
-    in_backward: bool = False
+
+
+def _records(layout: Layout, model: nn.Module, policy: GatherPolicy) -> list[_UnitRecord]:
+    """Every unit's record; which are gathered on demand (a module, above the persistence threshold, no parameter
+    tied across units: it must be reachable whenever either unit runs)."""
+    modules = dict(model.named_modules())
+    layouts = (layout, layout.frozen_layout)
+    unit_of = {leaf.name: leaf.unit for lay in layouts if lay is not None for leaf in lay.leaves}
+    crossed = {unit_of[n] for a, n in layout.aliases if not a.startswith(f"{layout.units[unit_of[n]].name}.")}
+    records = []
+    for i, u in enumerate(layout.units):
+        sizes = tuple(lay.units[i].size if lay is not None and lay.units[i].numel > 0 else 0 for lay in layouts)
+        on_demand = u.name != ROOT_UNIT and u.name in modules and sum(sizes) > policy.persistence_threshold
+        records.append(_UnitRecord(i, u.name, modules[u.name] if on_demand and i not in crossed else None, sizes))
+    return records
 
 
 class Gatherer:
-    """One rank's gathered units for one forward and backward (or, with `grad=False`, for forwards only)."""
+    """One rank's gathered units for one forward and backward (or, without a `reduction`, for forwards only).
+
+    Args:
+      ranks, rank: the mesh's strategy (`fzero.ranks`) and the rank this gatherer runs.
+      layout, model, policy: the step's.
+      shards: this rank's trainable shard (the autograd leaf) and frozen shard (or None).
+      everyone: every rank's trainable and frozen shards as per-rank values (on a DistMesh: this rank's).
+      reduction: where the units' gradients go (`Ranks.reduction`); None for forwards without gradients.
+    """
 
     def __init__(
         self,
-        mesh: Mesh,
+        ranks: Ranks,
+        rank: int,
         layout: Layout,
         model: nn.Module,
         shards: tuple[Tensor, Tensor | None],
+        everyone: tuple[Tensor, Tensor | None],
         policy: GatherPolicy,
-        reduce_dtype: torch.dtype | None,
-        sim: tuple[Tensor, Tensor | None, int] | None,
-        grad: bool = True,
+        reduction: Reduction | None = None,
     ) -> None:
-        self.mesh, self.layout, self.policy, self.reduce_dtype, self.sim = mesh, layout, policy, reduce_dtype, sim
-        self.shards = shards  # this rank's trainable shard (the autograd leaf) and frozen shard (or None)
+        self.ranks, self.rank, self.layout, self.policy = ranks, rank, layout, policy
+        self.shards, self.everyone, self.reduction = shards, everyone, reduction
         self.layouts = (layout, layout.frozen_layout)
-        self.grad = grad
-        modules = dict(model.named_modules())
-        unit_of = {leaf.name: leaf.unit for lay in self.layouts if lay is not None for leaf in lay.leaves}
-        # a parameter tied across units must be reachable whenever either unit runs: keep such units gathered
-        crossed = {
-            unit_of[name]
-            for alias, name in layout.aliases
-            if not alias.startswith(f"{layout.units[unit_of[name]].name}.")
-        }
-        self.units: list[_UnitRecord] = []
-        for i, u in enumerate(layout.units):
-            sizes = tuple(
-                lay.units[i].size if lay is not None and lay.units[i].numel > 0 else 0 for lay in self.layouts
-            )
-            on_demand = (
-                u.name != ROOT_UNIT and u.name in modules and sum(sizes) > policy.persistence_threshold
-                and i not in crossed
-            )  # fmt: skip
-            self.units.append(_UnitRecord(i, u.name, modules[u.name] if on_demand else None, sizes))
+        self.units = _records(layout, model, policy)
         self.sequence = [r.index for r in self.units if r.module is not None]  # forward order of on-demand units
         self.live_elements = self.peak = 0
-        self.grad_dtype = reduce_dtype or shards[TRAIN].dtype
-        # on a SimMesh the units' full gradients are kept (unit_grads) and reduced once every rank is done
-        self.grad_shard = (
-            torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=shards[TRAIN].device)
-            if sim is None and grad
-            else None
-        )
-        self.unit_grads: dict[int, Tensor] = {}
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
         self.times = {r.name: [0.0, 0.0] for r in self.units if r.module is not None} if policy.timings else None
 
-    # -- buffers -------------------------------------------------------------------------------------------------
+    # -- unshard and reshard -------------------------------------------------------------------------------------
     def _views(self, i: int) -> dict[str, Tensor]:
-        """Named views of the unit's full buffers, created just before the unit first runs: with `grad`, the
+        """Named views of the unit's full buffers, created just before the unit first runs: with gradients, the
         trainable one through its autograd node, which autograd (ordering its backward by creation) completes right
         after the unit's backward; created in grad mode even inside a `no_grad` forward (reentrant activation
         checkpointing recomputes it later with gradients)."""
         rec = self.units[i]
         if rec.views is None:
-            self.materialize(i)
+            self.unshard(i)
             views: dict[str, Tensor] = {}
             for space, lay in enumerate(self.layouts):
                 if not rec.sizes[space]:
                     continue
-                if space == TRAIN and self.grad:
+                if space == TRAIN and self.reduction is not None:
                     with torch.enable_grad():
                         full = _Unit.apply(self.shards[TRAIN][lay.unit_shard_slice(i)], self, i)
                 else:
@@ -261,19 +267,15 @@ class Gatherer:
                 store = rec.stores[space] = self.shards[space].new_empty(size)
             else:
                 store.untyped_storage().resize_(size * store.element_size())
-            alias, piece = _alias(store), lay.unit_shard_slice(i)
-            if self.sim is None:
-                rec.pending.append(self.mesh.all_gather_into(alias, self.shards[space][piece].detach(), async_op=ahead))
-            else:
-                everyone, rank = self.sim[space], self.sim[2]
-                alias.copy_(everyone[:, piece].reshape(-1))
-                if rank == 0:  # the simulated ranks gather together: count the collective once
-                    self.mesh.account("all_gather", size)
+            work = self.ranks.gather_into(
+                _alias(store), self.everyone[space], lay.unit_shard_slice(i), self.rank, ahead
+            )
+            rec.pending.append(work)
             rec.live[space] = True
             self.live_elements += size
         self.peak = max(self.peak, self.live_elements)
 
-    def materialize(self, i: int) -> None:
+    def unshard(self, i: int) -> None:
         """Unit `i` gathered and ready to read."""
         self._start(i)
         rec = self.units[i]
@@ -281,7 +283,7 @@ class Gatherer:
             work.wait()
         rec.pending.clear()
 
-    def release(self, i: int, spaces: tuple[int, ...] = (TRAIN, FROZEN)) -> None:
+    def reshard(self, i: int, spaces: tuple[int, ...] = (TRAIN, FROZEN)) -> None:
         """Free unit `i`'s buffers in `spaces` (waiting first for collectives still writing them)."""
         rec = self.units[i]
         for work in rec.pending:
@@ -301,13 +303,35 @@ class Gatherer:
             if not 0 <= j < len(self.sequence):
                 return
             nxt = self.units[self.sequence[j]]
-            if all(nxt.live[s] or not nxt.sizes[s] for s in (TRAIN, FROZEN)) or nxt.reduced:
+            if all(nxt.live[s] or not nxt.sizes[s] for s in (TRAIN, FROZEN)) or nxt.phase is Phase.DONE:
                 continue
             if self.policy.max_live_elements is not None and (
                 self.live_elements + sum(nxt.sizes) > self.policy.max_live_elements
             ):
                 return
             self._start(nxt.index, ahead=True)
+
+    def swap(self, i: int) -> None:
+        """Put the unit's views into its modules (as functional_call does: the modules compute with them)."""
+        rec = self.units[i]
+        rec.swaps += 1
+        if rec.swaps > 1:
+            return
+        prefix = rec.name + "."
+        for name, view in self._views(i).items():
+            owner_path, _, pname = name[len(prefix) :].rpartition(".")
+            owner = rec.module.get_submodule(owner_path) if owner_path else rec.module
+            rec.originals.append((owner, pname, owner._parameters[pname]))
+            owner._parameters[pname] = view
+
+    def unswap(self, i: int, every: bool = False) -> None:
+        """End one `swap` (or all, with `every`); the modules get their own tensors back after the last."""
+        rec = self.units[i]
+        rec.swaps = 0 if every else max(rec.swaps - 1, 0)
+        if rec.swaps == 0:
+            for owner, pname, original in reversed(rec.originals):
+                owner._parameters[pname] = original
+            rec.originals.clear()
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> list[Any]:
@@ -336,41 +360,19 @@ class Gatherer:
         """
         rec = self.units[i]
         recompute = _in_backward()
+        self._views(i)
+        self.unshard(i)
         if not recompute:
             self._tick(i, None)
-        self._views(i)
-        self.materialize(i)
-        if not recompute:
             self._prefetch(i, 1)
-        if self.grad and rec.sizes[FROZEN] and torch.is_grad_enabled() and not recompute:
-            # the frozen buffer is read by the backward of the unit's ops (gradients of their inputs), which can
-            # run after the trainable gradient is complete: free it once the inputs' gradients exist
-            for x in optree.tree_leaves(args):
-                if isinstance(x, Tensor) and x.requires_grad:
-                    x.register_hook(lambda g, i=i: self._inputs_done(i))
+            rec.phase = Phase.FORWARD
+            if self.reduction is not None and rec.sizes[FROZEN] and torch.is_grad_enabled():
+                # the frozen buffer is read by the backward of the unit's ops (gradients of their inputs), which
+                # can run after the trainable gradient is complete: free it once the inputs' gradients exist
+                for x in optree.tree_leaves(args):
+                    if isinstance(x, Tensor) and x.requires_grad:
+                        x.register_hook(lambda g, i=i: self._inputs_done(i))
         self.swap(i)
-
-    def swap(self, i: int) -> None:
-        """Put the unit's views into its modules (as functional_call does: the modules compute with them)."""
-        rec = self.units[i]
-        rec.swaps += 1
-        if rec.swaps > 1:
-            return
-        prefix = rec.name + "."
-        for name, view in self._views(i).items():
-            owner_path, _, pname = name[len(prefix) :].rpartition(".")
-            owner = rec.module.get_submodule(owner_path) if owner_path else rec.module
-            rec.originals.append((owner, pname, owner._parameters[pname]))
-            owner._parameters[pname] = view
-
-    def unswap(self, i: int, every: bool = False) -> None:
-        """End one `swap` (or all, with `every`); the modules get their own tensors back after the last."""
-        rec = self.units[i]
-        rec.swaps = 0 if every else max(rec.swaps - 1, 0)
-        if rec.swaps == 0:
-            for owner, pname, original in reversed(rec.originals):
-                owner._parameters[pname] = original
-            rec.originals.clear()
 
     def post_forward(self, i: int, output: Any) -> Any:
         """After the unit's module ran: put the module's tensors back; free the unit unless the backward needs it
@@ -379,13 +381,15 @@ class Gatherer:
         if _in_backward():  # a recompute: the unit's backward runs next, with these buffers
             return output
         self._tick(i, 0)
-        if not (self.grad and torch.is_grad_enabled()):  # nothing was saved for a backward
-            self.release(i)
+        rec = self.units[i]
+        rec.phase = Phase.IDLE
+        if not (self.reduction is not None and torch.is_grad_enabled()):  # nothing was saved for a backward
+            self.reshard(i)
             return output
         hooked = [x for x in optree.tree_leaves(output) if isinstance(x, Tensor) and x.requires_grad]
         if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
-        self.release(i)
+        self.reshard(i)
         for x in hooked:  # a tensor hook, not an autograd Function: in-place ops on the outputs stay legal
             x.register_hook(lambda g, i=i: self.pre_backward(i))
         return output
@@ -396,59 +400,54 @@ class Gatherer:
         backward is done, where an activation-checkpoint recompute (of `forward`, not `__call__`, so without this
         gatherer's forward hooks, as Hugging Face layers do) reads them."""
         rec = self.units[i]
-        if rec.in_backward:
+        if rec.phase is Phase.BACKWARD:
             return
-        rec.in_backward = True
+        first = rec.phase is not Phase.DONE
+        rec.phase = Phase.BACKWARD
         self._tick(i, None)
-        self.materialize(i)
+        self.unshard(i)
         self.swap(i)
-        if not rec.reduced:
+        if first:
             self._prefetch(i, -1)
 
-    def post_backward(self, i: int) -> None:
-        """The unit's backward is done: its modules get their own tensors back."""
+    def post_backward(self, i: int, grad: Tensor) -> None:
+        """The unit's trainable gradient is complete: hand it to the reduction (the chain's), free the trainable
+        buffer (and the frozen one, unless the gradients of the unit's inputs are still pending)."""
+        self._tick(i, 1)
         rec = self.units[i]
-        if rec.in_backward:
-            rec.in_backward = False
-            self.unswap(i)
+        self._leave_backward(rec)
+        rec.phase = Phase.DONE
+        self.reduction.add(i, self.rank, grad)
+        self.reshard(i, (TRAIN, FROZEN) if rec.inputs_done or not rec.sizes[FROZEN] else (TRAIN,))
+
+    def _leave_backward(self, rec: _UnitRecord) -> None:
+        if rec.phase is Phase.BACKWARD:
+            self.unswap(rec.index)
 
     def _inputs_done(self, i: int) -> None:
         """The gradient of an input of the unit exists: its backward, frozen parameters included, is done."""
         rec = self.units[i]
         rec.inputs_done = True
-        if rec.reduced or not rec.sizes[TRAIN]:
-            self.post_backward(i)
-            self.release(i, (FROZEN,))
-
-    def unit_backward(self, i: int, grad: Tensor) -> None:
-        """The unit's trainable gradient is complete: reduce it (on a real mesh, now) and free the unit's trainable
-        buffer (and the frozen one, unless the unit has frozen parameters whose inputs' gradients are pending)."""
-        self._tick(i, 1)
-        rec = self.units[i]
-        rec.reduced = True
-        grad = grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)
-        if self.sim is None:  # added: a second backward (retain_graph) accumulates, as autograd would
-            self.grad_shard[self.layout.unit_shard_slice(i)] += self.mesh.reduce_scatter(grad, "mean")
-        else:
-            self.unit_grads[i] = grad if i not in self.unit_grads else self.unit_grads[i] + grad
-        self.post_backward(i)
-        self.release(i, (TRAIN, FROZEN) if rec.inputs_done or not rec.sizes[FROZEN] else (TRAIN,))
+        if rec.phase is Phase.DONE or not rec.sizes[TRAIN]:
+            self._leave_backward(rec)
+            if not rec.sizes[TRAIN]:
+                rec.phase = Phase.DONE
+            self.reshard(i, (FROZEN,))
 
     def finish(self) -> None:
         """Reduce zeros for units no gradient reached (every rank issues the same collectives; units without
         trainable elements have nothing to reduce), free the rest."""
         for rec in self.units:
-            if not rec.reduced and rec.sizes[TRAIN]:
-                self.unit_backward(rec.index, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
-            self.release(rec.index)
+            if rec.phase is not Phase.DONE and rec.sizes[TRAIN]:
+                self.post_backward(rec.index, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
+            self.reshard(rec.index)
 
     def close(self) -> None:
         for rec in self.units:
-            rec.in_backward = False
             self.unswap(rec.index, every=True)
-            self.release(rec.index)
+            self.reshard(rec.index)
             # the views' autograd nodes hold this gatherer (ctx.gatherer): a reference cycle through C++ that
-            # Python's collector cannot see, so drop the views explicitly or every step would leak its gradient shard
+            # Python's collector cannot see, so drop the views explicitly or every step would leak a gradient
             rec.views = None
             rec.stores = [None, None]
 
@@ -465,9 +464,16 @@ class UnitGathering:
 
     Create it before the forward, run the forward with `params()` bound (the units kept gathered; the others are
     swapped into their modules by hooks), run the backward of the loss one or more times, then `finish()` returns
-    this rank's reduced gradient shard and removes the hooks. With `grad=False` it serves forwards only
+    this rank's reduced gradient shard and removes the hooks. With `reducer=None` it serves forwards only
     (evaluation under `no_grad`): every unit is freed right after its module ran; `close()` ends it. Real meshes
     only: on a `SimMesh` the ranks run one after another (see `sharded_backward`).
+
+    Args:
+      mesh, layout, model: the engine's.
+      compute, frozen: this rank's compute and frozen shards.
+      policy: prefetch and persistence.
+      reducer: the chain's per-unit reduction (`fzero.transforms.unit_reducer`), as `reducer(grads, unit)`.
+      frozen_dtype: the dtype frozen parameters are computed in.
     """
 
     def __init__(
@@ -478,16 +484,16 @@ class UnitGathering:
         compute: Tensor,
         frozen: Tensor | None,
         policy: GatherPolicy,
-        reduce_dtype: torch.dtype | None,
+        reducer: Callable[[Tensor, int], Tensor] | None,
         frozen_dtype: torch.dtype | None = None,
-        *,
-        grad: bool = True,
     ) -> None:
         if isinstance(mesh, SimMesh):
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
-        self.shard = compute.detach().requires_grad_(grad)
+        ranks = ranks_of(mesh)
+        self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
-        self._g = Gatherer(mesh, layout, model, shards, policy, reduce_dtype, None, grad)
+        self._reduction = None if reducer is None else ranks.reduction(reducer, layout)
+        self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction)
         self._handles = self._g.install()
         self._params = self._g.params()
 
@@ -502,7 +508,7 @@ class UnitGathering:
     @property
     def received(self) -> bool:
         """Whether a backward has reached any unit since the gathering began."""
-        return any(r.reduced for r in self._g.units)
+        return any(r.phase is Phase.DONE for r in self._g.units)
 
     @property
     def times(self) -> dict[str, list[float]] | None:
@@ -513,8 +519,7 @@ class UnitGathering:
         """Reduce what no gradient reached, free everything, remove the hooks; this rank's gradient shard."""
         try:
             self._g.finish()
-            grads, self._g.grad_shard = self._g.grad_shard, None
-            return grads
+            return self._reduction.result()
         finally:
             self.close()
 
@@ -532,63 +537,44 @@ def sharded_backward(
     model: nn.Module,
     shards: tuple[Tensor, Tensor | None],
     policy: GatherPolicy,
-    reduce_dtype: torch.dtype | None,
-    run: Callable[[dict[str, Tensor], int], tuple[Tensor, Any]],
-) -> tuple[Tensor, list[Any], dict[str, Any]]:
-    """Forward and backward of every rank with unit-at-a-time gathering.
+    reducer: Callable[[Tensor, int], Tensor] | None,
+    run: Callable[[dict[str, Tensor], int], Any],
+) -> tuple[Tensor | None, list[Any], dict[str, Any]]:
+    """Every rank's forward and backward (or, without a `reducer`, forward only) with unit-at-a-time gathering.
 
     Args:
       mesh, layout, model: the step's.
       shards: the compute parameters' shards and the frozen parameters' shards (in the dtype the forward computes
         in; None without frozen parameters), per rank (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh).
       policy: prefetch and persistence.
-      reduce_dtype: dtype the gradients are reduced in (None: the compute dtype).
+      reducer: the chain's per-unit reduction, `reducer(grads, unit)` (`fzero.transforms.unit_reducer`); None to
+        run forwards without gradients (evaluation).
       run: `run(params, rank) -> out`: rank `rank`'s forward and backward (of its scaled loss) with the named
         tensors given, bound into the model for both (an activation-checkpoint recompute reads them in the
         backward); `out` is returned as is.
 
     Returns:
-      This rank's reduced gradient shards (`[world, shard_numel]` on a SimMesh), each rank's `out`, and metrics:
-      `gathered_peak` (the most gathered elements alive at once on a rank) and, with `policy.timings`,
-      `unit_times`.
+      This process's reduced gradient shards (`[world, shard_numel]` on a SimMesh; None without a reducer), each
+      rank's `out`, and metrics: `gathered_peak` (the most gathered elements alive at once on a rank) and, with
+      `policy.timings`, `unit_times`.
     """
-    compute, frozen = shards
-    if not isinstance(mesh, SimMesh):
-        gathering = UnitGathering(mesh, layout, model, compute, frozen, policy, reduce_dtype)
-        try:
-            out = run(gathering.params(), 0)
-            info = {"gathered_peak": gathering.peak}
-            if gathering.times is not None:
-                info["unit_times"] = {k: tuple(v) for k, v in gathering.times.items()}
-            return gathering.finish(), [out], info
-        finally:
-            gathering.close()
-    outs, gatherers, peak = [], [], 0
-    for rank in range(mesh.world):
-        shard = compute[rank].detach().requires_grad_()
-        g = Gatherer(
-            mesh, layout, model, (shard, None if frozen is None else frozen[rank]), policy, reduce_dtype,
-            (compute, frozen, rank),
-        )  # fmt: skip
+    ranks = ranks_of(mesh)
+    reduction = None if reducer is None else ranks.reduction(reducer, layout)
+    outs, peak, times = [], 0, None
+    for rank in ranks.indices:
+        mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
+        g = Gatherer(ranks, rank, layout, model, (mine, ranks.pick(shards[1], rank)), shards, policy, reduction)
         handles = g.install()
         try:
             outs.append(run(g.params(), rank))
-            g.finish()
+            if reduction is not None:
+                g.finish()
         finally:
             for h in handles:
                 h.remove()
             g.close()
-        gatherers.append(g)
-        peak = max(peak, g.peak)
-    pieces = []
-    for i, rec in enumerate(gatherers[0].units):
-        if rec.sizes[TRAIN]:
-            per_rank = torch.stack([g.unit_grads[i] for g in gatherers])
-            pieces.append(mesh.reduce_scatter(per_rank, "mean"))
-        else:  # padding only: nothing to communicate
-            size = layout.units[i].size // mesh.world
-            pieces.append(compute.new_zeros(mesh.world, size, dtype=gatherers[0].grad_dtype))
-    info = {"gathered_peak": peak}
-    if gatherers[0].times is not None:
-        info["unit_times"] = {k: tuple(v) for k, v in gatherers[0].times.items()}
-    return torch.cat(pieces, dim=-1), outs, info
+        peak, times = max(peak, g.peak), times if times is not None else g.times
+    info: dict[str, Any] = {"gathered_peak": peak}
+    if times is not None:
+        info["unit_times"] = {k: tuple(v) for k, v in times.items()}
+    return (None if reduction is None else reduction.result()), outs, info

@@ -33,9 +33,7 @@ class TrainState:
         (`[numel]`); with a leading world axis on `SimMesh`.
       compute: the compute parameters for the next forward, in the compute dtype: full (`[numel]` per rank), or
         this rank's shard where the stage gathers them at the start of each step (stage 3).
-      tx_state: the transform's state (a tuple for `chain`).
-      loss_scale: the loss scale (`fzero.loss_scale`), or None without `scale_loss`: the step multiplies the loss
-        by it before the backward.
+      tx_state: the transform's state (`{name: state}` for a chain; the loss scale is `scale_loss`'s).
       frozen: the parameters with `requires_grad=False`, in their own flat buffer (`layout.frozen_layout`), in
         their own dtype, never updated: full on every rank, or this rank's shard where the stage shards compute
         parameters at rest (stage 3); None when the model has none.
@@ -43,7 +41,6 @@ class TrainState:
       seed: the step's random stream (0-d int64): micro-step `s` of rank `r` draws from `fold(seed, s, r)`
         (`fzero.step`), the same on `SimMesh` and `DistMesh`.
       layout: the static map from names to flat offsets and shards.
-      reduce_dtype: the dtype gradients are reduce-scattered in (static; None: the compute dtype).
       frozen_dtype: the dtype frozen parameters are computed in (static; None: their own). Set from the compute
         dtype the chain casts trainable parameters to, so that a mixed-precision forward sees one dtype.
     """
@@ -52,12 +49,10 @@ class TrainState:
     params: Tensor
     compute: Tensor | None
     tx_state: Any
-    loss_scale: Any
     frozen: Tensor | None
     buffers: dict[str, Tensor]
     seed: Tensor
     layout: Layout = optree.dataclasses.field(pytree_node=False)
-    reduce_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)
     frozen_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)
 
     def replace(self, **changes: Any) -> TrainState:
@@ -68,6 +63,12 @@ class TrainState:
     def simulated(self) -> bool:
         """Whether the state belongs to a `SimMesh` (per-rank values on a leading world axis)."""
         return self.params.ndim == 2
+
+    @property
+    def sharded_at_rest(self) -> bool:
+        """Whether the compute parameters are kept as this rank's shard between steps (stage 3): the step then
+        gathers them, and the frozen parameters, one unit at a time."""
+        return self.compute is not None and not self.layout.is_full(self.compute)
 
 
 def register_torch_pytree(cls: type) -> type:

@@ -45,9 +45,11 @@ from .bind import bound
 from .construct import sharded_parameters
 from .layout import Layout, flatten, from_module, to_rank_major, unflatten, unshard
 from .mesh import Mesh, SimMesh
-from .stage3 import Gatherer, GatherPolicy, frozen_shard, sharded_backward
+from .ranks import ranks_of
+from .stage3 import GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
-from .transforms import Context, Flow, Transform, gather_params
+from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
+from .transforms.scaling import current_loss_scale
 
 __all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "state_dict", "train_step"]
 
@@ -103,7 +105,7 @@ def init(
                 "Hugging Face model: initializer=model._init_weights)"
             )
         shard, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
-        flow = Flow(None, shard, None, {}, presharded=True)
+        flow = Flow(None, shard, None)
     else:
         with torch.no_grad():
             trainable = {leaf.name: named[leaf.name] for leaf in layout.leaves}
@@ -114,16 +116,17 @@ def init(
                 frozen = mesh.broadcast(mesh.replicate(flatten(flay, values)), src=0)
             module_buffers = dict(model.named_buffers())
             buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
-        flow = Flow(None, flat, flat, {})
+        flow = Flow(None, flat, None)
     with torch.no_grad():
-        flow, tx_state = tx.init(flow, Context(mesh, layout))
-    if flow.presharded:
+        flow, tx_state = tx.init(flow, Context(mesh, layout, presharded=meta))
+    if meta and not flow.sharded:
         raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
                          "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
     sharded_at_rest = flow.compute is not None and not layout.is_full(flow.compute)
     if frozen is not None:
         frozen = _frozen_at_rest(mesh, flay, frozen, sharded_at_rest)
     if sharded_at_rest:
+        unit_reducer(tx)  # stage 3 reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
     cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
     frozen_dtype = flow.compute.dtype if cast and flay is not None and flay.torch_dtype != flow.compute.dtype else None
@@ -131,10 +134,7 @@ def init(
     if not isinstance(start, int) or isinstance(start, bool):
         raise TypeError(f"init: seed must be an int, got {type(start).__name__}")
     seed_t = mesh.unreplicate(mesh.broadcast(mesh.replicate(torch.tensor(rng.fold(start), dtype=torch.int64)), 0))
-    return TrainState(
-        count(0), flow.params, flow.compute, tx_state, flow.loss_scale, frozen, buffers, seed_t, layout,
-        flow.reduce_dtype, frozen_dtype,
-    )  # fmt: skip
+    return TrainState(count(0), flow.params, flow.compute, tx_state, frozen, buffers, seed_t, layout, frozen_dtype)
 
 
 def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool) -> Tensor:
@@ -202,10 +202,8 @@ def _check_state(state: Any, mesh: Mesh) -> None:
 
 def rank_seeds(state: TrainState, mesh: Mesh, *tags: int) -> Tensor:
     """Each rank's seed for the state's current micro-step (`fzero.rng`), per rank (int64)."""
-    base, step = int(state.seed), int(state.step)
-    if isinstance(mesh, SimMesh):
-        return torch.tensor([rng.fold(base, step, r, *tags) for r in range(mesh.world)], dtype=torch.int64)
-    return torch.tensor(rng.fold(base, step, int(mesh.rank), *tags), dtype=torch.int64)
+    base, step, ranks = int(state.seed), int(state.step), ranks_of(mesh)
+    return ranks.stack([torch.tensor(rng.fold(base, step, r, *tags), dtype=torch.int64) for r in ranks.indices])
 
 
 def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffers: dict[str, Tensor]) -> dict:
@@ -270,8 +268,8 @@ def train_step(
         _check_state(state, mesh)
         _check_batch(batch, mesh)
         with mesh.record() as ledger:
-            if _sharded_at_rest(state) and autodiff == "autograd":
-                grads, loss, aux, buffers, info = _unit_gradients(run, state, batch, mesh, policy)
+            if state.sharded_at_rest and autodiff == "autograd":
+                grads, loss, aux, buffers, info = _unit_gradients(run, state, batch, mesh, policy, tx)
             else:
                 grads, loss, aux, buffers, info = _whole_gradients(run, state, batch, mesh, autodiff)
             new, metrics = apply_gradients(
@@ -312,10 +310,6 @@ class _Forward:
                 )
             scaled.backward()
         return loss, aux
-
-
-def _sharded_at_rest(state: TrainState) -> bool:
-    return state.compute is not None and not state.layout.is_full(state.compute)
 
 
 def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, autodiff: str) -> tuple:
@@ -359,27 +353,23 @@ def _func_grads(run: _Forward, state, compute, frozen, buffers, batch, seed) -> 
     return grads, (out if run.has_aux else (out[0], None))
 
 
-def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy) -> tuple:
-    """Gradients with one unit gathered at a time (stage 3), reduced unit by unit during the backward."""
-    simulated = isinstance(mesh, SimMesh)
-    seeds = rank_seeds(state, mesh)
+def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy, tx: Transform):
+    """Gradients with one unit gathered at a time (stage 3), reduced unit by unit during the backward by the
+    chain's own reduction (`unit_reducer`)."""
+    ranks, seeds = ranks_of(mesh), rank_seeds(state, mesh)
+    unit = unit_reducer(tx)
+    ctx = Context(mesh, state.layout)
 
     def rank_run(params: dict[str, Tensor], rank: int):
-        pick = (lambda t: t[rank]) if simulated else (lambda t: t)
-        buffers = {k: pick(v).clone() for k, v in state.buffers.items()}
-        local_batch = optree.tree_map(pick, batch) if simulated else batch
-        loss, aux = run.backward(state, {**params, **buffers}, local_batch, pick(seeds))
+        buffers = {k: v.clone() for k, v in ranks.pick(state.buffers, rank).items()}
+        loss, aux = run.backward(state, {**params, **buffers}, ranks.pick(batch, rank), ranks.pick(seeds, rank))
         return loss, aux, buffers
 
-    frozen = state.frozen
-    if frozen is not None and state.frozen_dtype is not None:
-        frozen = frozen.to(state.frozen_dtype)  # cast the shard once: gathers then move the compute dtype
+    frozen = frozen_shard(state.frozen, state.frozen_dtype)  # cast once: gathers then move the compute dtype
     grads, outs, info = sharded_backward(
-        mesh, state.layout, run.model, (state.compute, frozen), policy, state.reduce_dtype, rank_run
+        mesh, state.layout, run.model, (state.compute, frozen), policy, lambda g, i: unit(g, i, ctx), rank_run
     )
-    loss = torch.stack([o[0] for o in outs]) if simulated else outs[0][0]
-    aux = _stack(mesh, [o[1] for o in outs])
-    buffers = _stack(mesh, [o[2] for o in outs])
+    loss, aux, buffers = (ranks.stack([o[k] for o in outs]) for k in range(3))
     return grads, loss, aux, buffers, {"reduced": True, **info}
 
 
@@ -401,59 +391,40 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
     """
     _check_mesh(mesh)
     policy = gather or GatherPolicy()
+    ranks = ranks_of(mesh)
 
     def evaluate(state: TrainState, batch: Any) -> Any:
         _check_state(state, mesh)
         _check_batch(batch, mesh)
         seeds = rank_seeds(state, mesh, 1)
-        if not _sharded_at_rest(state):
-            compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
 
-            def local(compute: Tensor, frozen: Tensor | None, buffers: dict, batch: Any, seed: Tensor) -> Any:
-                named = named_tensors(state.layout, compute, frozen, {k: v.clone() for k, v in buffers.items()})
-                with torch.no_grad(), rng.stream(int(seed)), bound(model, named):
-                    return fn(named, batch)
+        def rank_run(params: dict[str, Tensor], rank: int) -> Any:
+            named = {**params, **{k: v.clone() for k, v in ranks.pick(state.buffers, rank).items()}}
+            with torch.no_grad(), rng.stream(int(ranks.pick(seeds, rank))), bound(model, named):
+                return fn(named, ranks.pick(batch, rank))
 
-            return mesh.map(local, compute, frozen, state.buffers, batch, seeds)
-        ranks = range(mesh.world) if isinstance(mesh, SimMesh) else [None]
-        return _stack(mesh, [_eval_rank(model, fn, state, mesh, policy, r, batch, seeds) for r in ranks])
+        if state.sharded_at_rest:
+            shards = (state.compute, frozen_shard(state.frozen, state.frozen_dtype))
+            return ranks.stack(sharded_backward(mesh, state.layout, model, shards, policy, None, rank_run)[1])
+        compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
+        outs = []
+        for rank in ranks.indices:
+            named = named_tensors(state.layout, ranks.pick(compute, rank), ranks.pick(frozen, rank), {})
+            outs.append(rank_run(named, rank))
+        return ranks.stack(outs)
 
     return evaluate
 
 
-def _eval_rank(model, fn, state: TrainState, mesh: Mesh, policy: GatherPolicy, rank, batch, seeds) -> Any:
-    """One rank's evaluation forward with unit-at-a-time gathering (`rank`: the simulated rank on a SimMesh,
-    whose gathers read every rank's shard directly; None on a DistMesh)."""
-    pick = (lambda t: t) if rank is None else (lambda t: t[rank])
-    frozen = frozen_shard(state.frozen, state.frozen_dtype)
-    shards = (pick(state.compute), None if frozen is None else pick(frozen))
-    sim = None if rank is None else (state.compute, frozen, rank)
-    gatherer = Gatherer(mesh, state.layout, model, shards, policy, None, sim, grad=False)
-    handles = gatherer.install()
-    try:
-        named = {**gatherer.params(), **{k: pick(v).clone() for k, v in state.buffers.items()}}
-        with torch.no_grad(), rng.stream(int(pick(seeds))), bound(model, named):
-            return fn(named, optree.tree_map(pick, batch))
-    finally:
-        for h in handles:
-            h.remove()
-        gatherer.close()
-
-
 def _scale_of(state: TrainState) -> float:
-    return 1.0 if state.loss_scale is None else state.loss_scale.loss_scale
+    scale = current_loss_scale(state.tx_state)
+    return 1.0 if scale is None else scale.loss_scale
 
 
 def _scaled(state: TrainState, loss: Tensor) -> Tensor:
-    """The loss the backward differentiates: times the loss scale (unscaled later, in `Flow.grad_factor`)."""
-    return loss if state.loss_scale is None else state.loss_scale.scale(loss)
-
-
-def _stack(mesh: Mesh, values: list[Any]) -> Any:
-    """Per-rank values from each rank's value (a SimMesh stacks them on the world axis)."""
-    if not isinstance(mesh, SimMesh):
-        return values[0]
-    return optree.tree_map(lambda *xs: torch.stack(xs), *values) if values[0] is not None else None
+    """The loss the backward differentiates: times the loss scale (unscaled later: `Facts.grad_factor`)."""
+    scale = current_loss_scale(state.tx_state)
+    return loss if scale is None else scale.scale(loss)
 
 
 def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
@@ -491,7 +462,7 @@ def apply_gradients(
 
     Args:
       state: the state the gradients were computed from (its `buffers` already the forward's updated ones).
-      grads: per rank, the gradient of `loss * state.loss_scale` with respect to `compute_params(state, mesh)`.
+      grads: per rank, the gradient of `loss` times the loss scale with respect to `compute_params(state, mesh)`.
       loss: per rank, the unscaled loss (reported as its mean over ranks).
       tx, mesh, donate: as for `train_step`.
       reduced: the gradients are already this rank's shard of the mean over ranks (stage 3's unit-by-unit
@@ -502,23 +473,20 @@ def apply_gradients(
     """
     layout = state.layout
     scale = _scale_of(state)
-    flow = Flow(
-        grads, state.params, state.compute, {}, reduced=reduced, grad_factor=1.0 / scale, loss_scale=state.loss_scale
-    )
+    facts = Facts(grad_factor=1.0 / scale, reduced=reduced)
+    flow = Flow(grads, state.params, state.compute, sharded=reduced, facts=facts)
     flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
     loss = mesh.all_reduce(loss.detach().float(), "mean")
-    new = state.replace(
-        step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state, loss_scale=flow.loss_scale
-    )
+    new = state.replace(step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state)
     metrics: dict[str, Any] = {
         "loss": mesh.unreplicate(loss),
-        "applied": not flow.deferred,
+        "applied": not flow.facts.deferred,
         "skipped": False,
         "loss_scale": scale,
     }
-    if flow.stats is not None:
-        metrics["grad_norm"] = math.sqrt(flow.stats.sumsq) / scale
-    metrics.update(flow.metrics)
+    if flow.facts.stats is not None:
+        metrics["grad_norm"] = math.sqrt(flow.facts.stats.sumsq) / scale
+    metrics.update(flow.facts.metrics)
     return new, metrics
 
 

@@ -159,14 +159,16 @@ def legacy_key(key: str) -> str:
     """Today's key of a format-1 checkpoint's key (`tx_state/AdamState#1/exp_avg` -> `tx_state/shard_update#1/...`).
 
     Example:
-      >>> legacy_key("tx_state/AccumulateState/acc"), legacy_key("params")
-      ('tx_state/accumulate/acc', 'params')
+      >>> legacy_key("tx_state/AccumulateState/acc"), legacy_key("loss_scale/cur_iter"), legacy_key("params")
+      ('tx_state/accumulate/acc', 'tx_state/scale_loss/cur_iter', 'params')
     """
     parts = key.split("/")
     if parts[0] == "tx_state" and len(parts) > 1:
         base, sep, nth = parts[1].partition("#")
         if base in _LEGACY:
             parts[1] = _LEGACY[base] + sep + nth
+    elif parts[0] == "loss_scale":  # the state's own field then; scale_loss's state now
+        parts = ["tx_state", "scale_loss", *parts[1:]]
     return "/".join(parts)
 
 

@@ -48,7 +48,8 @@ from ..stage3 import UnitGathering
 from ..state import TrainState
 from ..step import apply_gradients, compute_params, frozen_params, init, named_tensors
 from ..step import state_dict as consolidated
-from ..transforms import Transform, lookup
+from ..transforms import Context, Transform, lookup, unit_reducer
+from ..transforms.scaling import current_loss_scale
 from . import checkpointing
 from .client import OptimizerView
 
@@ -208,7 +209,8 @@ class Engine(nn.Module):
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1 unless fp16)."""
-        return 1.0 if self.state.loss_scale is None else self.state.loss_scale.loss_scale
+        scale = current_loss_scale(self.state.tx_state)
+        return 1.0 if scale is None else scale.loss_scale
 
     # ------------------------------------------------------------------------------------- forward, backward, step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -240,7 +242,7 @@ class Engine(nn.Module):
         if self._stage3():
             gathering = UnitGathering(
                 self.mesh, state.layout, module, state.compute, state.frozen, self._gather_policy, None,
-                state.frozen_dtype, grad=False,
+                state.frozen_dtype,
             )  # fmt: skip
             named = {**gathering.params(), **buffers}
         else:
@@ -266,7 +268,8 @@ class Engine(nn.Module):
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the current loss scale, for a manual `scale(loss).backward()` (fp16); `step()` then uses
         the gradients the backward left."""
-        return loss if self.state.loss_scale is None else self.state.loss_scale.scale(loss)
+        scale = current_loss_scale(self.state.tx_state)
+        return loss if scale is None else scale.scale(loss)
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Gradients of `loss` (times the loss scale) for this micro-step, added to any from an earlier `backward`
@@ -390,7 +393,7 @@ class Engine(nn.Module):
     def _overflow_message(self, attempted: float) -> str:
         """DeepSpeed's overflow line, so that logs read the same."""
         head = f"fzero: OVERFLOW! Skipping step {self.global_steps + 1} (inf/nan gradients)."
-        ls = self.state.loss_scale
+        ls = current_loss_scale(self.state.tx_state)
         if self.loss_scale != attempted:
             return f"{head} Attempted loss scale: {attempted:g}, reducing to {self.loss_scale:g}"
         if hasattr(ls, "cur_hysteresis"):
@@ -601,9 +604,10 @@ class _MicroStep:
         self.buffers = {k: engine._local(v).clone() for k, v in state.buffers.items()}
         self.gathering: UnitGathering | None = None
         if engine._stage3():  # gather one unit at a time inside the forward and the backward (fzero.stage3)
+            unit, ctx = unit_reducer(engine.tx), Context(engine.mesh, state.layout)
             self.gathering = UnitGathering(
                 engine.mesh, state.layout, module, state.compute, state.frozen, engine._gather_policy,
-                state.reduce_dtype, state.frozen_dtype,
+                lambda g, i: unit(g, i, ctx), state.frozen_dtype,
             )  # fmt: skip
             self.leaf = self.gathering.shard
             named = self.gathering.params()

@@ -1,23 +1,46 @@
 """Composable pieces of a training step, and the ZeRO presets built from them."""
 
 from .accumulate import AccumulateState, accumulate
-from .base import Context, Flow, GradStats, Transform, chain, grad_stats, identity, lookup, named_chain
+from .base import (
+    Context,
+    EmptyState,
+    Facts,
+    Flow,
+    GradStats,
+    InitFn,
+    Transform,
+    UnitFn,
+    UpdateFn,
+    chain,
+    grad_stats,
+    identity,
+    lookup,
+    named_chain,
+    stateless,
+    unit_reducer,
+)
 from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, gather_params, reduce_scatter
 from .presets import zero0, zero1, zero2, zero3
-from .scaling import scale_loss
+from .scaling import current_loss_scale, scale_loss
 from .update import shard_update
 
 __all__ = [
     "AccumulateState",
     "Context",
+    "EmptyState",
+    "Facts",
     "Flow",
     "GradStats",
+    "InitFn",
     "Transform",
+    "UnitFn",
+    "UpdateFn",
     "accumulate",
     "all_reduce",
     "chain",
     "clip_by_global_norm",
+    "current_loss_scale",
     "gather",
     "gather_params",
     "grad_stats",
@@ -27,6 +50,8 @@ __all__ = [
     "reduce_scatter",
     "scale_loss",
     "shard_update",
+    "stateless",
+    "unit_reducer",
     "zero0",
     "zero1",
     "zero2",

@@ -32,6 +32,13 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
     Args:
       k: micro-steps per update (1: a no-op with no state).
       dtype: accumulator dtype; default the master parameters' dtype.
+
+    Example:
+      >>> import torch, fzero
+      >>> tx = fzero.chain(fzero.reduce_scatter(), fzero.accumulate(2), fzero.shard_update(fzero.sgd(1.0)))
+      >>> state = fzero.init(torch.nn.Linear(2, 1), tx, fzero.SimMesh(2))
+      >>> state.tx_state["accumulate"].acc.shape     # sharded: stage 2
+      torch.Size([2, 16])
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"accumulate(k): k must be an int >= 1, got {k!r}")
@@ -39,7 +46,9 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
         return identity()
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, AccumulateState]:
-        return flow, AccumulateState(count(0), torch.zeros_like(flow.params, dtype=dtype or flow.params.dtype))
+        n = ctx.layout.shard_numel if flow.sharded else ctx.layout.numel  # the gradients' form here
+        acc = flow.params.new_zeros(*flow.params.shape[:-1], n, dtype=dtype or flow.params.dtype)
+        return flow, AccumulateState(count(0), acc)
 
     def update(flow: Flow, state: AccumulateState, ctx: Context) -> tuple[Flow, AccumulateState]:
         if flow.grads.shape != state.acc.shape:
@@ -54,7 +63,7 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
         else:
             acc = torch.add(state.acc, g, out=state.acc if ctx.donate else None)
         if n < k:
-            return flow._replace(grads=None, deferred=True), AccumulateState(count(n), acc)
+            return flow.with_facts(deferred=True), AccumulateState(count(n), acc)
         mean = acc / k
         fresh = acc.zero_() if ctx.donate else torch.zeros_like(acc)
         return flow._replace(grads=mean), AccumulateState(count(0), fresh)

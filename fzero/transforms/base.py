@@ -1,32 +1,63 @@
-"""The transform algebra: `Flow`, `Context`, `Transform` and `chain`.
+"""The transform algebra: `Flow`, `Facts`, `Context`, `Transform`, `chain`.
 
 A step's gradient flows through a chain of transforms and changes form on the way: the full per-rank gradient
 (`[numel]`) may be accumulated, reduced, scattered to this rank's shard (`[shard_numel]`), consumed by the optimizer
-to produce new master parameters, which may be gathered back into full compute parameters. A `Flow` carries all of
-it, and each transform is a pair of pure functions in the manner of optax:
+to produce new master parameters, which may be gathered back into full compute parameters. Each transform is a pair
+of pure functions in the manner of optax:
 
     init(flow, ctx) -> (flow, state)            # at `fzero.init`: `flow.params` changes form as it will at update
     update(flow, state, ctx) -> (flow, state)   # at every micro-step
 
-`init` sees a flow whose `params` are the full initial parameters and `grads` is None; a transform that changes the
-form of gradients at update (`reduce_scatter`) changes the form of `params` at init, so every transform sees, at
-init, parameters in the form its gradients will have at update, and sizes its state from them.
+Three kinds of things travel, kept apart:
+
+- `Flow`: what flows: `grads`, `params`, `compute`, and whether `grads` (at init: `params`) are this rank's shard;
+- `Facts` (`flow.facts`): what a step found out on the way: the factor the gradients still owe (1 / loss scale,
+  times the clipping coefficient: paid in the optimizer's single read), their global statistics, whether they
+  are averaged over ranks, whether the micro-step ends early, the metrics;
+- `Context`: what is static: the mesh, the layout, donation, and (at init only) whether the parameters arrive
+  already sharded.
+
+A transform's state is its own: a chain's state is `{name: state}`, so no transform reads another's fields.
+
+**The reduction belongs to the chain at every stage.** A transform that averages gradients over ranks is marked
+`reduces=True` and has a `unit` function: its work on one unit's full gradient. Stage 3 reduces each unit as soon
+as its gradient is complete in the backward, with the chain's `unit` (the `unit` functions of the transforms up to
+and including the reduction, composed), then runs the chain from after the reduction; stages 0-2 run the whole chain
+on the whole buffer. A user's transform that wraps a reduction (to round, compress or sparsify gradients) is
+therefore honoured identically at every stage. Example: docs/transforms.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
 
-import torch
 from torch import Tensor
 
 from .. import native
 from ..layout import Layout
 from ..mesh import Mesh
 
-__all__ = ["Context", "Flow", "GradStats", "Transform", "chain", "grad_stats", "identity", "lookup", "named_chain"]
+__all__ = [
+    "Context",
+    "EmptyState",
+    "Facts",
+    "Flow",
+    "GradStats",
+    "InitFn",
+    "Transform",
+    "UnitFn",
+    "UpdateFn",
+    "chain",
+    "grad_stats",
+    "identity",
+    "lookup",
+    "named_chain",
+    "stateless",
+    "unit_reducer",
+]
 
 
 class GradStats(NamedTuple):
@@ -34,7 +65,7 @@ class GradStats(NamedTuple):
 
     Attributes:
       sumsq: sum of squares over all ranks' shards (float64; padding is zero and adds nothing), of the gradients
-        as they flow, before `Flow.grad_factor`.
+        as they flow, before `Facts.grad_factor`.
       finite: whether every element on every rank is finite (the sum is inf or nan otherwise).
     """
 
@@ -42,73 +73,134 @@ class GradStats(NamedTuple):
     finite: bool
 
 
+_NO_METRICS: Mapping[str, Any] = MappingProxyType({})
+
+
+class Facts(NamedTuple):
+    """What the step found out so far (see the module docstring).
+
+    Attributes:
+      grad_factor: a multiplier the gradients still owe (1 / loss scale, times the clipping coefficient), folded
+        into the optimizer's read of them, so unscaling and clipping cost no pass of their own.
+      stats: the step's `GradStats`, once computed.
+      reduced: whether `grads` are averaged over ranks.
+      deferred: the micro-step ends early (gradients held for accumulation, or a non-finite step skipped): the rest
+        of the chain does nothing, and its state is unchanged.
+      applied: the optimizer has applied the gradients.
+      metrics: values to report (a fresh mapping per transform that adds to it).
+    """
+
+    grad_factor: float = 1.0
+    stats: GradStats | None = None
+    reduced: bool = False
+    deferred: bool = False
+    applied: bool = False
+    metrics: Mapping[str, Any] = _NO_METRICS
+
+
 class Flow(NamedTuple):
     """The values a transform reads and returns.
 
     Attributes:
-      grads: the gradient per rank in its current form (full or shard); None once the optimizer consumed it.
+      grads: the gradient per rank in its current form; None at init only.
       params: the master parameters per rank (this rank's shard, or the full buffer at stage 0).
       compute: compute parameters for the next forward (full, or this rank's shard to be gathered at the next
         step's start), or None if stale.
-      metrics: values to report (a fresh mapping per transform that adds to it).
-      deferred: True when this micro-step ends early (gradients held for accumulation, or a non-finite step
-        skipped): the rest of the chain does nothing, and its state is unchanged.
-      reduced: whether `grads` have been averaged over ranks.
-      grad_factor: a multiplier the gradients still owe (1 / loss scale, times the clipping coefficient): folded
-        into the optimizer's read of the gradients, so unscaling and clipping cost no pass of their own.
-      loss_scale: the loss scale value (see `fzero.loss_scale`), or None.
-      stats: the step's `GradStats`, once computed.
-      reduce_dtype: at init, the dtype `reduce_scatter` communicates gradients in (recorded in the state, so a
-        step that reduces gradients itself, unit by unit, does it in the same dtype).
-      presharded: at init, `params` are already this rank's shard (sharded construction from a `meta` model), so
-        `reduce_scatter` has nothing left to shard.
+      sharded: whether `grads` (at init: `params`) are this rank's shard rather than full buffers.
+      facts: the step's `Facts` so far.
     """
 
     grads: Tensor | None
     params: Tensor
     compute: Tensor | None
-    metrics: Mapping[str, Any]
-    deferred: bool = False
-    reduced: bool = False
-    grad_factor: float = 1.0
-    loss_scale: Any = None
-    stats: GradStats | None = None
-    reduce_dtype: torch.dtype | None = None
-    presharded: bool = False
+    sharded: bool = False
+    facts: Facts = Facts()
 
-    def is_full(self, layout: Layout, x: Tensor | None = None) -> bool:
-        """Whether `x` (default: `params`) is a full buffer rather than a shard (both, when world is 1)."""
-        x = self.params if x is None else x
-        return x.shape[-1] == layout.numel
+    def with_facts(self, **changes: Any) -> Flow:
+        return self._replace(facts=self.facts._replace(**changes))
 
     def with_metrics(self, **values: Any) -> Flow:
-        return self._replace(metrics={**self.metrics, **values})
+        return self.with_facts(metrics={**self.facts.metrics, **values})
+
+    def unscaled(self) -> Flow:
+        """The flow with the factor the gradients owe paid now (for a transform that must see their true scale,
+        e.g. one that adds noise); costs one pass over them."""
+        factor = self.facts.grad_factor
+        if factor == 1.0 or self.grads is None:
+            return self
+        return self._replace(grads=self.grads * factor).with_facts(grad_factor=1.0)
 
 
 class Context(NamedTuple):
-    """Static facts every transform may read: the mesh, the layout, and whether buffers may be donated."""
+    """Static facts every transform may read: the mesh, the layout, whether buffers may be donated, and, at init,
+    whether `flow.params` arrive already sharded (sharded construction from a `meta` model)."""
 
     mesh: Mesh
     layout: Layout
     donate: bool = False
+    presharded: bool = False
+
+
+class InitFn(Protocol):
+    def __call__(self, flow: Flow, ctx: Context) -> tuple[Flow, Any]: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]: ...
+
+
+class UnitFn(Protocol):
+    """A transform's work on one unit's full gradient (`[unit size]` per rank) before or as the reduction; the
+    reduction returns this rank's part of the averaged unit (`[unit size / world]`)."""
+
+    def __call__(self, grads: Tensor, unit: int, ctx: Context) -> Tensor: ...
+
+
+class EmptyState(NamedTuple):
+    """The state of a transform that keeps none."""
 
 
 class Transform(NamedTuple):
-    """A pair of pure functions (see the module docstring) and a name: in a chain, a transform's state is found
-    (and saved in checkpoints) under its name, which neither a renamed class nor an inserted transform changes."""
+    """A transform (see the module docstring).
 
-    init: Callable[[Flow, Context], tuple[Flow, Any]]
-    update: Callable[[Flow, Any, Context], tuple[Flow, Any]]
+    Attributes:
+      init, update: the pair of pure functions.
+      name: what its state is found and saved under in a chain (a renamed class or an inserted transform changes
+        no key).
+      unit: its work on one unit's gradient, when it can run before or as the reduction at stage 3 (see
+        `UnitFn`); None when it cannot.
+      reduces: it averages gradients over ranks (`unit` then returns the reduced part).
+      children: for a chain, its `(name, transform)` pairs.
+    """
+
+    init: InitFn
+    update: UpdateFn
     name: str = "transform"
+    unit: UnitFn | None = None
+    reduces: bool = False
+    children: tuple[tuple[str, Transform], ...] = ()
+
+
+def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | None = None) -> Transform:
+    """A transform without state from `fn(flow, ctx) -> flow` (and its per-unit form, if any).
+
+    Example:
+      >>> import torch
+      >>> halve = stateless(lambda flow, ctx: flow._replace(grads=flow.grads / 2), "halve")
+      >>> halve.init(Flow(None, torch.zeros(2), None), None)[1]
+      EmptyState()
+    """
+    return Transform(lambda flow, ctx: (flow, EmptyState()), lambda flow, state, ctx: (fn(flow, ctx), state), name,
+                     unit)  # fmt: skip
 
 
 def identity() -> Transform:
-    """The transform that changes nothing and holds no state."""
-    return Transform(lambda flow, ctx: (flow, ()), lambda flow, state, ctx: (flow, state), "identity")
+    """The transform that changes nothing and holds no state (it can run per unit)."""
+    return stateless(lambda flow, ctx: flow, "identity", unit=lambda grads, unit, ctx: grads)
 
 
 def _unique(names: list[str]) -> list[str]:
-    """Names made unique in order: a repeated name gets `#1`, `#2`, ... (as optax's `named_chain` needs them)."""
+    """Names made unique in order: a repeated name gets `#1`, `#2`, ..."""
     seen: dict[str, int] = {}
     out = []
     for name in names:
@@ -118,15 +210,35 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
+def _compose_units(pairs: tuple[tuple[str, Transform], ...]) -> tuple[UnitFn | None, bool]:
+    """The chain's `unit` (the per-unit forms up to and including the first reduction) and whether it reduces."""
+    upto = next((i for i, (_, t) in enumerate(pairs) if t.reduces), None)
+    if upto is None:
+        return None, False
+    prefix = [t.unit for _, t in pairs[: upto + 1]]
+    if any(u is None for u in prefix):
+        return None, True
+
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
+        for fn in prefix:
+            grads = fn(grads, index, ctx)
+        return grads
+
+    return unit, True
+
+
 def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform:
     """Compose transforms left to right; the state is `{name: state}`, in order.
 
     A transform that defers the micro-step (`accumulate` before its boundary) stops the chain there: the
-    transforms after it do no work and keep their state.
+    transforms after it do no work and keep their state. Gradients that arrive reduced (stage 3 reduced them unit
+    by unit with this chain's `unit`) skip the transforms up to and including the reduction.
 
     Example:
       >>> import fzero
       >>> tx = fzero.named_chain(("reduce", fzero.reduce_scatter()), ("adam", fzero.shard_update(fzero.adamw())))
+      >>> tx.reduces, tx.unit is not None
+      (True, True)
     """
     names = [n for n, _ in pairs]
     for i, (n, t) in enumerate(pairs):
@@ -134,6 +246,8 @@ def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform
             raise TypeError(f"chain: argument {i} ({n!r}) is a {type(t).__name__}, not a Transform")
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
+    unit, reduces = _compose_units(pairs)
+    first_after = next((i + 1 for i, (_, t) in enumerate(pairs) if t.reduces), 0)
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, dict[str, Any]]:
         states = {}
@@ -146,13 +260,13 @@ def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"chain of transforms {names} got a state for {got}; was the chain changed after init?")
         new = dict(state)
-        for n, t in pairs:
+        for n, t in pairs[first_after if flow.facts.reduced else 0 :]:
             flow, new[n] = t.update(flow, state[n], ctx)
-            if flow.deferred:
+            if flow.facts.deferred:
                 break
         return flow, new
 
-    return Transform(init, update, name)
+    return Transform(init, update, name, unit, reduces, tuple(pairs))
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -162,11 +276,43 @@ def chain(*transforms: Transform) -> Transform:
     Example:
       >>> import fzero
       >>> tx = fzero.chain(fzero.reduce_scatter(), fzero.shard_update(fzero.adamw(1e-3)), fzero.gather())
+      >>> [name for name, _ in tx.children]
+      ['reduce_scatter', 'shard_update', 'gather']
     """
     for i, t in enumerate(transforms):
         if not isinstance(t, Transform):
             raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a Transform")
     return named_chain(*zip(_unique([t.name for t in transforms]), transforms, strict=True))
+
+
+def unit_reducer(tx: Transform) -> UnitFn:
+    """The per-unit reduction of a chain (what stage 3 calls for each unit as its gradient completes).
+
+    Raises:
+      ValueError: the chain does not reduce, or a transform before its reduction cannot run per unit (it names it).
+    """
+    if tx.unit is not None and tx.reduces:
+        return tx.unit
+    if not tx.reduces:
+        raise ValueError(
+            f"{tx.name}: stage 3 reduces each unit's gradient in the backward with the chain's reduction, but the "
+            "chain has none: put reduce_scatter() (or a transform wrapping it) in it"
+        )
+    raise ValueError(f"stage 3 reduces each unit's gradient in the backward, but {_blocker(tx)} comes before the "
+                     "reduction and cannot run per unit: put it after reduce_scatter(), or give it a unit function "
+                     "(fzero.Transform(..., unit=...))")  # fmt: skip
+
+
+def _blocker(tx: Transform) -> str:
+    """The first transform before the reduction without a per-unit form, named along its chains."""
+    for name, t in tx.children:
+        if t.children and t.reduces and t.unit is None:
+            return f"{name}/{_blocker(t)}"
+        if t.unit is None:
+            return repr(name)
+        if t.reduces:
+            break
+    return repr(tx.name)
 
 
 def lookup(tx_state: Any, name: str) -> Any:
@@ -191,13 +337,13 @@ def lookup(tx_state: Any, name: str) -> Any:
 
 def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
     """The step's global gradient statistics: computed on first use (one pass over this rank's gradients and a
-    one-element all-reduce when they are sharded), then carried in the flow for the transforms after."""
-    if flow.stats is not None:
-        return flow, flow.stats
-    if not flow.reduced:
+    one-element all-reduce when they are sharded), then carried in the flow's facts for the transforms after."""
+    if flow.facts.stats is not None:
+        return flow, flow.facts.stats
+    if not flow.facts.reduced:
         raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
     local = native.sumsq(flow.grads)  # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
-    total = local if flow.is_full(ctx.layout, flow.grads) else ctx.mesh.all_reduce(local, "sum")
+    total = ctx.mesh.all_reduce(local, "sum") if flow.sharded else local
     sumsq = float(ctx.mesh.unreplicate(total))
     stats = GradStats(sumsq, math.isfinite(sumsq))
-    return flow._replace(stats=stats), stats
+    return flow.with_facts(stats=stats), stats

@@ -4,11 +4,19 @@
 - `reduce_scatter()`: full gradients -> this rank's shard of their mean (stages 1-3); at init it turns the master
   parameters into this rank's shard, so what follows holds 1/world of the state.
 - `gather()`: after the update, the new master shards -> full compute parameters on every rank (stages 0-2);
-  `gather(lazy=True)` keeps them as this rank's shard, and the step all-gathers them before the next forward
-  (stage 3: parameters sharded at rest).
+  `gather(lazy=True)` keeps them as this rank's shard, and the step all-gathers them before the next forward,
+  unit by unit (stage 3: parameters sharded at rest).
 
 Means are the rank-ordered sum divided by `world` (see `fzero.mesh`), so per element an all-reduce and a
-reduce-scatter give the same value, bitwise. Gradients travel in `dtype` (the policy's reduce dtype).
+reduce-scatter give the same value, bitwise, and so does reducing unit by unit (the reductions' `unit` form, which
+stage 3 runs in the backward) or the whole buffer at once. Gradients travel in `dtype` (the policy's reduce dtype).
+
+Example:
+    >>> import torch, fzero
+    >>> mesh = fzero.SimMesh(world=2)
+    >>> state = fzero.init(torch.nn.Linear(4, 4), fzero.chain(fzero.reduce_scatter(), fzero.gather()), mesh)
+    >>> state.params.shape                          # [world, this rank's shard]
+    torch.Size([2, 16])
 """
 
 from __future__ import annotations
@@ -18,17 +26,15 @@ from torch import Tensor
 
 from ..layout import Layout, to_rank_major, to_unit_major
 from ..mesh import Mesh
-from .base import Context, Flow, Transform
+from .base import Context, EmptyState, Flow, Transform
 
 __all__ = ["all_reduce", "gather", "gather_params", "reduce_scatter"]
 
 
-def _require_full(flow: Flow, ctx: Context, what: str) -> None:
-    if not flow.is_full(ctx.layout, flow.grads):
-        raise ValueError(
-            f"{what}() needs full gradients ({ctx.layout.numel} elements per rank) but got "
-            f"{flow.grads.shape[-1]}: it must come before reduce_scatter() in the chain"
-        )
+def _require_full(flow: Flow, what: str) -> None:
+    if flow.sharded:
+        raise ValueError(f"{what}() needs full gradients but they are already sharded: it must come before "
+                         "reduce_scatter() in the chain")  # fmt: skip
 
 
 def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -36,57 +42,85 @@ def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 
 def all_reduce(dtype: torch.dtype | None = None) -> Transform:
-    """Average full gradients over ranks (plain data parallelism), communicating in `dtype`."""
+    """Average full gradients over ranks (plain data parallelism), communicating in `dtype`.
 
-    def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
-        _require_full(flow, ctx, "all_reduce")
+    Example:
+        >>> import torch, fzero
+        >>> tx = fzero.chain(fzero.all_reduce(), fzero.shard_update(fzero.sgd(0.1)), fzero.gather())
+        >>> state = fzero.init(torch.nn.Linear(2, 1), tx, fzero.SimMesh(2))
+        >>> state.params.shape                      # every rank holds everything (padded to 2 x 16)
+        torch.Size([2, 32])
+    """
+
+    def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
+        _require_full(flow, "all_reduce")
         grads = ctx.mesh.all_reduce(_cast(flow.grads, dtype), "mean")
-        return flow._replace(grads=grads, reduced=True), state
+        return flow._replace(grads=grads).with_facts(reduced=True), state
 
-    return Transform(lambda flow, ctx: (flow, ()), update, "all_reduce")
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
+        return ctx.mesh.all_reduce(_cast(grads, dtype), "mean")
+
+    return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
 
 def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
     """Average full gradients over ranks, keeping this rank's shard (communicating in `dtype`); shards the
-    parameters at init."""
+    parameters at init.
 
-    def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
-        flow = flow._replace(reduce_dtype=dtype)
-        if flow.presharded or ctx.layout.world == 1:
-            return flow._replace(presharded=False), ()
-        if not flow.is_full(ctx.layout):
+    Example:
+        >>> import torch, fzero
+        >>> mesh = fzero.SimMesh(world=2)
+        >>> grads = torch.arange(4.).expand(2, 4)   # both ranks' full gradient (one unit, no padding here)
+        >>> fzero.reduce_scatter().unit(grads, 0, fzero.Context(mesh, None))
+        tensor([[0., 1.],
+                [2., 3.]])
+    """
+
+    def init(flow: Flow, ctx: Context) -> tuple[Flow, EmptyState]:
+        if flow.sharded:
             raise ValueError("reduce_scatter() appears twice in the chain: the parameters are already sharded")
-        return flow._replace(params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params))), ()
+        if ctx.presharded or ctx.layout.world == 1:
+            return flow._replace(sharded=True), EmptyState()
+        return flow._replace(
+            params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params)), sharded=True
+        ), EmptyState()
 
-    def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
-        if flow.reduced:  # the step reduce-scattered unit by unit during the backward (stage 3)
-            return flow, state
-        _require_full(flow, ctx, "reduce_scatter")
+    def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
+        _require_full(flow, "reduce_scatter")
         grads = ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), "mean")
-        return flow._replace(grads=grads, reduced=True), state
+        return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
 
-    return Transform(init, update, "reduce_scatter")
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
+        return ctx.mesh.reduce_scatter(_cast(grads, dtype), "mean")
+
+    return Transform(init, update, "reduce_scatter", unit, reduces=True)
 
 
 def gather_params(mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Full (unit-major) parameters from parameters in either form, cast to `dtype` before communicating."""
+    """Full (unit-major) parameters from this rank's shard (or a full buffer, returned as is), cast to `dtype`
+    before communicating."""
     params = _cast(params, dtype)
-    return params if params.shape[-1] == layout.numel else to_unit_major(layout, mesh.all_gather(params))
+    return params if layout.is_full(params) else to_unit_major(layout, mesh.all_gather(params))
 
 
 def gather(dtype: torch.dtype | None = None, lazy: bool = False) -> Transform:
     """Compute parameters (in `dtype`, default the master dtype) from the updated master parameters: gathered now,
-    or with `lazy=True` kept as this rank's shard until the next step's start."""
+    or with `lazy=True` kept as this rank's shard until the next step's start.
+
+    Example:
+        >>> import torch, fzero
+        >>> tx = fzero.zero3(fzero.adamw(), precision="bf16")     # ends with gather(bfloat16, lazy=True)
+        >>> state = fzero.init(torch.nn.Linear(4, 4), tx, fzero.SimMesh(2))
+        >>> state.compute.dtype, state.sharded_at_rest
+        (torch.bfloat16, True)
+    """
 
     def apply(flow: Flow, ctx: Context) -> Flow:
-        if flow.compute is not None:
-            if lazy or flow.is_full(ctx.layout, flow.compute):
-                return flow
-            # a shard shard_update already made (fused low-precision copy, or offload's copy on the device)
-            return flow._replace(compute=gather_params(ctx.mesh, ctx.layout, flow.compute, dtype))
-        compute = _cast(flow.params, dtype) if lazy else gather_params(ctx.mesh, ctx.layout, flow.params, dtype)
+        # shard_update may have written the compute copy already (fused low-precision copy, offload's copy)
+        compute = flow.compute if flow.compute is not None else _cast(flow.params, dtype)
+        if flow.sharded and not lazy:  # (at world 1 a shard is the full buffer: nothing to gather)
+            compute = gather_params(ctx.mesh, ctx.layout, compute, dtype)
         return flow._replace(compute=compute)
 
-    return Transform(
-        lambda flow, ctx: (apply(flow, ctx), ()), lambda flow, state, ctx: (apply(flow, ctx), state), "gather"
-    )
+    return Transform(lambda flow, ctx: (apply(flow, ctx), EmptyState()),
+                     lambda flow, state, ctx: (apply(flow, ctx), state), "gather")  # fmt: skip

@@ -74,24 +74,48 @@ def _preset(
 
 def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
-    """Plain data parallelism: gradients all-reduced, everything replicated."""
+    """Plain data parallelism: gradients all-reduced, everything replicated.
+
+    Example:
+        >>> import fzero
+        >>> [name for name, _ in fzero.zero0(fzero.adamw()).children]
+        ['identity', 'all_reduce', 'scale_loss', 'identity#1', 'shard_update', 'gather']
+    """
     return _preset(0, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
 
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
-    """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally."""
+    """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
+
+    Example:
+        >>> import fzero
+        >>> [name for name, _ in fzero.zero1(fzero.adamw(), accumulate=4).children][:2]
+        ['accumulate', 'reduce_scatter']
+    """
     return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
-    """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards."""
+    """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
+
+    Example:
+        >>> import fzero
+        >>> [name for name, _ in fzero.zero2(fzero.adamw(), accumulate=4).children][:2]
+        ['reduce_scatter', 'accumulate']
+    """
     return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
-    the backward (`fzero.GatherPolicy`)."""
+    the backward (`fzero.GatherPolicy`).
+
+    Example:
+        >>> import fzero
+        >>> fzero.zero3(fzero.adamw(), precision="bf16").children[-1][0]  # gather(bfloat16, lazy=True)
+        'gather'
+    """
     return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)

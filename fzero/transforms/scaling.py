@@ -1,10 +1,10 @@
 """`scale_loss`: loss scaling and the all-ranks skip of non-finite steps.
 
-The step multiplies the loss by the current scale `S` before the backward and records `1/S` as a factor the
-gradients owe (`Flow.grad_factor`), paid in the optimizer's single read of them. At the accumulation boundary this
-transform looks at the step's global gradient statistics: an inf or nan on any rank makes every rank skip the
-update (the flag is the all-reduced sum of squares), the parameters, the optimizer state and its step count stay
-as they were, and the loss scale adjusts by DeepSpeed's rule (`fzero.loss_scale`).
+The step multiplies the loss by the current scale `S` (this transform's state) before the backward and records
+`1/S` as a factor the gradients owe (`Facts.grad_factor`), paid in the optimizer's single read of them. At the
+accumulation boundary this transform looks at the step's global gradient statistics: an inf or nan on any rank
+makes every rank skip the update (the flag is the all-reduced sum of squares), the parameters, the optimizer state
+and its step count stay as they were, and the loss scale adjusts by DeepSpeed's rule (`fzero.loss_scale`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..loss_scale import make_loss_scale
-from .base import Context, Flow, Transform, grad_stats
+from .base import Context, Flow, Transform, grad_stats, lookup
 
-__all__ = ["scale_loss"]
+__all__ = ["current_loss_scale", "scale_loss"]
 
 
 def scale_loss(loss_scale: Any = "dynamic", *, skip_nonfinite: bool = True, **dynamic: Any) -> Transform:
-    """Scale the loss, and skip non-finite steps on every rank.
+    """Scale the loss, and skip non-finite steps on every rank. The transform's state is the loss scale.
 
     Args:
       loss_scale: `"dynamic"` (DeepSpeed's rule; keywords as `DynamicLossScale.create`), a positive number
@@ -27,21 +27,29 @@ def scale_loss(loss_scale: Any = "dynamic", *, skip_nonfinite: bool = True, **dy
         bf16 too). Without it, and without a scale, the transform costs nothing.
 
     Reports `loss_scale` (the scale this step used) and `skipped` in the metrics.
+
+    Example:
+      >>> import torch, fzero
+      >>> tx = fzero.chain(fzero.reduce_scatter(), fzero.scale_loss("dynamic", initial_scale_power=8))
+      >>> state = fzero.init(torch.nn.Linear(2, 1), tx, fzero.SimMesh(1))
+      >>> current_loss_scale(state.tx_state).loss_scale
+      256.0
     """
     initial = make_loss_scale(loss_scale, **dynamic)
     dynamic_scale = hasattr(initial, "cur_iter")
 
-    def init(flow: Flow, ctx: Context) -> tuple[Flow, tuple]:
-        return flow._replace(loss_scale=initial), ()
-
-    def update(flow: Flow, state: tuple, ctx: Context) -> tuple[Flow, tuple]:
+    def update(flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
         if not (skip_nonfinite or dynamic_scale):
-            return flow.with_metrics(loss_scale=flow.loss_scale.loss_scale, skipped=False), state
+            return flow.with_metrics(loss_scale=state.loss_scale, skipped=False), state
         flow, stats = grad_stats(flow, ctx, "scale_loss")
-        flow = flow.with_metrics(loss_scale=flow.loss_scale.loss_scale, skipped=not stats.finite and skip_nonfinite)
-        flow = flow._replace(loss_scale=flow.loss_scale.adjust(stats.finite))
-        if not stats.finite and skip_nonfinite:
-            return flow._replace(deferred=True), state
-        return flow, state
+        skipped = not stats.finite and skip_nonfinite
+        flow = flow.with_metrics(loss_scale=state.loss_scale, skipped=skipped)
+        return (flow.with_facts(deferred=True) if skipped else flow), state.adjust(stats.finite)
 
-    return Transform(init, update, "scale_loss")
+    return Transform(lambda flow, ctx: (flow, initial), update, "scale_loss")
+
+
+def current_loss_scale(tx_state: Any) -> Any:
+    """The loss scale a chain's `scale_loss` holds (None without one): the step multiplies the loss by it before
+    the backward, and the gradients owe its inverse (`Facts.grad_factor`)."""
+    return lookup(tx_state, "scale_loss")

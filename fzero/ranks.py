@@ -1,0 +1,152 @@
+"""How a process runs its ranks' code: the one place where a `SimMesh` and a `DistMesh` differ beyond collectives.
+
+A step's per-rank code (a forward and backward, stage 3's unit-by-unit gathering and reduction) runs, on a
+`DistMesh`, once, for this process's rank; on a `SimMesh`, once per simulated rank, one after another. A collective
+whose inputs every rank has up front (the all-gather of parameter shards) can be simulated at once; one whose inputs
+the ranks produce as they run (the reduction of a unit's gradient during each rank's backward) can only be done once
+every rank has produced its part. `ranks_of(mesh)` gives the strategy object that hides this:
+
+    ranks.indices                       the ranks this process runs
+    ranks.pick(x, r) / ranks.stack(xs)  rank r's value of a per-rank value / the per-rank value of each rank's
+    ranks.gather_into(out, shards, piece, r, async_op)
+                                        rank r's all-gather of `piece` of every rank's shard into `out`
+    ranks.reduction(fn, layout)         per-unit reductions: `add(unit, rank, grads)` as each rank's unit gradient
+                                        completes, `result()` this process's reduced gradient shard(s): a DistMesh
+                                        reduces at once (freeing the unit's gradient), a SimMesh once every rank's
+                                        part is in (the same arithmetic and ledger as the real run)
+
+Example:
+    >>> import torch, fzero
+    >>> ranks = ranks_of(fzero.SimMesh(world=2))
+    >>> ranks.indices, ranks.pick(torch.tensor([[1.0], [2.0]]), 1)
+    ((0, 1), tensor([2.]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import optree
+import torch
+from torch import Tensor
+
+from .layout import Layout
+from .mesh import Mesh, SimMesh, Work, done
+
+__all__ = ["Ranks", "Reduction", "ranks_of"]
+
+ReduceFn = Callable[[Tensor, int], Tensor]
+
+
+class Reduction(Protocol):
+    def add(self, unit: int, rank: int, grads: Tensor) -> None: ...
+
+    def result(self) -> Tensor: ...
+
+
+class Ranks(Protocol):
+    mesh: Mesh
+    indices: tuple[int, ...]
+
+    def pick(self, x: Any, rank: int) -> Any: ...
+
+    def stack(self, values: Sequence[Any]) -> Any: ...
+
+    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work: ...
+
+    def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction: ...
+
+
+def _zeros_piece(layout: Layout, unit: int, like: Tensor) -> Tensor:
+    return like.new_zeros(*like.shape[:-1], layout.units[unit].size // layout.world)
+
+
+class _DistReduction:
+    """Reduce each unit's gradient as it arrives, into this rank's gradient shard (added: a second backward through
+    the graph accumulates, as autograd would)."""
+
+    def __init__(self, fn: ReduceFn, layout: Layout) -> None:
+        self.fn, self.layout = fn, layout
+        self.pieces: dict[int, Tensor] = {}
+
+    def add(self, unit: int, rank: int, grads: Tensor) -> None:
+        piece = self.fn(grads, unit)
+        self.pieces[unit] = piece if unit not in self.pieces else self.pieces[unit] + piece
+
+    def result(self) -> Tensor:
+        like = next(iter(self.pieces.values()))
+        parts = [self.pieces.get(i, None) for i in range(len(self.layout.units))]
+        return torch.cat([p if p is not None else _zeros_piece(self.layout, i, like) for i, p in enumerate(parts)], -1)
+
+
+class _SimReduction:
+    """Keep each rank's unit gradients; reduce every unit once all ranks' are in, rank-ordered."""
+
+    def __init__(self, fn: ReduceFn, layout: Layout, world: int) -> None:
+        self.fn, self.layout, self.world = fn, layout, world
+        self.grads: dict[int, dict[int, Tensor]] = {}
+
+    def add(self, unit: int, rank: int, grads: Tensor) -> None:
+        mine = self.grads.setdefault(unit, {})
+        mine[rank] = grads if rank not in mine else mine[rank] + grads
+
+    def result(self) -> Tensor:
+        parts: list[Tensor | None] = []
+        for i in range(len(self.layout.units)):
+            per_rank = self.grads.get(i)
+            parts.append(
+                None if per_rank is None else self.fn(torch.stack([per_rank[r] for r in range(self.world)]), i)
+            )
+        like = next(p for p in parts if p is not None)
+        return torch.cat([p if p is not None else _zeros_piece(self.layout, i, like) for i, p in enumerate(parts)], -1)
+
+
+class SimRanks:
+    """Every simulated rank, in turn (values carry a leading world axis)."""
+
+    def __init__(self, mesh: SimMesh) -> None:
+        self.mesh = mesh
+        self.indices = tuple(range(mesh.world))
+
+    def pick(self, x: Any, rank: int) -> Any:
+        return None if x is None else optree.tree_map(lambda t: t[rank], x)
+
+    def stack(self, values: Sequence[Any]) -> Any:
+        if values[0] is None:
+            return None
+        return optree.tree_map(lambda *xs: torch.stack(xs), *values)
+
+    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work:
+        out.copy_(shards[:, piece].reshape(-1))
+        if rank == 0:  # the simulated ranks gather together: count the collective once
+            self.mesh.account("all_gather", out.numel())
+        return done
+
+    def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction:
+        return _SimReduction(fn, layout, self.mesh.world)
+
+
+class DistRanks:
+    """This process's own rank."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.indices = (int(mesh.rank),)
+
+    def pick(self, x: Any, rank: int) -> Any:
+        return x
+
+    def stack(self, values: Sequence[Any]) -> Any:
+        return values[0]
+
+    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work:
+        return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op)
+
+    def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction:
+        return _DistReduction(fn, layout)
+
+
+def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:
+    """The strategy for `mesh` (see the module docstring)."""
+    return SimRanks(mesh) if isinstance(mesh, SimMesh) else DistRanks(mesh)
