@@ -1,0 +1,45 @@
+"""The 2-process gloo half of tests/test_transforms.py: user-written reductions at stages 2 and 3 on a DistMesh,
+against each other and against the same run on a SimMesh."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import fzero
+from tests.chains import train
+from tests.support import lm_batches, tiny_gpt
+
+SPECS = {
+    "bf16": {"reduce": "bf16", "micro": 2, "scale": None, "clip": 0.5, "opt": "adamw"},
+    "topk": {"reduce": "topk", "micro": 1, "scale": 64.0, "clip": None, "opt": "sgd"},
+    "nested-cpu": {"reduce": "nested", "micro": 1, "scale": "none", "clip": None, "opt": "cpu_adamw"},
+}
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def run(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    try:
+        mesh = fzero.DistMesh()
+        results = {}
+        for name, spec in SPECS.items():
+            batches = lm_batches(tiny_gpt(1), world, spec["micro"], 2, 2, 3)
+            mine = [{k: v[rank] for k, v in b.items()} for b in batches]
+            two, three = train(spec, 2, mesh, mine), train(spec, 3, mesh, mine)
+            sim = train(spec, 3, fzero.SimMesh(world), batches)
+            results[name] = {"stage3_vs_stage2": _differ(three, two), "dist_vs_sim": _differ(three, sim)}
+        if rank == 0:
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
