@@ -433,7 +433,7 @@ class Engine(nn.Module):
         exclude_frozen_parameters: bool = False,
         *,
         overwrite: bool = True,
-    ) -> Any:
+    ) -> bool:
         """DeepSpeed's `save_checkpoint`: the training state, the counters, the config and `client_state`, written
         with `fzero.save` to ``save_dir/tag`` (every rank calls it; see ``docs/checkpoints.md``).
 
@@ -451,11 +451,12 @@ class Engine(nn.Module):
             over it; False makes that an error.
 
         Returns:
-          The checkpoint's directory (DeepSpeed returns True; a path is truthy too).
+          True, as DeepSpeed's (the checkpoint is ``save_dir/tag``; errors raise).
         """
-        return checkpointing.save_checkpoint(
+        checkpointing.save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, overwrite=overwrite
         )
+        return True
 
     def load_checkpoint(
         self,
