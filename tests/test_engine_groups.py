@@ -169,8 +169,7 @@ def test_client_scheduler_on_the_view_drives_each_group():
     ref = copy.deepcopy(model)
     lambdas = [lambda n: 1.0 / (n + 1), lambda n: 0.5**n, lambda n: 1.0]
     make = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambdas)  # noqa: E731
-    engine, _, _, sched = fzero.initialize(model=model, model_parameters=_groups(model), config=_config(),
-                                           lr_scheduler=make)  # fmt: skip
+    engine, *_ = fzero.initialize(model=model, model_parameters=_groups(model), config=_config(), lr_scheduler=make)
     lrs = _train(engine, _data())
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.0, foreach=False)
     ref_sched = make(ref_opt)
@@ -274,8 +273,10 @@ def test_group_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match=r'model_parameters\[0\] has no "params"'):
         init([{"lr": 0.1}])
     with pytest.raises(ConfigError, match=r"scheduler.params.cycle_max_lr: expected 2 values \(one per param group"):
-        init([{"params": [w0, b0]}, {"params": [w2, b2]}],
-             scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.0, "cycle_max_lr": [0.1, 0.2, 0.3]}})
+        init(
+            [{"params": [w0, b0]}, {"params": [w2, b2]}],
+            scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.0, "cycle_max_lr": [0.1, 0.2, 0.3]}},
+        )
     adam = torch.optim.Adam([{"params": [w0, b0]}, {"params": [w2, b2], "decoupled_weight_decay": True}])
     with pytest.raises(UnsupportedConfigError, match="differ in decoupled_weight_decay"):
         fzero.initialize(model=model, optimizer=adam, config={"train_batch_size": 4})
@@ -305,8 +306,12 @@ def test_torch_adam_trains_as_deepspeeds_torch_optimizer(params, torch_cls, torc
     (with optimizer offload too: torch's arithmetic, not the C kernel)."""
     model = mlp([5, 7, 3], 0)
     ref = copy.deepcopy(model)
-    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.05, **params}},
-           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu" if offload else "none"}}}  # fmt: skip
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu" if offload else "none"}}
+    cfg = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05, **params}},
+        "zero_optimization": zero,
+    }
     engine, opt, _, _ = fzero.initialize(model=model, config=cfg)
     _train(engine, _data())
     _bitwise(engine, _torch(ref, torch_cls(ref.parameters(), lr=0.05, foreach=False, **torch_kw), _data()))

@@ -316,6 +316,7 @@ GROUP_LRS = st.integers(1, 3).flatmap(lambda n: st.lists(LRS, min_size=n, max_si
 
 
 # ------------------------------------------------------------------------------------------------ the tests
+@settings(max_examples=200)
 @given(data=st.data(), base=GROUP_LRS, decay=st.booleans())
 def test_warmup_lr_and_decay_bitwise(data, base, decay):
     """WarmupLR / WarmupDecayLR with 1-3 groups: per-group lists, `warmup_max_lr: null` as each group's own lr."""
@@ -324,6 +325,7 @@ def test_warmup_lr_and_decay_bitwise(data, base, decay):
     assert fzero_values(kind, params, base) == deepspeed_values(kind, params, base)
 
 
+@settings(max_examples=200)
 @given(params=cosine_params(), base=GROUP_LRS)
 def test_warmup_cosine_lr_bitwise(params, base):
     """WarmupCosineLR scales each group's own lr; the first update uses 0."""
@@ -332,6 +334,7 @@ def test_warmup_cosine_lr_bitwise(params, base):
     assert got[0][0] == [0.0] * len(base)
 
 
+@settings(max_examples=200)
 @given(data=st.data(), base=GROUP_LRS, betas=st.booleans())
 def test_one_cycle_bitwise(data, base, betas):
     """OneCycle ignores the groups' lrs, takes per-group lists, cycles beta1 (beta2 0.99) unless momentum cycling
@@ -361,13 +364,13 @@ def test_the_schedule_functions_alone(w, kind, lo, hi):
 
 
 def test_per_group_list_of_the_wrong_length_names_the_key():
-    cfg = parse_config({"train_batch_size": 1, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [0.1,
-                                                                                                          0.2]}}})  # fmt: skip
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2]}}
+    cfg = parse_config({"train_batch_size": 1, "scheduler": scheduler})
     with pytest.raises(ConfigError, match=r"scheduler.params.warmup_max_lr: expected 3 values \(one per param group"):
         build_schedules(cfg, [0.1, 0.1, 0.1])
     with pytest.raises(ConfigError, match="scheduler.params.cycle_min_lr: expected a finite number >= 0, or a list"):
-        parse_config({"train_batch_size": 1, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "a",
-                                                                                           "cycle_max_lr": 1}}})  # fmt: skip
+        scheduler = {"type": "OneCycle", "params": {"cycle_min_lr": "a", "cycle_max_lr": 1}}
+        parse_config({"train_batch_size": 1, "scheduler": scheduler})
 
 
 def test_validation():

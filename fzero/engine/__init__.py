@@ -209,10 +209,13 @@ def initialize(
     Args:
       args: an argparse namespace; its `deepspeed_config` names the config file if `config` is not given.
       model: the `nn.Module` to train (moved to the device; from now on the engine owns its parameters).
-      optimizer: None (the config's `optimizer` block), a `torch.optim.Adam` / `AdamW` / `SGD` (translated), or a
-        callable building one from `model_parameters`.
-      model_parameters: the parameters to train; they must be the model's `requires_grad` parameters (fzero
-        trains those; freeze the rest with `requires_grad_(False)`).
+      optimizer: None (the config's `optimizer` block), a `torch.optim.Adam` / `AdamW` / `SGD` (translated, param
+        groups included), or a callable building one from `model_parameters`.
+      model_parameters: what the config's optimizer trains: parameters, or torch-style param-group dicts
+        (`{"params": [...], "lr": ..., "weight_decay": ..., "name": ...}`; a group's hyper-parameters override the
+        config's for its parameters). Every `requires_grad` parameter of the model must be in it, once; frozen ones
+        are ignored and groups without parameters dropped, as in DeepSpeed (see `fzero.engine.groups`). Default:
+        the model's trainable parameters.
       training_data: a torch `Dataset`: a `DataLoader` of micro-batches, each rank its share, is returned.
       lr_scheduler: a client scheduler (an object with `step()`, or a callable building one from the optimizer);
         the engine steps it after every applied update, and the learning rate is read from the optimizer's param
@@ -226,9 +229,9 @@ def initialize(
       printer: fzero only: where the engine's console lines go (rank 0).
 
     Returns:
-      `(engine, optimizer, dataloader, lr_scheduler)`: the `Engine`; the optimizer object (an `OptimizerView`, or
-      the client optimizer); the data loader or None; the scheduler (a `SchedulerView` for a config `scheduler`,
-      the client scheduler, or None).
+      `(engine, optimizer, dataloader, lr_scheduler)`: the `Engine`; the optimizer object (an `OptimizerView`
+      whose `param_groups` mirror the user's groups, or the client optimizer); the data loader or None; the
+      scheduler (a `SchedulerView` for a config `scheduler`, the client scheduler, or None).
     """
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
