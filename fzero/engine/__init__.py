@@ -128,10 +128,7 @@ def _config_optimizer(
                 raise type(e)(f"model_parameters[{group.index}]: {e}") from None
             pairs.append((group.names, overrides))
             view_groups.append({"params": group.params, **group.options})
-    try:
-        spec = optimizer_spec(cfg, pairs, schedule=False)
-    except KeyError as e:  # split_options let through only the optimizer's own keys
-        raise AssertionError(e) from None
+    spec = optimizer_spec(cfg, pairs, schedule=False)  # split_options let through only the optimizer's own keys
     assert spec is not None
     view = OptimizerView(view_groups, {"lr": spec.lr, **spec.hypers}, spec.kind)
     return spec, view, view.param_groups
@@ -218,8 +215,8 @@ def initialize(
         the model's trainable parameters.
       training_data: a torch `Dataset`: a `DataLoader` of micro-batches, each rank its share, is returned.
       lr_scheduler: a client scheduler (an object with `step()`, or a callable building one from the optimizer);
-        the engine steps it after every applied update, and the learning rate is read from the optimizer's param
-        group at every update.
+        the engine steps it after every applied update, and each group's learning rate (and betas) is read from the
+        optimizer's param group at every update.
       distributed_port, dist_init_required: accepted for compatibility (the mesh decides; see the module doc).
       mpu, mesh_param: model parallelism, not supported (must be None).
       collate_fn: the data loader's `collate_fn`.

@@ -2,8 +2,9 @@
 
 fzero's optimizers are functions on flat shards, but DeepSpeed scripts read `optimizer.param_groups[0]["lr"]`, and
 hand the optimizer to LR schedulers (torch's or their own). `OptimizerView` is a real `torch.optim.Optimizer` over the
-module's parameters that never steps: it shows the hyper-parameters of the next update, and, when a client scheduler
-drives it, it is where fzero's optimizer reads the learning rate (and Adam's betas) from at each update.
+module's parameters that never steps: it shows the hyper-parameters of the next update, group by group, and, when a
+client scheduler drives it, it is where fzero's optimizer reads each group's learning rate (and Adam's betas) from at
+each update. A client `torch.optim` optimizer is translated group by group the same way (`client_spec`).
 """
 
 from __future__ import annotations
@@ -65,11 +66,7 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_SAME = {
-    torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
-    torch.optim.Adam: ("lr", "betas", "eps", "weight_decay"),
-    torch.optim.SGD: ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-}
+_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 _OFF = ("amsgrad", "maximize", "differentiable", "capturable")
 WHAT = "the client optimizer's param_groups"
 
@@ -100,7 +97,7 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
       ValueError: the groups do not hold exactly the model's trainable parameters, once each (see
         `fzero.engine.groups`).
     """
-    kind = next((cls for cls in _SAME if type(opt) is cls), None)
+    kind = next((cls for cls in _CLASSES if type(opt) is cls), None)
     if kind is None:
         raise UnsupportedConfigError(
             "optimizer",
