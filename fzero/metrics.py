@@ -107,9 +107,13 @@ def format_line(record: dict[str, Any]) -> str:
     Example:
         >>> format_line({"step": 10, "loss": 2.5, "lr": 1e-4, "skipped": 0, "step_time": 0.12, "samples_per_s": 66.6})
         'step 10 | loss 2.5000 | lr 1.000e-04 | skipped 0 | 120.0 ms/step | 66.6 samples/s'
+        >>> format_line({"step": 3, "loss": 1.0, "lr": 1e-4, "lr_groups": [1e-4, 1e-3]})
+        'step 3 | loss 1.0000 | lr 1.000e-04, 1.000e-03'
     """
     parts = [f"step {record['step']}", f"loss {_fmt(record.get('loss'), '.4f')}"]
-    if "lr" in record:
+    if record.get("lr_groups"):  # one lr per param group, as DeepSpeed's progress line prints them
+        parts.append("lr " + ", ".join(_fmt(lr, ".3e") for lr in record["lr_groups"]))
+    elif "lr" in record:
         parts.append(f"lr {_fmt(record['lr'], '.3e')}")
     if "loss_scale" in record:
         parts.append(f"scale {_fmt(record['loss_scale'], 'g')}")

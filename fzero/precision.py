@@ -12,6 +12,10 @@ Fields set to None keep the model's dtype (`get_policy(None)`: no casts at all, 
 Accumulating (or reducing) in bf16 silently loses small updates: a bf16 sum keeps 8 significant bits, so adding a
 micro-batch gradient 300x smaller than the running sum changes nothing. Hence float32 by default.
 
+The fp32 master starts from the model's own weights. DeepSpeed casts the module to bf16/fp16 before its optimizer
+copies the master from it, so its master starts from the rounded weights; `round_params(model, torch.bfloat16)`
+before `fzero.init` reproduces that (the shell's `fzero_precision.round_initial_master`).
+
 Example:
     >>> get_policy("bf16")
     Policy(param=float32, compute=bfloat16, reduce=float32, accum=float32)
@@ -26,8 +30,9 @@ from typing import Any
 
 import optree
 import torch
+from torch import nn
 
-__all__ = ["Policy", "get_policy"]
+__all__ = ["Policy", "get_policy", "round_params"]
 
 _NAMES = {
     "f32": torch.float32, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -102,3 +107,39 @@ def get_policy(spec: str | Policy | None) -> Policy:
             raise ValueError(f"unknown field {key.strip()!r} in precision {spec!r}; expected p, c, r, a")
         fields[_FIELDS[key.strip()]] = _dtype(value, f"precision {spec!r}")
     return Policy(**fields)
+
+
+def round_params(model: nn.Module, dtype: torch.dtype | str) -> nn.Module:
+    """Round every floating-point parameter of `model` (trainable and frozen, each tied tensor once) to `dtype` and
+    back, in place: `p = p.to(dtype).to(p.dtype)`. Buffers are left as they are.
+
+    Use it before `fzero.init` to start the master weights where DeepSpeed's start under bf16/fp16 (DeepSpeed casts
+    the whole module to the compute dtype, and its optimizer copies the fp32 master from that); the compute copy,
+    the rounded master, is then the same as fzero's default gives.
+
+    Args:
+      model: the module (on any device but `meta`).
+      dtype: the dtype to round through: a floating `torch.dtype`, or a precision name such as `"bf16"` (its
+        policy's compute dtype).
+
+    Returns:
+      `model`.
+
+    Example:
+      >>> m = nn.Linear(1, 1)
+      >>> with torch.no_grad():
+      ...     _ = m.weight.fill_(1 + 2**-10)
+      >>> round_params(m, "bf16").weight.item()
+      1.0
+    """
+    if isinstance(dtype, str):
+        dtype = get_policy(dtype).compute_dtype  # type: ignore[assignment]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"round_params: dtype must be a floating torch.dtype or a precision name, got {dtype!r}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_meta:
+                raise ValueError(f"round_params: parameter {name!r} is on the meta device (it has no values yet)")
+            if p.is_floating_point():
+                p.copy_(p.to(dtype))
+    return model

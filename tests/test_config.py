@@ -23,7 +23,7 @@ from fzero.config import (
 )
 from fzero.config.batch import resolve_batch
 from fzero.config.build import build_optimizer, build_transform, optimizer_spec
-from fzero.config.schema import Bool, Int, ListOf, Nullable, Num, Section, Str
+from fzero.config.schema import Bool, Int, ListOf, Nullable, Num, PerGroup, Section, Str
 
 BASE = {"train_batch_size": 8}
 
@@ -76,6 +76,34 @@ def test_optimizer_mapping():
     warm = optimizer_spec(parse({"optimizer": {"type": "Adam", "params": {"lr": 0.5}},
                                  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}))  # fmt: skip
     assert [warm.lr(n) for n in range(4)] == [0.0, 0.0, 0.5, 0.5]  # warmup_max_lr: the optimizer's lr (0.19)
+
+
+def test_torch_adam_takes_torch_defaults():
+    """DeepSpeed's `torch_adam` builds torch.optim.AdamW / Adam from the config's params: an unset weight decay is
+    torch's default (AdamW 0.01, Adam 0); without it DeepSpeed's FusedAdam / CPU Adam default, 0, applies."""
+
+    def spec(params, kind="Adam"):
+        return optimizer_spec(parse({"optimizer": {"type": kind, "params": params}}))
+
+    assert spec({"torch_adam": True}).hypers["weight_decay"] == 0.01 and spec({"torch_adam": True}).torch_adam
+    assert spec({"torch_adam": True}, "AdamW").hypers["weight_decay"] == 0.01
+    assert spec({"torch_adam": True, "adam_w_mode": False}).hypers["weight_decay"] == 0.0
+    assert spec({"torch_adam": True, "weight_decay": 0.3}).hypers["weight_decay"] == 0.3
+    assert spec({}).hypers["weight_decay"] == 0.0 and not spec({}).torch_adam
+    assert spec({"torch_adam": True}).build(offload=True).features == frozenset()  # torch's ops, not the C kernel
+
+
+def test_per_group_scheduler_values_and_fzero_precision():
+    params = {"cycle_min_lr": [0.1, 0.2], "cycle_max_lr": 1, "cycle_max_mom": [0.9, 0.95]}
+    sched = parse({"scheduler": {"type": "OneCycle", "params": params}})["scheduler"]
+    assert sched["params"]["cycle_min_lr"] == [0.1, 0.2] and sched["params"]["cycle_min_mom"] == 0.8
+    with pytest.raises(ConfigError, match=r"scheduler.params.warmup_min_lr\[1\]: expected a finite number >= 0"):
+        parse({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0.1, -1]}}})
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_max_lr: expected .* got an empty list"):
+        parse({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": []}}})
+    assert parse({})["fzero_precision"] == {"round_initial_master": False}
+    with pytest.raises(ConfigTypeError, match="fzero_precision.round_initial_master: expected true or false"):
+        parse({"fzero_precision": {"round_initial_master": 1}})
 
 
 # ------------------------------------------------------------------------------------------------ the batch triad
@@ -317,9 +345,9 @@ VALID = {
 
 PATHS = [p for p, _ in SCHEMA.paths()] + [
     "optimizer.type", "optimizer.params", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
-    "optimizer.params.weight_decay", "optimizer.params.adam_w_mode", "scheduler.type", "scheduler.params",
-    "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps", "scheduler.params.warmup_max_lr",
-    "scheduler.params.warmup_type",
+    "optimizer.params.weight_decay", "optimizer.params.adam_w_mode", "optimizer.params.torch_adam", "scheduler.type",
+    "scheduler.params", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps",
+    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_type",
 ]  # fmt: skip
 JSONISH = st.recursive(
     st.one_of(
@@ -350,6 +378,8 @@ def typed(spec) -> st.SearchStrategy:
         return st.sampled_from([*(spec.choices or ()), "bogus", ""])
     if isinstance(spec, ListOf):
         return st.lists(typed(spec.inner), max_size=3)
+    if isinstance(spec, PerGroup):  # one group here: a list of another length is an error naming the key
+        return st.one_of(typed(spec.inner), st.lists(typed(spec.inner), max_size=3))
     return JSONISH
 
 

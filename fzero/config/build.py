@@ -5,6 +5,8 @@ loss scale, and the ZeRO preset chain.
 |---|---|
 | `optimizer.type` Adam (`adam_w_mode` true, the default), AdamW | `fzero.adamw` |
 | `optimizer.type` Adam with `adam_w_mode: false` | `fzero.adam` (L2 weight decay) |
+| `optimizer.params.torch_adam` | torch.optim.AdamW's default weight decay (0.01); no C kernel under offload |
+| param groups (`model_parameters` dicts, a client optimizer's groups) | `fzero.param_groups(groups=...)` |
 | `optimizer.type` SGD | `fzero.sgd` |
 | `scheduler` WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle | `fzero.optim.schedules` (lr, and beta1 for OneCycle) |
 | `zero_optimization.stage` 0-3 | `fzero.zero0` .. `zero3` |
@@ -18,6 +20,7 @@ loss scale, and the ZeRO preset chain.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +28,7 @@ import torch
 
 from .. import optim
 from ..loss_scale import DynamicLossScale
-from ..optim import Hyper, Optimizer
+from ..optim import Hyper, Optimizer, hyper_value
 from ..precision import Policy, get_policy
 from ..stage3 import GatherPolicy
 from ..transforms import (
@@ -35,9 +38,20 @@ from ..transforms import (
     zero2,
     zero3,
 )
-from . import Config
+from . import Config, ConfigError
 
-__all__ = ["OptimizerSpec", "build_optimizer", "build_policy", "build_schedule", "build_transform"]
+__all__ = [
+    "GroupSpec",
+    "OptimizerSpec",
+    "build_optimizer",
+    "build_policy",
+    "build_schedule",
+    "build_schedules",
+    "build_transform",
+    "optimizer_kind",
+    "optimizer_spec",
+    "scheduled",
+]
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
@@ -47,8 +61,17 @@ PRESETS = {0: zero0, 1: zero1, 2: zero2, 3: zero3}
 
 
 @dataclass(frozen=True)
+class GroupSpec:
+    """One param group of the optimizer: its trainable parameters' names and every hyper-parameter it uses (the
+    optimizer's keywords; `lr` and Adam's `betas` may be schedules)."""
+
+    names: tuple[str, ...]
+    hypers: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
-    """The optimizer the config asks for, before it is built.
+    """The optimizer the config (or a client optimizer) asks for, before it is built.
 
     Attributes:
       kind: "adamw", "adam" or "sgd".
@@ -56,66 +79,199 @@ class OptimizerSpec:
       hypers: the other hyper-parameters, as keywords of `fzero.adamw` / `adam` / `sgd` (`betas` may hold a
         schedule for beta1).
       base_lr: the configured learning rate before any schedule.
+      groups: the param groups, when there are several (`lr` and `hypers` are then the optimizer's defaults, which
+        no parameter uses: every trainable parameter is in a group).
+      torch_adam: DeepSpeed's `torch_adam`: torch's Adam arithmetic, so no C kernel under offload.
     """
 
     kind: str
     lr: Hyper
     hypers: dict[str, Any]
     base_lr: float
+    groups: tuple[GroupSpec, ...] | None = None
+    torch_adam: bool = False
+
+    def per_group(self) -> list[dict[str, Any]]:
+        """Every group's hyper-parameters (`lr` included), in order; one entry without groups."""
+        if self.groups is None:
+            return [{"lr": self.lr, **self.hypers}]
+        return [dict(g.hypers) for g in self.groups]
+
+    def with_per_group(self, hypers: Sequence[dict[str, Any]]) -> OptimizerSpec:
+        """This spec with each group's hyper-parameters replaced (e.g. its lr by a schedule)."""
+        if len(hypers) != len(self.per_group()):
+            raise ValueError(f"expected {len(self.per_group())} groups' hyper-parameters, got {len(hypers)}")
+        if self.groups is None:
+            h = dict(hypers[0])
+            return replace(self, lr=h.pop("lr"), hypers=h)
+        return replace(
+            self, groups=tuple(GroupSpec(g.names, dict(h)) for g, h in zip(self.groups, hypers, strict=True))
+        )
 
     def build(self, offload: bool = False) -> Optimizer:
-        """The optimizer (the CPU Adam where the build has one and `offload` asks for it)."""
+        """The optimizer (the CPU Adam where the build has one and `offload` asks for it, unless `torch_adam`), with
+        its param groups (`fzero.param_groups`)."""
         name = self.kind
-        if offload and name in ("adam", "adamw") and hasattr(optim, f"cpu_{name}"):
+        if offload and not self.torch_adam and name in ("adam", "adamw") and hasattr(optim, f"cpu_{name}"):
             name = f"cpu_{name}"
-        return getattr(optim, name)(lr=self.lr, **self.hypers)
+        groups = None
+        if self.groups is not None:
+            groups = optim.param_groups(groups=[(g.names, g.hypers) for g in self.groups], missing="error")
+        return getattr(optim, name)(lr=self.lr, **self.hypers, groups=groups)
+
+
+def _per_group(p: dict[str, Any], key: str, n: int, path: str) -> list[Any]:
+    """A scheduler parameter for each of `n` groups: a list of `n`, or one value for all (DeepSpeed's
+    `_format_param`, whose error this is)."""
+    value = p[key]
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ConfigError(
+                f"{path}.{key}",
+                f"expected {n} value{'s' if n != 1 else ''} (one per param group, as DeepSpeed's scheduler checks), "
+                f"got a list of {len(value)}",
+            )
+        return list(value)
+    return [value] * n
+
+
+def build_schedules(
+    cfg: Config, base_lrs: Sequence[float], betas: bool = True
+) -> tuple[list[Hyper], list[Hyper] | None]:
+    """The configured LR schedule of every param group (functions of applied updates) and, for OneCycle with
+    momentum cycling, every group's beta1 schedule; `(base_lrs, None)` without a `scheduler` block.
+
+    As DeepSpeed 0.19's schedulers (`runtime/lr_schedules.py`) treat several groups: `warmup_min_lr`,
+    `warmup_max_lr`, `cycle_min_lr`, `cycle_max_lr`, `cycle_min_mom`, `cycle_max_mom` are one value for every group
+    or a list with one per group; `WarmupLR`'s (and `WarmupDecayLR`'s) `warmup_max_lr: null` is each group's own lr;
+    `WarmupCosineLR` scales each group's own lr; OneCycle ignores the groups' lrs. Without betas (SGD) OneCycle's
+    momentum cycling is off, with a warning, as in DeepSpeed.
+
+    Args:
+      cfg: the validated config.
+      base_lrs: each group's learning rate before any schedule.
+      betas: whether the optimizer has Adam's betas (OneCycle cycles beta1).
+
+    Raises:
+      ConfigError: a per-group list whose length is not the number of groups, naming the key.
+    """
+    block = cfg["scheduler"]
+    n = len(base_lrs)
+    if block is None:
+        return list(base_lrs), None
+    kind, p = block["type"], dict(block["params"])
+    p.pop("last_batch_iteration")
+    path = "scheduler.params"
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        lows = _per_group(p, "warmup_min_lr", n, path)
+        highs = list(base_lrs) if p["warmup_max_lr"] is None else _per_group(p, "warmup_max_lr", n, path)
+        rest = {k: p[k] for k in ("warmup_num_steps", "warmup_type")}
+        if kind == "WarmupLR":
+            return [optim.warmup_lr(lo, hi, **rest) for lo, hi in zip(lows, highs, strict=True)], None
+        return [
+            optim.warmup_decay_lr(p["total_num_steps"], lo, hi, **rest) for lo, hi in zip(lows, highs, strict=True)
+        ], None
+    if kind == "WarmupCosineLR":
+        return [optim.warmup_cosine_lr(lr=base, **p) for base in base_lrs], None
+    cycle = {k: p[k] for k in ("cycle_first_step_size", "cycle_second_step_size", "cycle_first_stair_count",
+                               "cycle_second_stair_count", "decay_step_size")}  # fmt: skip
+    lows, highs = _per_group(p, "cycle_min_lr", n, path), _per_group(p, "cycle_max_lr", n, path)
+    lrs: list[Hyper] = [
+        optim.one_cycle(lo, hi, p["decay_lr_rate"], **cycle) for lo, hi in zip(lows, highs, strict=True)
+    ]
+    if not p["cycle_momentum"]:
+        return lrs, None
+    if not betas:  # DeepSpeed disables OneCycle's momentum cycling for optimizers without betas
+        warnings.warn("scheduler.params.cycle_momentum is ignored with SGD (no betas), as in DeepSpeed", stacklevel=3)
+        return lrs, None
+    lows, highs = _per_group(p, "cycle_min_mom", n, path), _per_group(p, "cycle_max_mom", n, path)
+    return lrs, [
+        optim.one_cycle_momentum(lo, hi, p["decay_mom_rate"], **cycle) for lo, hi in zip(lows, highs, strict=True)
+    ]
 
 
 def build_schedule(cfg: Config, base_lr: float) -> tuple[Hyper, Hyper | None]:
-    """The configured LR schedule (a function of applied updates) and, for OneCycle with momentum cycling, the
-    beta1 schedule; `(base_lr, None)` without a `scheduler` block."""
-    block = cfg["scheduler"]
-    if block is None:
-        return base_lr, None
-    kind, p = block["type"], dict(block["params"])
-    p.pop("last_batch_iteration")
-    if kind in ("WarmupLR", "WarmupDecayLR") and p["warmup_max_lr"] is None:
-        p["warmup_max_lr"] = base_lr  # DeepSpeed 0.19's WarmupLR (and WarmupDecayLR through it): the optimizer's lr
-    if kind == "WarmupLR":
-        return optim.warmup_lr(**p), None
-    if kind == "WarmupDecayLR":
-        return optim.warmup_decay_lr(**p), None
-    if kind == "WarmupCosineLR":
-        return optim.warmup_cosine_lr(lr=base_lr, **p), None
-    cycle = {k: p[k] for k in ("cycle_first_step_size", "cycle_second_step_size", "cycle_first_stair_count",
-                               "cycle_second_stair_count", "decay_step_size")}  # fmt: skip
-    lr = optim.one_cycle(p["cycle_min_lr"], p["cycle_max_lr"], p["decay_lr_rate"], **cycle)
-    if not p["cycle_momentum"]:
-        return lr, None
-    mom = optim.one_cycle_momentum(p["cycle_min_mom"], p["cycle_max_mom"], p["decay_mom_rate"], **cycle)
-    return lr, mom
+    """`build_schedules` for one param group."""
+    lrs, moms = build_schedules(cfg, [base_lr])
+    return lrs[0], None if moms is None else moms[0]
 
 
-def optimizer_spec(cfg: Config) -> OptimizerSpec | None:
-    """The config's `optimizer` (with its schedule), or None without an `optimizer` block."""
+def scheduled(spec: OptimizerSpec, cfg: Config) -> OptimizerSpec:
+    """`spec` with the config's scheduler on every group (DeepSpeed builds it on whatever optimizer it has, the
+    config's or a client's); OneCycle's momentum cycling sets Adam's `betas` to `(beta1 schedule, 0.99)`. Without a
+    `scheduler` block, `spec` itself."""
+    if cfg["scheduler"] is None:
+        return spec
+    groups = spec.per_group()
+    lrs, moms = build_schedules(cfg, [hyper_value(h["lr"], 0) for h in groups], betas="betas" in groups[0])
+    out = []
+    for i, h in enumerate(groups):
+        h = {**h, "lr": lrs[i]}
+        if moms is not None:
+            h["betas"] = (moms[i], 0.99)  # DeepSpeed's OneCycle sets beta2 to 0.99
+        out.append(h)
+    return spec.with_per_group(out)
+
+
+def group_keys(kind: str) -> tuple[str, ...]:
+    """The hyper-parameters a param group may set for optimizer `kind` ("adamw", "adam", "sgd")."""
+    return tuple(getattr(optim, kind)().defaults)
+
+
+def optimizer_kind(cfg: Config) -> str | None:
+    """Which fzero optimizer the config's `optimizer` block is: "adamw", "adam" or "sgd" (None without one)."""
     block = cfg["optimizer"]
     if block is None:
         return None
-    kind, p = block["type"], block["params"]
-    lr, mom = build_schedule(cfg, p["lr"])
-    if kind == "SGD":
-        if mom is not None:  # DeepSpeed disables OneCycle's momentum cycling for optimizers without betas
-            warnings.warn(
-                "scheduler.params.cycle_momentum is ignored with SGD (no betas), as in DeepSpeed", stacklevel=3
-            )
+    if block["type"] == "SGD":
+        return "sgd"
+    return "adamw" if block["type"] == "AdamW" or block["params"]["adam_w_mode"] else "adam"
+
+
+def optimizer_spec(
+    cfg: Config, groups: Sequence[tuple[Sequence[str], Mapping[str, Any]]] | None = None, *, schedule: bool = True
+) -> OptimizerSpec | None:
+    """The config's `optimizer` (with its schedule), or None without an `optimizer` block.
+
+    Args:
+      cfg: the validated config.
+      groups: param groups, as `(trainable parameter names, {hyper: value})`, the values overriding the config's
+        (torch's and DeepSpeed's rule: a group's keys override the optimizer's arguments); None: one group.
+      schedule: apply the config's `scheduler` (False: the constant hyper-parameters, e.g. for a client scheduler).
+
+    Raises:
+      KeyError: a group sets a key that is not a hyper-parameter of this optimizer.
+      ConfigError: a scheduler's per-group list does not match the groups.
+    """
+    kind = optimizer_kind(cfg)
+    if kind is None:
+        return None
+    p = cfg["optimizer"]["params"]
+    if kind == "sgd":
         hypers = {k: p[k] for k in ("momentum", "dampening", "weight_decay", "nesterov")}
-        return OptimizerSpec("sgd", lr, hypers, p["lr"])
-    betas: tuple[Any, Any] = (p["betas"][0], p["betas"][1])
-    if mom is not None:
-        betas = (mom, 0.99)  # DeepSpeed's OneCycle sets beta2 to 0.99
-    decoupled = kind == "AdamW" or p["adam_w_mode"]
-    hypers = {"betas": betas, "eps": p["eps"], "weight_decay": p["weight_decay"]}
-    return OptimizerSpec("adamw" if decoupled else "adam", lr, hypers, p["lr"])
+        spec = OptimizerSpec("sgd", p["lr"], hypers, p["lr"])
+    else:
+        torch_adam = p["torch_adam"]
+        # DeepSpeed passes the config's params to FusedAdam / DeepSpeedCPUAdam (default weight decay 0) or, with
+        # torch_adam, to torch.optim.AdamW (default 0.01) / Adam (default 0): the default follows the class
+        weight_decay = p["weight_decay"]
+        if weight_decay is None:
+            weight_decay = 0.01 if torch_adam and kind == "adamw" else 0.0
+        hypers = {"betas": (p["betas"][0], p["betas"][1]), "eps": p["eps"], "weight_decay": weight_decay}
+        spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], torch_adam=torch_adam)
+    if groups is not None and len(groups) > 1:
+        allowed = set(group_keys(spec.kind))
+        base = spec.per_group()[0]
+        specs = []
+        for names, over in groups:
+            unknown = sorted(set(over) - allowed)
+            if unknown:
+                raise KeyError(f"a param group sets {', '.join(unknown)}: not hyper-parameters of {kind}")
+            specs.append(GroupSpec(tuple(names), {**base, **over}))
+        spec = replace(spec, groups=tuple(specs))
+    elif groups:
+        spec = spec.with_per_group([{**spec.per_group()[0], **groups[0][1]}])
+    return scheduled(spec, cfg) if schedule else spec
 
 
 def build_optimizer(cfg: Config) -> Optimizer | None:

@@ -10,8 +10,9 @@ Three kinds of keys:
   optimizers, AMP, pipeline/tensor/sequence parallelism, monitors, ...): only their disabled value is accepted,
   anything else is an `UnsupportedConfigError` naming the key.
 
-`fzero_metrics` is fzero's own block (DeepSpeed ignores it): the JSONL metrics file and the shape of a dense
-transformer for the tokens/s and TFLOPS estimate (see `fzero.metrics`).
+`fzero_metrics` and `fzero_precision` are fzero's own blocks (DeepSpeed ignores them): the JSONL metrics file and
+the shape of a dense transformer for the tokens/s and TFLOPS estimate (see `fzero.metrics`); whether the fp32 master
+starts from the weights rounded to the compute dtype, as DeepSpeed's does (`fzero.precision.round_params`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .schema import (
     ListOf,
     Nullable,
     Num,
+    PerGroup,
     Section,
     Str,
     Tagged,
@@ -214,9 +216,13 @@ def _adam_params(decoupled_default: bool) -> Section:
             "lr": Field(Num(0), 1e-3),
             "betas": Field(ListOf(_BETA, 2), [0.9, 0.999]),
             "eps": Field(Num(0), 1e-8),
-            "weight_decay": Field(Num(0), 0.0),
+            "weight_decay": Field(
+                Nullable(Num(0)), None, effect="default 0, or 0.01 with torch_adam and AdamW (torch.optim.AdamW's)"
+            ),
             "adam_w_mode": Field(Bool(), decoupled_default, effect="Adam: decoupled weight decay (AdamW) unless false"),
-            "torch_adam": Field(Bool(), False, effect="no effect: fzero's Adam follows torch.optim's arithmetic"),
+            "torch_adam": Field(
+                Bool(), False, effect="torch.optim.AdamW / Adam as DeepSpeed builds them: their defaults, no C kernel"
+            ),
             "fused": Field(Nullable(Bool()), None, effect="no effect"),
             "foreach": Field(Nullable(Bool()), None, effect="no effect"),
             "bias_correction": Field(Bool(), True, unsupported="Adam without bias correction"),
@@ -280,6 +286,7 @@ OPTIMIZER = Tagged(
 )
 
 # ------------------------------------------------------------------------------------------------------- scheduler
+_PER_GROUP_LR = PerGroup(Num(0))
 _LAST = Field(Int(), -1, unsupported="resuming a schedule from last_batch_iteration (load a checkpoint instead)")
 _WARMUP_TYPE = Field(Str(("log", "linear")), "log")
 
@@ -290,8 +297,8 @@ def _warmup(total: bool, max_lr_default: float | None) -> Section:
         fields["total_num_steps"] = Field(Int(1), REQUIRED)
     fields.update(
         {
-            "warmup_min_lr": Field(Num(0), 0.0),
-            "warmup_max_lr": Field(Nullable(Num(0)), max_lr_default),
+            "warmup_min_lr": Field(_PER_GROUP_LR, 0.0),
+            "warmup_max_lr": Field(Nullable(_PER_GROUP_LR), max_lr_default, effect="null: each group's own lr"),
             "warmup_num_steps": Field(Int(1), 1000),
             "warmup_type": _WARMUP_TYPE,
             "last_batch_iteration": _LAST,
@@ -313,17 +320,17 @@ WARMUP_COSINE = Section(
 
 ONE_CYCLE = Section(
     {
-        "cycle_min_lr": Field(Num(0), REQUIRED),
-        "cycle_max_lr": Field(Num(0), REQUIRED),
+        "cycle_min_lr": Field(_PER_GROUP_LR, REQUIRED),
+        "cycle_max_lr": Field(_PER_GROUP_LR, REQUIRED),
         "decay_lr_rate": Field(Num(0), 0.0),
         "cycle_first_step_size": Field(Int(1), 2000),
-        "cycle_second_step_size": Field(Nullable(Int(1)), None),
+        "cycle_second_step_size": Field(Nullable(Int(0)), None),
         "cycle_first_stair_count": Field(Int(0), 0),
         "cycle_second_stair_count": Field(Nullable(Int(0)), None),
         "decay_step_size": Field(Int(0), 0),
         "cycle_momentum": Field(Bool(), True),
-        "cycle_min_mom": Field(_BETA, 0.8),
-        "cycle_max_mom": Field(_BETA, 0.9),
+        "cycle_min_mom": Field(PerGroup(_BETA), 0.8),
+        "cycle_max_mom": Field(PerGroup(_BETA), 0.9),
         "decay_mom_rate": Field(Num(0), 0.0),
         "last_batch_iteration": _LAST,
     }
@@ -348,6 +355,17 @@ FZERO_METRICS = Section(
         "num_layers": Field(Nullable(Int(1)), None, effect="with hidden_size and seq_length: enables TFLOPS"),
         "hidden_size": Field(Nullable(Int(1)), None),
         "activation_checkpointing": Field(Bool(), False, effect="TFLOPS counts 4 passes instead of 3"),
+    }
+)
+
+FZERO_PRECISION = Section(
+    {
+        "round_initial_master": Field(
+            Bool(),
+            False,
+            effect="under bf16/fp16: the fp32 master starts from the weights rounded to bf16/fp16, as DeepSpeed's "
+            "(it casts the module first); default: from the model's own fp32 weights",
+        ),
     }
 )
 
@@ -419,6 +437,7 @@ SCHEMA = Section(
         "checkpoint": Section({}, open=True),
         "tensor_parallel": Section({"autotp_size": Field(Int(0), 0, unsupported="tensor parallelism")}, open=True),
         "fzero_metrics": FZERO_METRICS,
+        "fzero_precision": FZERO_PRECISION,
     },
     aliases={"bfloat16": "bf16"},
     checks=(_top_checks,),

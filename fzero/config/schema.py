@@ -40,6 +40,7 @@ __all__ = [
     "ListOf",
     "Nullable",
     "Num",
+    "PerGroup",
     "Section",
     "Spec",
     "Str",
@@ -231,6 +232,28 @@ class ListOf(Spec):
         if self.length is not None and len(value) != self.length:
             raise ConfigError(path, f"expected {self.expect}, got {len(value)} values")
         return [self.inner.validate(v, f"{path}[{i}]", unknown) for i, v in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class PerGroup(Spec):
+    """A value of `inner` for every param group, or a list of them, one per param group (DeepSpeed's schedulers
+    take either; the list's length is checked against the groups when the schedule is built)."""
+
+    inner: Spec
+
+    @property
+    def expect(self) -> str:  # type: ignore[override]
+        return f"{self.inner.expect}, or a list of them (one per param group)"
+
+    def validate(self, value: Any, path: str, unknown: list[str]) -> Any:
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ConfigError(path, f"expected {self.expect}, got an empty list")
+            return [self.inner.validate(v, f"{path}[{i}]", unknown) for i, v in enumerate(value)]
+        try:
+            return self.inner.validate(value, path, unknown)
+        except ConfigTypeError:
+            raise self.type_error(path, value) from None
 
 
 @dataclass(frozen=True)

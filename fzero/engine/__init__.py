@@ -18,18 +18,21 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import optim
 from ..config import Config, ConfigError, ConfigWarning, parse_config
-from ..config.build import OptimizerSpec, build_schedule, build_transform, optimizer_spec
+from ..config.build import OptimizerSpec, build_policy, build_transform, group_keys, optimizer_kind, optimizer_spec
+from ..config.build import scheduled as with_schedule
 from ..mesh import DistMesh, Mesh, SimMesh
-from .client import OptimizerView, check_params, client_spec, live, trainable_params
+from ..precision import round_params
+from .client import OptimizerView, client_spec, live, trainable_params
 from .engine import Engine
+from .groups import parse_groups, split_options
 
 __all__ = ["DeepSpeedEngine", "Engine", "SchedulerView", "add_config_arguments", "init_distributed", "initialize"]
 
@@ -100,25 +103,44 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return config
 
 
-def _view_defaults(spec: OptimizerSpec) -> dict[str, Any]:
-    h = dict(spec.hypers)
-    if "betas" in h:
-        h["betas"] = tuple(float(b(0)) if callable(b) else float(b) for b in h["betas"])
-    return {"lr": float(spec.lr(0)) if callable(spec.lr) else float(spec.lr), **h}
+def _config_optimizer(
+    model: nn.Module, cfg: Config, model_parameters: Any
+) -> tuple[OptimizerSpec, OptimizerView, list[dict[str, Any]]]:
+    """The config's optimizer over `model_parameters` (its param groups mapped to `fzero.param_groups`), before any
+    schedule; the `OptimizerView`, one group per user group; the view's groups."""
+    kind = optimizer_kind(cfg)
+    if kind is None:
+        raise ConfigError(
+            "optimizer", 'no optimizer: add an "optimizer" block to the config or pass optimizer= to initialize'
+        )
+    view_groups: list[dict[str, Any]] = [{"params": trainable_params(model)}]
+    pairs = None
+    if model_parameters is not None:
+        groups = parse_groups(model, model_parameters, "model_parameters")
+        allowed = group_keys(kind)
+        defaults = optimizer_spec(cfg, schedule=False).per_group()[0]  # type: ignore[union-attr]
+        pairs, view_groups = [], []
+        for group in groups:
+            overrides, _ = split_options(group, allowed, cfg["optimizer"]["type"], "model_parameters")
+            try:  # the values, checked as the optimizer's constructor checks them, naming the group
+                getattr(optim, kind)(**{**defaults, **overrides})
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"model_parameters[{group.index}]: {e}") from None
+            pairs.append((group.names, overrides))
+            view_groups.append({"params": group.params, **group.options})
+    spec = optimizer_spec(cfg, pairs, schedule=False)  # split_options let through only the optimizer's own keys
+    assert spec is not None
+    view = OptimizerView(view_groups, {"lr": spec.lr, **spec.hypers}, spec.kind)
+    return spec, view, view.param_groups
 
 
 def _optimizer(
     model: nn.Module, cfg: Config, optimizer: Any, model_parameters: Any
-) -> tuple[OptimizerSpec, OptimizerView | torch.optim.Optimizer]:
-    """The optimizer to build and the object `initialize` returns as the optimizer."""
+) -> tuple[OptimizerSpec, OptimizerView | torch.optim.Optimizer, list[dict[str, Any]]]:
+    """The optimizer to build (before any schedule), the object `initialize` returns as the optimizer, and the param
+    group dicts that map to fzero's groups (one per group with parameters)."""
     if optimizer is None:
-        spec = optimizer_spec(cfg)
-        if spec is None:
-            raise ConfigError(
-                "optimizer", 'no optimizer: add an "optimizer" block to the config or pass optimizer= to initialize'
-            )
-        check_params(model, model_parameters, "model_parameters")
-        return spec, OptimizerView(trainable_params(model), _view_defaults(spec), spec.kind)
+        return _config_optimizer(model, cfg, model_parameters)
     if cfg["optimizer"] is not None:
         warnings.warn(
             "a client optimizer was passed to initialize: the config's optimizer block is ignored (as in DeepSpeed)",
@@ -131,14 +153,20 @@ def _optimizer(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or a callable returning one, got {type(optimizer).__name__}"
         )
-    spec = client_spec(model, optimizer)
-    if cfg["scheduler"] is not None:  # DeepSpeed builds the config's scheduler on the client optimizer
-        lr, mom = build_schedule(cfg, spec.base_lr)
-        hypers = dict(spec.hypers)
-        if mom is not None and "betas" in hypers:
-            hypers["betas"] = (mom, 0.99)
-        spec = replace(spec, lr=lr, hypers=hypers)
-    return spec, optimizer
+    spec, groups = client_spec(model, optimizer)
+    return spec, optimizer, groups
+
+
+def _live(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> OptimizerSpec:
+    """`spec` reading each group's lr (and betas) from its param group at every update (a client scheduler sets
+    them)."""
+    out = []
+    for h, group in zip(spec.per_group(), groups, strict=True):
+        h = {**h, "lr": live(group, "lr")}
+        if "betas" in h:
+            h["betas"] = (live(group, "betas", 0), live(group, "betas", 1))
+        out.append(h)
+    return spec.with_per_group(out)
 
 
 def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:
@@ -178,14 +206,17 @@ def initialize(
     Args:
       args: an argparse namespace; its `deepspeed_config` names the config file if `config` is not given.
       model: the `nn.Module` to train (moved to the device; from now on the engine owns its parameters).
-      optimizer: None (the config's `optimizer` block), a `torch.optim.Adam` / `AdamW` / `SGD` (translated), or a
-        callable building one from `model_parameters`.
-      model_parameters: the parameters to train; they must be the model's `requires_grad` parameters (fzero
-        trains those; freeze the rest with `requires_grad_(False)`).
+      optimizer: None (the config's `optimizer` block), a `torch.optim.Adam` / `AdamW` / `SGD` (translated, param
+        groups included), or a callable building one from `model_parameters`.
+      model_parameters: what the config's optimizer trains: parameters, or torch-style param-group dicts
+        (`{"params": [...], "lr": ..., "weight_decay": ..., "name": ...}`; a group's hyper-parameters override the
+        config's for its parameters). Every `requires_grad` parameter of the model must be in it, once; frozen ones
+        are ignored and groups without parameters dropped, as in DeepSpeed (see `fzero.engine.groups`). Default:
+        the model's trainable parameters.
       training_data: a torch `Dataset`: a `DataLoader` of micro-batches, each rank its share, is returned.
       lr_scheduler: a client scheduler (an object with `step()`, or a callable building one from the optimizer);
-        the engine steps it after every applied update, and the learning rate is read from the optimizer's param
-        group at every update.
+        the engine steps it after every applied update, and each group's learning rate (and betas) is read from the
+        optimizer's param group at every update.
       distributed_port, dist_init_required: accepted for compatibility (the mesh decides; see the module doc).
       mpu, mesh_param: model parallelism, not supported (must be None).
       collate_fn: the data loader's `collate_fn`.
@@ -195,9 +226,9 @@ def initialize(
       printer: fzero only: where the engine's console lines go (rank 0).
 
     Returns:
-      `(engine, optimizer, dataloader, lr_scheduler)`: the `Engine`; the optimizer object (an `OptimizerView`, or
-      the client optimizer); the data loader or None; the scheduler (a `SchedulerView` for a config `scheduler`,
-      the client scheduler, or None).
+      `(engine, optimizer, dataloader, lr_scheduler)`: the `Engine`; the optimizer object (an `OptimizerView`
+      whose `param_groups` mirror the user's groups, or the client optimizer); the data loader or None; the
+      scheduler (a `SchedulerView` for a config `scheduler`, the client scheduler, or None).
     """
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
@@ -210,7 +241,7 @@ def initialize(
     mesh = mesh if mesh is not None else default_mesh()
     cfg = parse_config(source, world=mesh.world)
     model.to(device)
-    spec, view = _optimizer(model, cfg, optimizer, model_parameters)
+    spec, view, groups = _optimizer(model, cfg, optimizer, model_parameters)
     scheduler = None
     if lr_scheduler is not None:
         if cfg["scheduler"] is not None:
@@ -220,15 +251,18 @@ def initialize(
                 stacklevel=2,
             )
         scheduler = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(view)
-        group = view.param_groups[0]
-        hypers = dict(spec.hypers)
-        if "betas" in hypers:
-            hypers["betas"] = (live(group, "betas", 0), live(group, "betas", 1))
-        spec = replace(spec, lr=live(group, "lr"), hypers=hypers)
+        spec = _live(spec, groups)
+    else:
+        spec = with_schedule(spec, cfg)  # DeepSpeed builds the config's scheduler on the client optimizer too
+    if cfg["fzero_precision"]["round_initial_master"] and cfg.precision != "fp32":
+        round_params(model, build_policy(cfg).compute_dtype)  # DeepSpeed's master starts from the cast module
     tx = build_transform(cfg, spec.build(offload=cfg.offload))
+    hypers = spec.per_group()
     engine = Engine(
-        model, cfg, mesh, tx, view, lr=spec.lr, betas=spec.hypers.get("betas"), client_scheduler=scheduler,
-        device=device, printer=printer,
+        model, cfg, mesh, tx, view, lr=[h["lr"] for h in hypers],
+        betas=[h["betas"] for h in hypers] if "betas" in hypers[0] else None, param_groups=groups,
+        momentum="momentum" if optimizer is None and spec.kind == "sgd" else "betas",
+        client_scheduler=scheduler, device=device, printer=printer,
     )  # fmt: skip
     if scheduler is None and cfg["scheduler"] is not None:
         scheduler = SchedulerView(engine, cfg["scheduler"]["type"])

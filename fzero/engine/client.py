@@ -2,21 +2,24 @@
 
 fzero's optimizers are functions on flat shards, but DeepSpeed scripts read `optimizer.param_groups[0]["lr"]`, and
 hand the optimizer to LR schedulers (torch's or their own). `OptimizerView` is a real `torch.optim.Optimizer` over the
-module's parameters that never steps: it shows the hyper-parameters of the next update, and, when a client scheduler
-drives it, it is where fzero's optimizer reads the learning rate (and Adam's betas) from at each update.
+module's parameters that never steps: it shows the hyper-parameters of the next update, group by group, and, when a
+client scheduler drives it, it is where fzero's optimizer reads each group's learning rate (and Adam's betas) from at
+each update. A client `torch.optim` optimizer is translated group by group the same way (`client_spec`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config.build import OptimizerSpec
+from ..config.build import GroupSpec, OptimizerSpec
 from ..config.schema import UnsupportedConfigError
 from ..optim import Hyper
+from .groups import ParamGroup, parse_groups
 
 __all__ = ["OptimizerView", "client_spec", "live", "trainable_params"]
 
@@ -24,11 +27,15 @@ __all__ = ["OptimizerView", "client_spec", "live", "trainable_params"]
 class OptimizerView(torch.optim.Optimizer):
     """A `torch.optim.Optimizer` that holds hyper-parameters but never updates anything.
 
+    Its `param_groups` are the user's (one per group of `model_parameters` that has parameters, in order, with every
+    key the user gave, such as `name`; one group of the trainable parameters otherwise), each showing the
+    hyper-parameters of its next update.
+
     `engine.step()` does the updates; `step()` here raises. Attributes DeepSpeed's wrappers have: `loss_scale` /
     `cur_scale` (set by the engine after each step), `overflow` (whether the last boundary step was skipped).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], defaults: dict[str, Any], kind: str) -> None:
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], kind: str) -> None:
         params = list(params) or [nn.Parameter(torch.zeros(0))]
         super().__init__(params, defaults)
         self.kind = kind
@@ -59,77 +66,64 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_SAME = {
-    torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay"),
-    torch.optim.Adam: ("lr", "betas", "eps", "weight_decay"),
-    torch.optim.SGD: ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-}
+_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 _OFF = ("amsgrad", "maximize", "differentiable", "capturable")
+WHAT = "the client optimizer's param_groups"
 
 
-def _groups_agree(opt: torch.optim.Optimizer, keys: tuple[str, ...]) -> dict[str, Any]:
-    first = opt.param_groups[0]
-    for i, group in enumerate(opt.param_groups[1:], 1):
-        for key in keys:
-            if group.get(key) != first.get(key):
-                raise UnsupportedConfigError(
-                    "optimizer",
-                    f"param group {i} has {key}={group.get(key)!r} but group 0 has {first.get(key)!r}: per-group "
-                    "hyper-parameters are not supported (fzero's optimizer runs on one flat buffer); freeze "
-                    "parameters with requires_grad_(False) or use one group",
-                )
+def _check_group(opt: torch.optim.Optimizer, group: ParamGroup, first: ParamGroup) -> None:
+    assert group.source is not None and first.source is not None
     for key in _OFF:
-        if any(g.get(key) for g in opt.param_groups):
-            raise UnsupportedConfigError("optimizer", f"{type(opt).__name__}({key}=True) is not supported")
-    return first
-
-
-def check_params(model: nn.Module, params: Iterable[Any] | None, what: str) -> None:
-    """`params` (parameters or param-group dicts) must be exactly the model's trainable parameters, with or without
-    its frozen ones (which are ignored, as DeepSpeed ignores them)."""
-    if params is None:
-        return
-    ids: set[int] = set()
-    for item in params:
-        if isinstance(item, dict):
-            extra = sorted(set(item) - {"params", "name", "names"})
-            if extra:
-                raise UnsupportedConfigError(
-                    what,
-                    f"a param group sets {', '.join(extra)}: per-group hyper-parameters are not supported "
-                    "(fzero's optimizer runs on one flat buffer)",
-                )
-            group = item["params"]
-            ids.update(id(p) for p in ([group] if isinstance(group, torch.Tensor) else group))
-        else:
-            ids.add(id(item))
-    want = {id(p) for p in trainable_params(model)}
-    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
-    ids -= frozen  # DeepSpeed accepts model.parameters() with frozen ones among them, and trains the others
-    if ids != want:
-        raise ValueError(
-            f"{what}: fzero trains exactly the model's parameters with requires_grad=True ({len(want)} tensors), "
-            f"but {what} holds {len(ids & want)} of them and {len(ids - want)} tensors that are not the model's "
-            "parameters; freeze what should not train with requires_grad_(False)"
+        if group.source.get(key):
+            raise UnsupportedConfigError(
+                "optimizer", f"{type(opt).__name__}({key}=True) is not supported (param group {group.index})"
+            )
+    key = "decoupled_weight_decay"  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW
+    if bool(group.source.get(key, False)) != bool(first.source.get(key, False)):
+        raise UnsupportedConfigError(
+            "optimizer",
+            f"param groups {first.index} and {group.index} of {type(opt).__name__} differ in {key}: fzero runs one "
+            "Adam (L2 weight decay) or AdamW (decoupled) for all groups",
         )
 
 
-def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> OptimizerSpec:
-    """The fzero optimizer equivalent to a client `torch.optim.Adam` / `AdamW` / `SGD`, reading its learning rate
-    (and betas) live from the client's param group so a client scheduler, or the user, can change them."""
-    kind = next((cls for cls in _SAME if type(opt) is cls), None)
+def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[OptimizerSpec, list[dict[str, Any]]]:
+    """The fzero optimizer equivalent to a client `torch.optim.Adam` / `AdamW` / `SGD`, group by group, reading each
+    group's learning rate (and betas) live from the client's param group, so a client scheduler, or the user, can
+    change them; and the param-group dicts that map to fzero's groups (those with parameters, in order).
+
+    Raises:
+      UnsupportedConfigError: another optimizer class, or an option fzero does not implement.
+      ValueError: the groups do not hold exactly the model's trainable parameters, once each (see
+        `fzero.engine.groups`).
+    """
+    kind = next((cls for cls in _CLASSES if type(opt) is cls), None)
     if kind is None:
         raise UnsupportedConfigError(
             "optimizer",
             f"client optimizer {type(opt).__module__}.{type(opt).__name__} is not supported: pass torch.optim.Adam, "
             "AdamW or SGD (translated to fzero's), or configure the optimizer in the config",
         )
-    group = _groups_agree(opt, _SAME[kind])
-    check_params(model, [p for g in opt.param_groups for p in g["params"]], "the client optimizer's parameters")
+    groups = parse_groups(model, opt.param_groups, WHAT)
+    for group in groups:
+        _check_group(opt, group, groups[0])
+    dicts = [g.source for g in groups]
+    per_group = []
+    for g in dicts:
+        assert g is not None
+        if kind is torch.optim.SGD:
+            per_group.append({"lr": live(g, "lr"), **{k: g[k] for k in ("momentum", "dampening", "weight_decay",
+                                                                        "nesterov")}})  # fmt: skip
+        else:
+            per_group.append({"lr": live(g, "lr"), "betas": (live(g, "betas", 0), live(g, "betas", 1)),
+                              "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})  # fmt: skip
     if kind is torch.optim.SGD:
-        hypers = {k: group[k] for k in ("momentum", "dampening", "weight_decay", "nesterov")}
-        return OptimizerSpec("sgd", live(group, "lr"), hypers, float(group["lr"]))
-    decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
-    hypers = {"betas": (live(group, "betas", 0), live(group, "betas", 1)), "eps": group["eps"],
-              "weight_decay": group["weight_decay"]}  # fmt: skip
-    return OptimizerSpec("adamw" if decoupled else "adam", live(group, "lr"), hypers, float(group["lr"]))
+        name = "sgd"
+    else:
+        decoupled = kind is torch.optim.AdamW or bool(dicts[0].get("decoupled_weight_decay", False))  # type: ignore[union-attr]
+        name = "adamw" if decoupled else "adam"
+    first = dict(per_group[0])
+    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]))  # type: ignore[index]
+    if len(groups) > 1:
+        spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
+    return spec, dicts  # type: ignore[return-value]

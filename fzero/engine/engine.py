@@ -32,6 +32,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,7 +64,7 @@ class Engine(nn.Module):
       state: the current `TrainState` (rebound by every `step()`).
       mesh, tx: the mesh and transform chain the state belongs to.
       config: the validated `fzero.config.Config`.
-      optimizer: the `OptimizerView` (hyper-parameters of the next update).
+      optimizer: the `OptimizerView` (hyper-parameters of the next update), or the client optimizer.
       global_steps, global_samples, micro_steps, skipped_steps: DeepSpeed's counters.
     """
 
@@ -73,10 +74,12 @@ class Engine(nn.Module):
         config: Config,
         mesh: Mesh,
         tx: Transform,
-        optimizer: OptimizerView,
+        optimizer: OptimizerView | torch.optim.Optimizer,
         *,
-        lr: Hyper,
-        betas: tuple[Hyper, Hyper] | None = None,
+        lr: Hyper | Sequence[Hyper],
+        betas: tuple[Hyper, Hyper] | Sequence[tuple[Hyper, Hyper]] | None = None,
+        param_groups: Sequence[dict[str, Any]] | None = None,
+        momentum: str = "betas",
         client_scheduler: Any = None,
         device: torch.device | None = None,
         printer: Any = print,
@@ -88,7 +91,17 @@ class Engine(nn.Module):
         self.tx = tx
         self.optimizer = optimizer
         self.client_scheduler = client_scheduler
-        self._lr, self._betas = lr, betas
+        self._lrs: list[Hyper] = list(lr) if isinstance(lr, (list, tuple)) else [lr]
+        self._betas: list[tuple[Hyper, Hyper]] | None = None
+        if betas is not None:
+            self._betas = [tuple(b) for b in betas] if isinstance(betas[0], (list, tuple)) else [tuple(betas)]  # type: ignore[misc]
+        self._groups = list(param_groups) if param_groups is not None else list(optimizer.param_groups)
+        if len(self._groups) != len(self._lrs) or (self._betas is not None and len(self._betas) != len(self._lrs)):
+            raise ValueError(
+                f"Engine: {len(self._groups)} param groups but {len(self._lrs)} learning rates"
+                + ("" if self._betas is None else f" and {len(self._betas)} betas")
+            )
+        self._momentum = momentum
         self._device = device or next(model.parameters()).device
         self._policy = build_policy(config)
         self._gather_policy = build_gather_policy(config)
@@ -188,15 +201,17 @@ class Engine(nn.Module):
         return int(opt.count) if opt is not None and hasattr(opt, "count") else self._applied_fallback
 
     def get_lr(self) -> list[float]:
-        """The learning rate of the next update, per param group (DeepSpeed's `engine.get_lr()`)."""
-        return [float(hyper_value(self._lr, self.applied_updates()))]
+        """The learning rate of the next update, one per param group (DeepSpeed's `engine.get_lr()`: its groups
+        with parameters, in order)."""
+        return self._lrs_at(self.applied_updates())
+
+    def _lrs_at(self, n: int) -> list[float]:
+        return [float(hyper_value(lr, n)) for lr in self._lrs]
 
     def get_mom(self) -> list[Any]:
-        """Adam's betas (or SGD's momentum) of the next update, per param group."""
-        n = self.applied_updates()
-        if self._betas is not None:
-            return [tuple(float(hyper_value(b, n)) for b in self._betas)]
-        return [self.optimizer.param_groups[0].get("momentum")]
+        """The momentum of the next update, one per param group, as DeepSpeed's `engine.get_mom()` reads it: the
+        groups' `momentum` for a config SGD, their `betas` otherwise (a client `torch.optim.SGD` has none: 0.0)."""
+        return [group.get(self._momentum, 0.0) for group in self._groups]
 
     def was_step_applied(self) -> bool:
         """Whether the last `step()` updated the parameters (a boundary step that was not skipped)."""
@@ -369,7 +384,7 @@ class Engine(nn.Module):
         return grads
 
     def _end_global_step(self, metrics: dict[str, Any], applied: bool, skipped: bool, lr_kwargs: Any) -> None:
-        lr_used = float(hyper_value(self._lr, self.applied_updates() - applied))
+        lr_used = self._lrs_at(self.applied_updates() - applied)
         self._global_grad_norm = metrics.get("grad_norm")
         self.optimizer.overflow = skipped
         if skipped:
@@ -421,7 +436,7 @@ class Engine(nn.Module):
         exclude_frozen_parameters: bool = False,
         *,
         overwrite: bool = True,
-    ) -> Any:
+    ) -> bool:
         """DeepSpeed's `save_checkpoint`: the training state, the counters, the config and `client_state`, written
         with `fzero.save` to ``save_dir/tag`` (every rank calls it; see ``docs/checkpoints.md``).
 
@@ -439,11 +454,12 @@ class Engine(nn.Module):
             over it; False makes that an error.
 
         Returns:
-          The checkpoint's directory (DeepSpeed returns True; a path is truthy too).
+          True, as DeepSpeed's (the checkpoint is ``save_dir/tag``; errors raise).
         """
-        return checkpointing.save_checkpoint(
+        checkpointing.save_checkpoint(
             self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, overwrite=overwrite
         )
+        return True
 
     def load_checkpoint(
         self,
@@ -524,7 +540,7 @@ class Engine(nn.Module):
             printer=printer,
         )
 
-    def _report(self, lr: float, metrics: dict[str, Any]) -> None:
+    def _report(self, lr: list[float], metrics: dict[str, Any]) -> None:
         now = time.perf_counter()
         step_time = now - (self._t_step or now)
         self._t_step = now
@@ -532,11 +548,13 @@ class Engine(nn.Module):
         self._step_losses = []
         values: dict[str, Any] = {
             "loss": float(sum(float(x) for x in losses) / len(losses)),
-            "lr": lr,
+            "lr": lr[0],  # DeepSpeed's monitors log get_lr()[0]
             "loss_scale": float(metrics["loss_scale"]),
             "skipped": bool(metrics["skipped"]),
             "grad_norm": metrics.get("grad_norm"),
         }
+        if len(lr) > 1:
+            values["lr_groups"] = lr  # DeepSpeed's progress line prints get_lr(): every group's
         if self.config.wall_clock_breakdown:
             values.update({f"{k}_ms": v * 1e3 for k, v in self._times.items()})
         self._times = dict.fromkeys(self._times, 0.0)
@@ -568,10 +586,10 @@ class Engine(nn.Module):
         if self.client_scheduler is not None:
             return
         n = self.applied_updates()
-        for group in self.optimizer.param_groups:
-            group["lr"] = float(hyper_value(self._lr, n))
+        for i, group in enumerate(self._groups):
+            group["lr"] = float(hyper_value(self._lrs[i], n))
             if self._betas is not None:
-                group["betas"] = tuple(float(hyper_value(b, n)) for b in self._betas)
+                group["betas"] = tuple(float(hyper_value(b, n)) for b in self._betas[i])
 
     def module_state_dict(self) -> dict[str, Tensor]:
         """The consolidated parameters (fp32 master), frozen parameters and buffers: what the model's

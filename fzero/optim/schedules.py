@@ -1,9 +1,14 @@
 """Learning-rate (and momentum) schedules: pure functions of `n`, the number of updates already applied.
 
 They reproduce DeepSpeed 0.19's schedulers (`runtime/lr_schedules.py`) with its parameter names, so a DeepSpeed
-`scheduler` block maps one to one. DeepSpeed steps a scheduler once after each *applied* update, starting from
-`last_batch_iteration = -1`, and the value the constructor writes serves the first update; so the update that follows
-`n` applied updates uses DeepSpeed's formula at `last_batch_iteration = n - 1`. Quirks reproduced on purpose:
+`scheduler` block maps one to one, and compute DeepSpeed's values bitwise (its operations in its order: e.g. the
+log warm-up multiplies by a stored `1 / log(N)`). DeepSpeed's schedulers treat each param group alike with its own
+values (per-group lists of `warmup_min_lr`, `cycle_max_lr`, ...; a group's own lr as `WarmupLR`'s maximum when it is
+None, and as `WarmupCosineLR`'s base): one schedule per group here (`fzero.config.build.build_schedules`).
+
+DeepSpeed steps a scheduler once after each *applied* update, starting from `last_batch_iteration = -1`, and the
+value the constructor writes serves the first update; so the update that follows `n` applied updates uses
+DeepSpeed's formula at `last_batch_iteration = n - 1`. Quirks reproduced on purpose:
 
 - `warmup_lr`, `warmup_decay_lr`: the first two updates both use `warmup_min_lr` (the constructor writes the
   minimum, and the first `step()` evaluates the warm-up at iteration 0, whose gamma is 0);
@@ -45,9 +50,11 @@ def _check_warmup(warmup_num_steps: int, warmup_type: str) -> int:
 
 
 def _warmup_gamma(it: int, steps: int, warmup_type: str) -> float:
-    """DeepSpeed's warm-up fraction at iteration `it < steps`."""
+    """DeepSpeed's warm-up fraction at iteration `it < steps`: `(1 / log(N)) * log(it + 1)`, computed in that order
+    (DeepSpeed keeps `inverse_log_warm_up = 1.0 / math.log(N)`); `log(it + 1) / log(N)` differs from it by one ulp
+    at about a quarter of the steps."""
     if warmup_type == "log":
-        return math.log(it + 1) / math.log(steps)
+        return (1.0 / math.log(steps)) * math.log(it + 1)
     return it / steps
 
 
@@ -56,17 +63,18 @@ def warmup_lr(
 ) -> Schedule:
     """DeepSpeed's `WarmupLR`: from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then constant.
 
-    At iteration `i = n - 1`: `lr = min + (max - min) * gamma`, `gamma = log(i + 1) / log(N)` ("log") or `i / N`
-    ("linear") while `i < N`, else 1; `lr = min` before the first step (`i = -1`).
+    At iteration `i = n - 1`: `lr = min + (max - min) * gamma`, `gamma = (1 / log(N)) * log(i + 1)` ("log") or
+    `i / N` ("linear") while `i < N`, else 1; `lr = min` before the first step (`i = -1`). Bitwise DeepSpeed's.
     """
     steps = _check_warmup(warmup_num_steps, warmup_type)
+    delta = warmup_max_lr - warmup_min_lr  # DeepSpeed's delta_lrs
 
     def lr(n: int) -> float:
         it = n - 1
         if it < 0:
             return warmup_min_lr
         gamma = _warmup_gamma(it, steps, warmup_type) if it < steps else 1.0
-        return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
+        return warmup_min_lr + delta * gamma
 
     return lr
 
@@ -85,6 +93,7 @@ def warmup_decay_lr(
     steps = _check_warmup(warmup_num_steps, warmup_type)
     if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) or total_num_steps <= 0:
         raise ValueError(f"total_num_steps must be a positive integer, got {total_num_steps!r}")
+    delta = warmup_max_lr - warmup_min_lr
 
     def lr(n: int) -> float:
         it = n - 1
@@ -93,8 +102,8 @@ def warmup_decay_lr(
         if it < steps:
             gamma = _warmup_gamma(it, steps, warmup_type)
         else:
-            gamma = max(0.0, (total_num_steps - it) / max(1.0, total_num_steps - steps))
-        return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
+            gamma = max(0.0, float(total_num_steps - it) / float(max(1.0, total_num_steps - steps)))
+        return warmup_min_lr + delta * gamma
 
     return lr
 
@@ -124,10 +133,11 @@ def warmup_cosine_lr(
         if it < 0:
             return 0.0
         if it < steps:
-            ratio = warmup_min_ratio + _warmup_gamma(it, steps, warmup_type) * (1 - warmup_min_ratio)
+            ratio = warmup_min_ratio + _warmup_gamma(it, steps, warmup_type) * (1.0 - warmup_min_ratio)
         else:
             progress = min(1.0, (it - steps + 1) / max(1, total_num_steps - steps))
-            ratio = max(0.0, cos_min_ratio + (1 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
+            ratio = (1 + math.cos(math.pi * progress)) / 2
+            ratio = max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * ratio)
         return base * ratio
 
     return schedule
@@ -137,8 +147,9 @@ class _Cycle:
     """OneCycle's triangular position: `scale(bi)` in [0, 1] for batch index `bi = i + 1`."""
 
     def __init__(self, first: int, second: int | None, first_stairs: int, second_stairs: int | None) -> None:
-        if not first > 0 or (second is not None and not second > 0):
-            raise ValueError(f"cycle step sizes must be positive, got {first!r} and {second!r}")
+        if not first > 0 or (second is not None and not second >= 0):  # DeepSpeed 0.19.8 allows a second half of 0
+            raise ValueError(f"cycle_first_step_size must be positive and cycle_second_step_size non-negative, got "
+                             f"{first!r} and {second!r}")  # fmt: skip
         self.first = float(first)
         self.second = float(second) if second is not None else self.first
         self.total = self.first + self.second
@@ -176,11 +187,13 @@ def one_cycle(
 
     def lr(n: int) -> float:
         it = n - 1
+        if it < 0:
+            return cycle_min_lr  # the constructor writes the minimum
         if it < cyc.total:
             return cycle_min_lr + (cycle_max_lr - cycle_min_lr) * cyc.scale(it + 1)
         if no_decay:
             return cycle_min_lr
-        return cycle_min_lr / (1 + decay_lr_rate * (it - cyc.total + 1) / decay_step_size)
+        return cycle_min_lr / (1 + decay_lr_rate * ((it - cyc.total + 1) / decay_step_size))
 
     return lr
 
@@ -208,6 +221,6 @@ def one_cycle_momentum(
             return cycle_max_mom - (cycle_max_mom - cycle_min_mom) * cyc.scale(it + 1)
         if no_decay:
             return cycle_max_mom
-        return cycle_max_mom * (1 + decay_mom_rate * (it - cyc.total + 1) / decay_step_size)
+        return cycle_max_mom * (1 + decay_mom_rate * ((it - cyc.total + 1) / decay_step_size))
 
     return mom
