@@ -9,6 +9,7 @@ model.load_state_dict(fzero.state_dict(state))
 """
 
 from . import layout, loss_scale, native, optim, precision
+from ._version import __version__ as __version__
 from .checkpoint import consolidate, load, save
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 from .layout import Layout
@@ -42,8 +43,6 @@ from .transforms import (
     zero2,
     zero3,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Context",

@@ -101,7 +101,7 @@ def sharded_parameters(
     model: nn.Module,
     layout: Layout,
     mesh: Mesh,
-    initializer: Callable[[nn.Module], None],
+    initializer: Callable[[nn.Module], None] | None,
     device: torch.device | str = "cpu",
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
     """Each rank's shard of the trainable and of the frozen parameters, and the buffers, of a `meta` model.
@@ -123,6 +123,12 @@ def sharded_parameters(
     Raises:
       ValueError: the initializer left a parameter or buffer (or part of one) uninitialised; it names them.
     """
+    if initializer is None:
+        raise ValueError(
+            "init: the model is on the meta device; pass initializer=fn, where fn(module) initialises the tensors a "
+            "module owns, run on every module children first as model.apply(fn) would (for a Hugging Face model: "
+            "initializer=model._init_weights)"
+        )
     spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
     pieces: list[list[Tensor]] = [[] for _ in spaces]
     buffers: dict[str, Tensor] = {}

@@ -95,30 +95,13 @@ def init(
         raise TypeError(f"tx must be an fzero Transform (e.g. fzero.zero2(...)), got {type(tx).__name__}")
     layout = from_module(model, world=mesh.world, align=align, units=units)
     flay = layout.frozen_layout
-    named = dict(model.named_parameters())
-    meta = any(p.is_meta for p in named.values()) or any(b.is_meta for b in model.buffers())
+    meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     if meta:
-        if initializer is None:
-            raise ValueError(
-                "init: the model is on the meta device; pass initializer=fn, where fn(module) initialises the "
-                "tensors a module owns, run on every module children first as model.apply(fn) would (for a "
-                "Hugging Face model: initializer=model._init_weights)"
-            )
-        shard, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
-        flow = Flow(None, shard, None)
+        params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
     else:
-        with torch.no_grad():
-            trainable = {leaf.name: named[leaf.name] for leaf in layout.leaves}
-            flat = mesh.broadcast(mesh.replicate(flatten(layout, trainable)), src=0)
-            frozen = None
-            if flay is not None:
-                values = {leaf.name: named[leaf.name] for leaf in flay.leaves}
-                frozen = mesh.broadcast(mesh.replicate(flatten(flay, values)), src=0)
-            module_buffers = dict(model.named_buffers())
-            buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
-        flow = Flow(None, flat, None)
+        params, frozen, buffers = _replicated_parameters(model, layout, mesh)
     with torch.no_grad():
-        flow, tx_state = tx.init(flow, Context(mesh, layout, presharded=meta))
+        flow, tx_state = tx.init(Flow(None, params, None), Context(mesh, layout, presharded=meta))
     if meta and not flow.sharded:
         raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
                          "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
@@ -130,11 +113,31 @@ def init(
         _warn_single_unit(layout)
     cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
     frozen_dtype = flow.compute.dtype if cast and flay is not None and flay.torch_dtype != flow.compute.dtype else None
+    return TrainState(
+        count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype
+    )
+
+
+def _replicated_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
+    """The model's trainable and frozen parameters as full flat buffers and its buffers, per rank: rank 0's values
+    on every rank."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        flat = mesh.broadcast(mesh.replicate(flatten(layout, named)), src=0)
+        frozen = None
+        if layout.frozen_layout is not None:
+            frozen = mesh.broadcast(mesh.replicate(flatten(layout.frozen_layout, named)), src=0)
+        module_buffers = dict(model.named_buffers())
+        buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
+    return flat, frozen, buffers
+
+
+def _seed(mesh: Mesh, seed: int | None) -> Tensor:
+    """The state's random stream: `seed` (default `torch.initial_seed()`), folded, rank 0's on every rank."""
     start = torch.initial_seed() if seed is None else seed
     if not isinstance(start, int) or isinstance(start, bool):
         raise TypeError(f"init: seed must be an int, got {type(start).__name__}")
-    seed_t = mesh.unreplicate(mesh.broadcast(mesh.replicate(torch.tensor(rng.fold(start), dtype=torch.int64)), 0))
-    return TrainState(count(0), flow.params, flow.compute, tx_state, frozen, buffers, seed_t, layout, frozen_dtype)
+    return mesh.unreplicate(mesh.broadcast(mesh.replicate(torch.tensor(rng.fold(start), dtype=torch.int64)), 0))
 
 
 def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool) -> Tensor:
@@ -254,13 +257,7 @@ def train_step(
       `grad_norm` (unscaled global norm, where the chain computed it), `gathered_peak` (the most parameter
       elements gathered at once on a rank), `comm` (the ledger: elements per collective) and `aux`.
     """
-    _check_mesh(mesh)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(tx, Transform):
-        raise TypeError(f"tx must be an fzero Transform, got {type(tx).__name__}")
-    if autodiff not in ("autograd", "func"):
-        raise ValueError(f"autodiff must be 'autograd' or 'func', got {autodiff!r}")
+    _check_step_args(mesh, loss_fn, tx, autodiff)
     run = _Forward(model, loss_fn, has_aux)
     policy = gather or GatherPolicy()
 
@@ -282,6 +279,16 @@ def train_step(
         return new, metrics
 
     return step
+
+
+def _check_step_args(mesh: Any, loss_fn: Any, tx: Any, autodiff: Any) -> None:
+    _check_mesh(mesh)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(tx, Transform):
+        raise TypeError(f"tx must be an fzero Transform, got {type(tx).__name__}")
+    if autodiff not in ("autograd", "func"):
+        raise ValueError(f"autodiff must be 'autograd' or 'func', got {autodiff!r}")
 
 
 class _Forward:

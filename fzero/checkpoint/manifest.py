@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._version import __version__
 from ..layout import Layout
 from .errors import CheckpointVersionError, CorruptCheckpointError
 from .tree import PARAM_SPACE, PARAMS, REPLICATED, SPACES, Entry
@@ -178,8 +179,6 @@ def parse_manifest(text: str, where: str) -> Manifest:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise CorruptCheckpointError(f"{where}: invalid format version {version!r}")
     if version > VERSION:
-        from .. import __version__
-
         by = data.get("fzero_version") or "a newer fzero"
         raise CheckpointVersionError(
             f"{where}: written in checkpoint format version {version} (by fzero {by}); this fzero ({__version__}) "

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from ..layout import dtype_of
 from . import rng
 from .atomic import MANIFEST, check_tag, commit, fsync_dir, prepare, temp_dir
@@ -185,7 +186,6 @@ def _manifest(
     user_state: Any,
     config: Any,
 ) -> Manifest:
-    from .. import __version__  # not at the top: fzero/__init__ imports this package before defining it
 
     roles = _roles(state, flat)
     return Manifest(

@@ -82,34 +82,47 @@ def shard_update(
       >>> state.tx_state["shard_update"].exp_avg.shape      # Adam's moments: this rank's shard only
       torch.Size([2, 16])
     """
+    _check(optimizer, offload, compute_dtype, chunk)
+    u = _ShardUpdate(optimizer, dtype, None if offload == "none" else offload, compute_dtype, chunk)
+    return Transform(u.init, u.update, "shard_update")
+
+
+def _check(optimizer: Any, offload: Any, compute_dtype: Any, chunk: Any) -> None:
     if not isinstance(optimizer, Optimizer):
         name = type(optimizer).__name__
         raise TypeError(f"shard_update needs an fzero Optimizer (e.g. fzero.adamw(...)), got {name}")
     if offload not in _OFFLOAD:
         raise ValueError(f"shard_update: offload must be None or 'cpu', got {offload!r} (NVMe offload is not "
                          "supported)")  # fmt: skip
-    offload = None if offload == "none" else offload
     if compute_dtype is not None and (
         not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point
     ):
         raise TypeError(f"shard_update: compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"shard_update: chunk must be a positive number of elements, got {chunk!r}")
-    features = optimizer.features
 
-    def init(flow: Flow, ctx: Context) -> tuple[Flow, Any]:
-        group_segments(optimizer, ctx, flow.params, flow.sharded)  # resolve the groups now: errors come at init
-        params = flow.params if dtype is None else flow.params.to(dtype)
-        if offload is None:
-            return flow._replace(params=params, compute=None), optimizer.init(params)
+
+class _ShardUpdate:
+    """`shard_update`'s init and update (see it for the arguments)."""
+
+    def __init__(self, optimizer: Optimizer, dtype: Any, offload: str | None, compute_dtype: Any, chunk: int) -> None:
+        self.optimizer, self.dtype, self.offload, self.compute_dtype, self.chunk = (
+            optimizer, dtype, offload, compute_dtype, chunk,
+        )  # fmt: skip
+
+    def init(self, flow: Flow, ctx: Context) -> tuple[Flow, Any]:
+        group_segments(self.optimizer, ctx, flow.params, flow.sharded)  # resolve the groups now: errors at init
+        params = flow.params if self.dtype is None else flow.params.to(self.dtype)
+        if self.offload is None:
+            return flow._replace(params=params, compute=None), self.optimizer.init(params)
         master = _host(params, pin=params.device.type != "cpu" and _pinned())
-        cdt = compute_dtype or master.dtype
-        compute = flow.params.to(cdt)  # on the parameters' device, in this (shard or full) form
-        return flow._replace(params=master, compute=compute), optimizer.init(master)
+        compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
+        return flow._replace(params=master, compute=compute), self.optimizer.init(master)
 
-    def prepare(flow: Flow, params: Tensor) -> tuple[Tensor, dict[str, Any]]:
+    def prepare(self, flow: Flow, params: Tensor) -> tuple[Tensor, dict[str, Any]]:
         """The gradients to hand the optimizer, and its keywords: the factor and the dtype cast fused where the
         optimizer can take them, done here (one pass, as before) where it cannot."""
+        features = self.optimizer.features
         grads, kw = flow.grads, {}
         if not ("grad_dtype" in features and grads.dtype in (params.dtype, *_LOW)):
             grads = grads.to(params.dtype)
@@ -121,7 +134,7 @@ def shard_update(
                 grads = grads * factor
         return grads, kw
 
-    def update(flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
+    def update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
         if flow.facts.applied:
             raise ValueError("shard_update: the gradients were applied already (two shard_update()s in one chain?)")
         if flow.grads.shape != flow.params.shape:
@@ -130,21 +143,19 @@ def shard_update(
                 f"{tuple(flow.params.shape)}: put reduce_scatter() (sharded state) or all_reduce() (replicated "
                 "state) before shard_update() in the chain"
             )
-        grads, kw = prepare(flow, flow.params)
-        segs = group_segments(optimizer, ctx, flow.params, flow.sharded)
+        grads, kw = self.prepare(flow, flow.params)
+        segs = group_segments(self.optimizer, ctx, flow.params, flow.sharded)
         if segs is not None:
             kw["segments"] = segs
-        if offload is not None:
-            params, state, compute = _offload_update(optimizer, grads, state, flow.params, kw, ctx.donate,
-                                                     compute_dtype, chunk)  # fmt: skip
+        if self.offload is not None:
+            params, state, compute = _offload_update(self.optimizer, grads, state, flow.params, kw, ctx.donate,
+                                                     self.compute_dtype, self.chunk)  # fmt: skip
             return flow._replace(params=params, compute=compute).with_facts(applied=True), state
-        compute = None
-        if compute_dtype is not None and compute_dtype != flow.params.dtype and "out" in features:
-            compute = kw["out"] = torch.empty(flow.params.shape, dtype=compute_dtype, device=flow.params.device)
-        params, state = optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
+        compute, cdt = None, self.compute_dtype
+        if cdt is not None and cdt != flow.params.dtype and "out" in self.optimizer.features:
+            compute = kw["out"] = torch.empty(flow.params.shape, dtype=cdt, device=flow.params.device)
+        params, state = self.optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
         return flow._replace(params=params, compute=compute).with_facts(applied=True), state
-
-    return Transform(init, update, "shard_update")
 
 
 def group_segments(optimizer: Optimizer, ctx: Context, params: Tensor, sharded: bool) -> Segments | None:
@@ -197,16 +208,7 @@ def _offload_update(
     fused_out = cdt != params.dtype and "out" in optimizer.features
     pieces = _pieces(n, chunk if donate else max(n, 1))
 
-    # gradients to the host: every piece queued now, each with an event the host waits on before using it
-    flat_g = grads.reshape(-1)
-    host_g, events = flat_g, []
-    if remote:
-        host_g = torch.empty(n, dtype=grads.dtype, pin_memory=pin)
-        for a, b in pieces:
-            host_g[a:b].copy_(flat_g[a:b], non_blocking=True)
-            event = torch.Event(device=device)
-            event.record()
-            events.append(event)
+    host_g, events = _to_host(grads, pieces, pin)
     out = torch.empty(n, dtype=cdt, pin_memory=pin) if fused_out else None
     compute = torch.empty(n, dtype=cdt, device=device) if remote else None
 
@@ -223,24 +225,44 @@ def _offload_update(
         new_params, new_state = optimizer.update(host_g.view(params.shape), state, params, donate=False, **extra)
         send(new_params, 0, n)
     else:
-        flat_p = params.reshape(-1)
-        sliced = lambda x, a, b: x.reshape(-1)[a:b] if _elementwise(x, params) else x  # noqa: E731
         new_state = state
         for i, (a, b) in enumerate(pieces):
             if events:
                 events[i].synchronize()
-            sub = optree.tree_map(lambda x, a=a, b=b: sliced(x, a, b), state)
-            extra = {**kw, "out": out[a:b]} if out is not None else dict(kw)
-            if "segments" in kw:
-                extra["segments"] = kw["segments"].slice(a, b)
-            p_piece, s_piece = optimizer.update(host_g[a:b], sub, flat_p[a:b], donate=True, **extra)
-            _keep(flat_p[a:b], p_piece)
-            new_state = optree.tree_map(lambda whole, mine, got: _merge(whole, mine, got, params), state, sub, s_piece)
-            send(flat_p, a, b)
+            new_state = _update_piece(optimizer, host_g, state, params, kw, out, a, b)
+            send(params, a, b)
         new_params = params
     if compute is None:  # on the CPU: the copy "sent back" is the host tensor itself
         compute = out.view(params.shape) if out is not None else new_params.to(cdt)
     return new_params, new_state, compute.view(params.shape)
+
+
+def _to_host(grads: Tensor, pieces: list[tuple[int, int]], pin: bool) -> tuple[Tensor, list[Any]]:
+    """The gradients on the host: every piece queued now (non-blocking), each with an event the host waits on
+    before using it; on the CPU, the gradients themselves."""
+    flat_g = grads.reshape(-1)
+    if grads.device.type == "cpu":
+        return flat_g, []
+    host_g, events = torch.empty(flat_g.numel(), dtype=grads.dtype, pin_memory=pin), []
+    for a, b in pieces:
+        host_g[a:b].copy_(flat_g[a:b], non_blocking=True)
+        event = torch.Event(device=grads.device)
+        event.record()
+        events.append(event)
+    return host_g, events
+
+
+def _update_piece(optimizer: Optimizer, host_g: Tensor, state: Any, params: Tensor, kw: dict[str, Any],
+                  out: Tensor | None, a: int, b: int) -> Any:  # fmt: skip
+    """Update elements `[a, b)` of the donated shard in place; the state after it."""
+    flat_p = params.reshape(-1)
+    sub = optree.tree_map(lambda x: x.reshape(-1)[a:b] if _elementwise(x, params) else x, state)
+    extra = {**kw, "out": out[a:b]} if out is not None else dict(kw)
+    if "segments" in kw:
+        extra["segments"] = kw["segments"].slice(a, b)
+    p_piece, s_piece = optimizer.update(host_g[a:b], sub, flat_p[a:b], donate=True, **extra)
+    _keep(flat_p[a:b], p_piece)
+    return optree.tree_map(lambda whole, mine, got: _merge(whole, mine, got, params), state, sub, s_piece)
 
 
 def _elementwise(x: Any, params: Tensor) -> bool:
