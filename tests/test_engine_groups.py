@@ -77,8 +77,11 @@ def _bitwise(engine, want):
     assert not differ, differ
 
 
-def _config(opt="AdamW", **extra):
-    params = {"lr": 1e-2} if opt != "SGD" else {"lr": 0.1, "momentum": 0.9}
+def _config(opt="AdamW", fused=False, **extra):
+    """`torch_adam` unless `fused`: torch's ops, bitwise torch.optim (the CPU default is the native fused kernel);
+    weight decay 0 where no group sets it (DeepSpeed's default, which `torch_adam` would make torch's 0.01)."""
+    adam = {"lr": 1e-2, "torch_adam": not fused, "weight_decay": 0.0}
+    params = adam if opt != "SGD" else {"lr": 0.1, "momentum": 0.9}
     return {"train_batch_size": 4, "optimizer": {"type": opt, "params": params}, **extra}
 
 
@@ -108,7 +111,7 @@ def test_groups_with_offload_run_the_c_kernel_per_group():
     different operation order; measured 3.0e-8 here after 4 updates)."""
     model = mlp([5, 7, 3], 0)
     ref = copy.deepcopy(model)
-    cfg = _config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    cfg = _config(fused=True, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
     engine, *_ = fzero.initialize(model=model, model_parameters=_groups(model), config=cfg)
     _train(engine, _data())
     want = _torch(ref, torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.0, foreach=False), _data())
@@ -329,7 +332,12 @@ def test_torch_adam_trains_as_deepspeeds_torch_optimizer(params, torch_cls, torc
     }
     engine, opt, _, _ = fzero.initialize(model=model, config=cfg)
     _train(engine, _data())
-    _bitwise(engine, _torch(ref, torch_cls(ref.parameters(), lr=0.05, foreach=False, **torch_kw), _data()))
+    want = _torch(ref, torch_cls(ref.parameters(), lr=0.05, foreach=False, **torch_kw), _data())
+    if params.get("torch_adam"):
+        _bitwise(engine, want)
+    else:  # DeepSpeed's fused Adam's counterpart, the native kernel: within its float32 bound (tests/test_native.py)
+        got = engine.module_state_dict()
+        assert all(torch.allclose(got[k], v, rtol=0, atol=1e-6) for k, v in want.items())
     assert opt.param_groups[0]["weight_decay"] == torch_kw.get("weight_decay", 0.01 if torch_cls is torch.optim.AdamW
                                                                 else 0.0)  # fmt: skip
 

@@ -108,11 +108,12 @@ class OptimizerSpec:
             self, groups=tuple(GroupSpec(g.names, dict(h)) for g, h in zip(self.groups, hypers, strict=True))
         )
 
-    def build(self, offload: bool = False) -> Optimizer:
-        """The optimizer (the CPU Adam where the build has one and `offload` asks for it, unless `torch_adam`), with
-        its param groups (`fzero.param_groups`)."""
+    def build(self, offload: bool = False, cpu: bool = False) -> Optimizer:
+        """The optimizer with its param groups (`fzero.param_groups`): Adam and AdamW run the native fused kernel
+        (`fzero.cpu_adam(w)`, as DeepSpeed runs its fused or CPU Adam) where the master weights live on the CPU
+        (`offload`, or `cpu`: a CPU run), unless `torch_adam` asks for torch's operations."""
         name = self.kind
-        if offload and not self.torch_adam and name in ("adam", "adamw") and hasattr(optim, f"cpu_{name}"):
+        if (offload or cpu) and not self.torch_adam and name in ("adam", "adamw"):
             name = f"cpu_{name}"
         groups = None
         if self.groups is not None:
@@ -277,7 +278,7 @@ def optimizer_spec(
 def build_optimizer(cfg: Config) -> Optimizer | None:
     """The config's optimizer with its schedule, or None without an `optimizer` block."""
     spec = optimizer_spec(cfg)
-    return None if spec is None else spec.build(offload=cfg.offload)
+    return None if spec is None else spec.build(offload=cfg.offload, cpu=not torch.cuda.is_available())
 
 
 def build_policy(cfg: Config) -> Policy:

@@ -256,7 +256,7 @@ def initialize(
         spec = with_schedule(spec, cfg)  # DeepSpeed builds the config's scheduler on the client optimizer too
     if cfg["fzero_precision"]["round_initial_master"] and cfg.precision != "fp32":
         round_params(model, build_policy(cfg).compute_dtype)  # DeepSpeed's master starts from the cast module
-    tx = build_transform(cfg, spec.build(offload=cfg.offload))
+    tx = build_transform(cfg, spec.build(offload=cfg.offload, cpu=device.type == "cpu"))
     hypers = spec.per_group()
     engine = Engine(
         model, cfg, mesh, tx, view, lr=[h["lr"] for h in hypers],

@@ -123,7 +123,8 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
         decoupled = kind is torch.optim.AdamW or bool(dicts[0].get("decoupled_weight_decay", False))  # type: ignore[union-attr]
         name = "adamw" if decoupled else "adam"
     first = dict(per_group[0])
-    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]))  # type: ignore[index]
+    # a client torch optimizer keeps torch's own arithmetic (torch_adam): bitwise what it would compute alone
+    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]), torch_adam=True)  # type: ignore[index]
     if len(groups) > 1:
         spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
     return spec, dicts  # type: ignore[return-value]

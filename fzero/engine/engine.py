@@ -351,8 +351,8 @@ class Engine(nn.Module):
         loss = self._loss if self._loss is not None else torch.tensor(math.nan)
         state = self.state.replace(buffers={k: self._per_rank(v) for k, v in micro.buffers.items()})
         self._grad = self._loss = None
-        new, metrics = apply_gradients(
-            state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh, reduced=reduced
+        new, metrics = apply_gradients(  # the engine owns its state: donated, updated in place
+            state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh, donate=True, reduced=reduced
         )
         self.state = new
         self._step_losses.append(metrics["loss"])

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-__all__ = ["Hyper", "Optimizer", "hyper_value"]
+__all__ = ["AdamState", "Hyper", "Optimizer", "hyper_value"]
 
 Hyper = float | Callable[[int], float]
 """A hyper-parameter: a constant, or a pure function of the number of updates already applied."""
@@ -69,3 +69,11 @@ def check_hyper(name: str, value: Hyper, low: float, high: float | None = None, 
     if bad:
         interval = f"[{low}, {high})" if high is not None and open_high else f"[{low}, {high}]" if high else f">= {low}"
         raise ValueError(f"invalid {name}: {value} (expected {interval})")
+
+
+class AdamState(NamedTuple):
+    """`count`: updates applied (0-d int64); `exp_avg`, `exp_avg_sq`: the first and second moments."""
+
+    count: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor

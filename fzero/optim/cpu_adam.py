@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import native
-from .adam import AdamState
-from .base import Hyper, Optimizer, check_hyper, hyper_value
+from .base import AdamState, Hyper, Optimizer, check_hyper, hyper_value
 from .groups import ParamGroups, Segments
 
 __all__ = ["cpu_adam", "cpu_adamw"]

@@ -66,7 +66,7 @@ def _preset(
             optimizer,
             dtype=policy.param_dtype,
             offload=offload,
-            compute_dtype=policy.compute_dtype if offload else None,
+            compute_dtype=policy.compute_dtype,
         ),
         gather(policy.compute_dtype, lazy=stage == 3),
     )

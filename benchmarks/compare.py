@@ -1,0 +1,284 @@
+"""fzero against DDP, FSDP2 and DeepSpeed: step time and peak memory, side by side, on 2 gloo processes.
+
+    .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
+                                            [--memory] [--threads 1]
+
+The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
+8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
+(AdamW, lr 1e-4, weight decay 0.01), under:
+
+- `ddp`: `DistributedDataParallel` with torch's fused AdamW (bf16: `autocast`, fp32 parameters);
+- `fsdp2-zeroN`: `fully_shard` on every block and the root (`reshard_after_forward=False` for ZeRO-2-like, True for
+  ZeRO-3-like; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), torch's AdamW;
+- `deepspeed-zeroN`: DeepSpeed's engine with the same JSON config, when DeepSpeed is installed (`pip install
+  ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
+- `fzero-zeroN` (the functional core, `train_step(donate=True)`) and `fzero-shell-zeroN` (`fzero.initialize`).
+
+Every trainer lives in the same two processes and runs in rotating order, round after round (machine noise hits
+them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
+ratio to DDP's, and with `--memory` the peak resident memory per rank of each trainer run alone in a fresh pair of
+processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fzero
+from fzero.examples.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=8192, seq_len=64, n_layer=6, n_head=8, d_model=512)
+MICRO, LR, WD = 4, 1e-4, 0.01
+Step = Callable[[dict[str, torch.Tensor]], None]
+
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.head.weight = nn.Parameter(torch.randn(CFG.vocab_size, CFG.d_model) * 0.02)  # untied: 27.3M
+    return model
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def ddp(model: nn.Module, precision: str) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            loss = lm_loss(net(batch["x"]), batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def fsdp2(stage: int) -> Callable[[nn.Module, str], Step]:
+    def build(model: nn.Module, precision: str) -> Step:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mp_policy = MixedPrecisionPolicy()
+        if precision == "bf16":
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp_policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            lm_loss(model(batch["x"]), batch["y"]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return build
+
+
+def ds_config(stage: int, precision: str) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "steps_per_print": 10**9,
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def deepspeed_engine(stage: int) -> Callable[[nn.Module, str], Step]:
+    def build(model: nn.Module, precision: str) -> Step:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(stage, precision))  # fmt: skip
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
+            engine.step()
+
+        return step
+
+    return build
+
+
+def fzero_core(stage: int) -> Callable[[nn.Module, str], Step]:
+    def build(model: nn.Module, precision: str) -> Step:
+        mesh = fzero.DistMesh()
+        preset = getattr(fzero, f"zero{stage}")
+        tx = preset(fzero.adamw(LR, weight_decay=WD), precision=None if precision == "fp32" else precision)
+
+        def loss_fn(params: dict, batch: dict) -> torch.Tensor:
+            return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
+
+        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True)
+        box = [fzero.init(model, tx, mesh)]
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            box[0], _ = train(box[0], batch)
+
+        return step
+
+    return build
+
+
+def fzero_shell(stage: int) -> Callable[[nn.Module, str], Step]:
+    def build(model: nn.Module, precision: str) -> Step:
+        engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision), mesh=fzero.DistMesh(),
+                                      printer=lambda line: None)  # fmt: skip
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
+            engine.step()
+
+        return step
+
+    return build
+
+
+def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
+    out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp": ddp}
+    for stage in (2, 3):
+        out[f"fsdp2-zero{stage}"] = fsdp2(stage)
+    for stage in (1, 2, 3):
+        out[f"deepspeed-zero{stage}"] = deepspeed_engine(stage)
+    for stage in (0, 1, 2, 3):
+        out[f"fzero-zero{stage}"] = fzero_core(stage)
+    for stage in (0, 1, 2, 3):
+        out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
+    return out
+
+
+def batches(rank: int, n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    toks = [torch.randint(0, CFG.vocab_size, (MICRO, CFG.seq_len + 1), generator=g) for _ in range(n)]
+    return [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
+
+
+def build_all(names: list[str], precision: str) -> tuple[dict[str, Step], dict[str, str]]:
+    steps, skipped = {}, {}
+    for name in names:
+        try:
+            steps[name] = trainers()[name](copy.deepcopy(make_model()), precision)
+        except ImportError as e:  # DeepSpeed not installed
+            skipped[name] = f"not installed ({e.name})"
+    return steps, skipped
+
+
+def init(rank: int, world: int, store: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what launchers set
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, precision: str) -> None:
+    init(rank, world, store, args.threads)
+    try:
+        steps, skipped = build_all(args.only, precision)
+        data = batches(rank, args.steps)
+        for step in steps.values():  # warm-up: two steps each
+            step(data[0])
+            step(data[1 % len(data)])
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        order = list(steps)
+        for r in range(args.rounds):
+            for name in order[r % len(order) :] + order[: r % len(order)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for batch in data:
+                    steps[name](batch)
+                dist.barrier()
+                times[name].append((time.perf_counter() - t0) / len(data))
+        if rank == 0:
+            result = {name: statistics.median(t) for name, t in times.items()}
+            with open(os.path.join(os.path.dirname(store), f"times-{precision}.json"), "w") as f:
+                json.dump({"median": result, "all": times, "skipped": skipped}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def memory_worker(rank: int, world: int, store: str, name: str, precision: str) -> None:
+    init(rank, world, store, 1)
+    try:
+        steps, _ = build_all([name], precision)
+        if name in steps:
+            for batch in batches(rank, 3):
+                steps[name](batch)
+        peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # MiB
+        dist.all_reduce(peak, dist.ReduceOp.MAX)
+        if rank == 0:
+            with open(os.path.join(os.path.dirname(store), f"mem-{name}-{precision}.json"), "w") as f:
+                json.dump(float(peak) if name in steps else None, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", nargs="+", default=list(trainers()), choices=list(trainers()))
+    parser.add_argument("--memory", action="store_true", help="also peak RSS per rank, each trainer alone")
+    args = parser.parse_args()
+    psi = sum(p.numel() for p in make_model().parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in args.precision:
+            store = os.path.join(tmp, f"store-{precision}")
+            mp.start_processes(time_worker, args=(2, store, args, precision), nprocs=2, start_method="spawn")
+            with open(os.path.join(tmp, f"times-{precision}.json")) as f:
+                times = json.load(f)
+            memory = {}
+            if args.memory:
+                for name in times["median"]:
+                    store = os.path.join(tmp, f"store-mem-{name}-{precision}")
+                    mp.start_processes(memory_worker, args=(2, store, name, precision), nprocs=2, start_method="spawn")
+                    with open(os.path.join(tmp, f"mem-{name}-{precision}.json")) as f:
+                        memory[name] = json.load(f)
+            report(times, memory, precision, psi, args)
+
+
+def report(times: dict, memory: dict, precision: str, psi: int, args: argparse.Namespace) -> None:
+    median = times["median"]
+    base = median.get("ddp")
+    print(f"\n{precision}: {psi / 1e6:.1f}M parameters, 2 gloo ranks x {args.threads} thread(s), micro-batch {MICRO} x "
+          f"{CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps")  # fmt: skip
+    print(f"| trainer | step s | vs DDP |{' peak RSS MiB/rank |' if memory else ''}")
+    print(f"|---|---|---|{'---|' if memory else ''}")
+    for name, t in median.items():
+        ratio = f"{t / base:.2f}x" if base else "-"
+        mem = f" {memory[name]:.0f} |" if memory and memory.get(name) else (" - |" if memory else "")
+        print(f"| {name} | {t:.3f} | {ratio} |{mem}")
+    for name, why in times["skipped"].items():
+        print(f"| {name} | {why} | | {'|' if memory else ''}")
+
+
+if __name__ == "__main__":
+    main()
