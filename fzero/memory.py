@@ -5,9 +5,13 @@ With `N` the padded parameter count, `W` the world size, fp32 master weights and
 | stage | master + Adam moments | compute copy, bf16/fp16 (fp32) | accumulator (k > 1, fp32) |
 |---|---|---|---|
 | 0 | 12 N | 2 N (0: the master itself) | 4 N |
-| 1 | 12 N / W | 2 N (4 N) | 4 N |
-| 2 | 12 N / W | 2 N (4 N) | 4 N / W |
-| 3 | 12 N / W | 2 N / W (0: the master itself) | 4 N / W |
+| 1 | 12 N / W | 2 N / W (0) | 4 N |
+| 2 | 12 N / W | 2 N / W (0) | 4 N / W |
+| 3 | 12 N / W | 2 N / W (0) | 4 N / W |
+
+Between steps every ZeRO stage keeps the compute copy as a shard; stages 1-2 gather it as the forward reaches each
+unit and keep it to the end of the backward (and through an accumulation window), stage 3 frees each unit after
+its forward.
 
 (the paper's `(2 + 2 + K) Psi / N_d` counts a 16-bit gradient buffer too, which fzero only holds during a step).
 

@@ -58,8 +58,17 @@ class Ranks(Protocol):
     def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction: ...
 
 
-def _zeros_piece(layout: Layout, unit: int, like: Tensor) -> Tensor:
-    return like.new_zeros(*like.shape[:-1], layout.units[unit].size // layout.world)
+def _assemble(layout: Layout, parts: Sequence[Tensor | None]) -> Tensor:
+    """Concatenate per-unit reduced pieces in unit order, zeros for units no gradient reached. A piece is a unit's
+    shard (reduce-scatter) or the whole unit (all-reduce); the present ones say which."""
+    i, like = next((i, p) for i, p in enumerate(parts) if p is not None)
+    whole = like.shape[-1] == layout.units[i].size
+
+    def zeros(unit: int) -> Tensor:
+        size = layout.units[unit].size
+        return like.new_zeros(*like.shape[:-1], size if whole else size // layout.world)
+
+    return torch.cat([p if p is not None else zeros(u) for u, p in enumerate(parts)], -1)
 
 
 class _DistReduction:
@@ -75,9 +84,7 @@ class _DistReduction:
         self.pieces[unit] = piece if unit not in self.pieces else self.pieces[unit] + piece
 
     def result(self) -> Tensor:
-        like = next(iter(self.pieces.values()))
-        parts = [self.pieces.get(i, None) for i in range(len(self.layout.units))]
-        return torch.cat([p if p is not None else _zeros_piece(self.layout, i, like) for i, p in enumerate(parts)], -1)
+        return _assemble(self.layout, [self.pieces.get(i) for i in range(len(self.layout.units))])
 
 
 class _SimReduction:
@@ -98,8 +105,7 @@ class _SimReduction:
             parts.append(
                 None if per_rank is None else self.fn(torch.stack([per_rank[r] for r in range(self.world)]), i)
             )
-        like = next(p for p in parts if p is not None)
-        return torch.cat([p if p is not None else _zeros_piece(self.layout, i, like) for i, p in enumerate(parts)], -1)
+        return _assemble(self.layout, parts)
 
 
 class SimRanks:

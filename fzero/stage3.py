@@ -91,6 +91,7 @@ class GatherPolicy:
 
 
 TRAIN, FROZEN = 0, 1  # the two flat spaces a unit has: trainable parameters, frozen parameters
+FULL, KEEP, RESHARD = "full", "keep", "reshard"  # a space's buffers: given whole; gathered and kept; gathered, freed
 
 
 class Phase(enum.Enum):
@@ -111,7 +112,7 @@ def _in_backward() -> bool:
 def _alias(store: Tensor) -> Tensor:
     """A tensor on `store`'s storage that autograd does not track: writes through it leave the version counters of
     `store`'s views (the tensors autograd saved) untouched."""
-    return store.new_empty(0).set_(store.untyped_storage(), 0, store.shape)
+    return store.new_empty(0).set_(store.untyped_storage(), store.storage_offset(), store.shape, store.stride())
 
 
 class _Unit(torch.autograd.Function):
@@ -180,15 +181,31 @@ def _records(layout: Layout, model: nn.Module, policy: GatherPolicy) -> list[_Un
     return records
 
 
+def _mode(layout: Layout | None, buffer: Tensor | None, keep: bool) -> str:
+    """A space's mode (see `Gatherer`): `FULL` when its buffer is whole (at world 1 a shard is)."""
+    if layout is None or buffer is None:
+        return RESHARD  # no such space: never gathered
+    if layout.is_full(buffer):
+        return FULL
+    return KEEP if keep else RESHARD
+
+
 class Gatherer:
     """One rank's gathered units for one forward and backward (or, without a `reduction`, for forwards only).
+
+    Each space (trainable, frozen) is in one of three modes: `FULL` (the buffer is given whole: stage 0, or a
+    buffer kept from an earlier micro-step of the accumulation window; units are views of it), `KEEP` (gathered
+    unit by unit into one full buffer as the forward reaches them, kept to the end: stages 1-2), `RESHARD` (each
+    unit gathered into a buffer of its own, freed after its forward, gathered again for its backward: stage 3).
 
     Args:
       ranks, rank: the mesh's strategy (`fzero.ranks`) and the rank this gatherer runs.
       layout, model, policy: the step's.
-      shards: this rank's trainable shard (the autograd leaf) and frozen shard (or None).
+      shards: this rank's trainable and frozen (or None) buffers: shards, or full buffers (`FULL`); the trainable
+        one is the autograd leaf.
       everyone: every rank's trainable and frozen shards as per-rank values (on a DistMesh: this rank's).
       reduction: where the units' gradients go (`Ranks.reduction`); None for forwards without gradients.
+      keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
     """
 
     def __init__(
@@ -201,10 +218,16 @@ class Gatherer:
         everyone: tuple[Tensor, Tensor | None],
         policy: GatherPolicy,
         reduction: Reduction | None = None,
+        keep: bool = False,
     ) -> None:
         self.ranks, self.rank, self.layout, self.policy = ranks, rank, layout, policy
         self.shards, self.everyone, self.reduction = shards, everyone, reduction
         self.layouts = (layout, layout.frozen_layout)
+        self.modes = tuple(_mode(lay, x, keep) for lay, x in zip(self.layouts, shards, strict=True))
+        self.full = [
+            x if mode == FULL else x.new_empty(lay.numel) if mode == KEEP else None
+            for lay, x, mode in zip(self.layouts, shards, self.modes, strict=True)
+        ]
         self.units = _records(layout, model, policy)
         self.sequence = [r.index for r in self.units if r.module is not None]  # forward order of on-demand units
         self.live_elements = self.peak = 0
@@ -262,10 +285,15 @@ class Gatherer:
             size = rec.sizes[space]
             if not size or rec.live[space]:
                 continue
+            if self.modes[space] != RESHARD:  # views of one full buffer (given whole, or gathered into)
+                rec.stores[space] = self.full[space][lay.unit_slice(i)]
+                if self.modes[space] == FULL:
+                    rec.live[space] = True
+                    continue
             store = rec.stores[space]
             if store is None:
                 store = rec.stores[space] = self.shards[space].new_empty(size)
-            else:
+            elif self.modes[space] == RESHARD:
                 store.untyped_storage().resize_(size * store.element_size())
             work = self.ranks.gather_into(
                 _alias(store), self.everyone[space], lay.unit_shard_slice(i), self.rank, ahead
@@ -290,7 +318,7 @@ class Gatherer:
             work.wait()
         rec.pending.clear()
         for space in spaces:
-            if rec.live[space]:
+            if rec.live[space] and self.modes[space] == RESHARD:  # the others stay to the end
                 rec.stores[space].untyped_storage().resize_(0)
                 rec.live[space] = False
                 self.live_elements -= rec.sizes[space]
@@ -442,6 +470,11 @@ class Gatherer:
                 self.post_backward(rec.index, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
             self.reshard(rec.index)
 
+    def gathered(self, space: int = TRAIN) -> Tensor | None:
+        """The space's full buffer, when it was given whole or gathered and kept (None for `RESHARD`); complete
+        once every unit ran (`finish`)."""
+        return self.full[space]
+
     def close(self) -> None:
         for rec in self.units:
             self.unswap(rec.index, every=True)
@@ -450,6 +483,7 @@ class Gatherer:
             # Python's collector cannot see, so drop the views explicitly or every step would leak a gradient
             rec.views = None
             rec.stores = [None, None]
+        self.full = [None, None]
 
 
 def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -474,6 +508,7 @@ class UnitGathering:
       policy: prefetch and persistence.
       reducer: the chain's per-unit reduction (`fzero.transforms.unit_reducer`), as `reducer(grads, unit)`.
       frozen_dtype: the dtype frozen parameters are computed in.
+      keep: keep gathered units to the end (stages 1-2) rather than free them after their forward (stage 3).
     """
 
     def __init__(
@@ -486,6 +521,7 @@ class UnitGathering:
         policy: GatherPolicy,
         reducer: Callable[[Tensor, int], Tensor] | None,
         frozen_dtype: torch.dtype | None = None,
+        keep: bool = False,
     ) -> None:
         if isinstance(mesh, SimMesh):
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
@@ -493,7 +529,7 @@ class UnitGathering:
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout)
-        self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction)
+        self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep)
         self._handles = self._g.install()
         self._params = self._g.params()
 
@@ -539,14 +575,18 @@ def sharded_backward(
     policy: GatherPolicy,
     reducer: Callable[[Tensor, int], Tensor] | None,
     run: Callable[[dict[str, Tensor], int], Any],
+    keep: bool = False,
 ) -> tuple[Tensor | None, list[Any], dict[str, Any]]:
-    """Every rank's forward and backward (or, without a `reducer`, forward only) with unit-at-a-time gathering.
+    """Every rank's forward and backward (or, without a `reducer`, forward only) with unit-at-a-time gathering and
+    each unit's gradient reduced as soon as it is complete (the chain's `reducer`).
 
     Args:
       mesh, layout, model: the step's.
-      shards: the compute parameters' shards and the frozen parameters' shards (in the dtype the forward computes
-        in; None without frozen parameters), per rank (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh).
+      shards: the compute parameters and the frozen parameters (in the dtype the forward computes in; None without
+        frozen parameters), per rank: shards (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh) gathered
+        unit by unit, or full buffers (`FULL`: stage 0, or kept from an earlier micro-step).
       policy: prefetch and persistence.
+      keep: keep gathered units to the end (`KEEP`, stages 1-2) rather than free them after their forward.
       reducer: the chain's per-unit reduction, `reducer(grads, unit)` (`fzero.transforms.unit_reducer`); None to
         run forwards without gradients (evaluation).
       run: `run(params, rank) -> out`: rank `rank`'s forward and backward (of its scaled loss) with the named
@@ -554,27 +594,30 @@ def sharded_backward(
         backward); `out` is returned as is.
 
     Returns:
-      This process's reduced gradient shards (`[world, shard_numel]` on a SimMesh; None without a reducer), each
-      rank's `out`, and metrics: `gathered_peak` (the most gathered elements alive at once on a rank) and, with
-      `policy.timings`, `unit_times`.
+      This process's reduced gradients per rank (shards, or full buffers for an all-reduce; None without a
+      reducer), each rank's `out`, and metrics: `gathered_peak` (the most gathered elements alive at once on a
+      rank), `gathered` (the full compute parameters per rank, where they were given whole or kept; else None)
+      and, with `policy.timings`, `unit_times`.
     """
     ranks = ranks_of(mesh)
     reduction = None if reducer is None else ranks.reduction(reducer, layout)
-    outs, peak, times = [], 0, None
+    outs, peak, times, gathered = [], 0, None, []
     for rank in ranks.indices:
         mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
-        g = Gatherer(ranks, rank, layout, model, (mine, ranks.pick(shards[1], rank)), shards, policy, reduction)
+        mine_frozen = ranks.pick(shards[1], rank)
+        g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep)
         handles = g.install()
         try:
             outs.append(run(g.params(), rank))
             if reduction is not None:
                 g.finish()
+            gathered.append(g.gathered())
         finally:
             for h in handles:
                 h.remove()
             g.close()
         peak, times = max(peak, g.peak), times if times is not None else g.times
-    info: dict[str, Any] = {"gathered_peak": peak}
+    info: dict[str, Any] = {"gathered_peak": peak, "gathered": ranks.stack(gathered)}
     if times is not None:
         info["unit_times"] = {k: tuple(v) for k, v in times.items()}
     return (None if reduction is None else reduction.result()), outs, info

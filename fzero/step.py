@@ -48,7 +48,7 @@ from .mesh import Mesh, SimMesh
 from .ranks import ranks_of
 from .stage3 import GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
-from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
+from .transforms import Context, Facts, Flow, Transform, gather_params, lookup, unit_reducer
 from .transforms.scaling import current_loss_scale
 
 __all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "state_dict", "train_step"]
@@ -108,8 +108,8 @@ def init(
     sharded_at_rest = flow.compute is not None and not layout.is_full(flow.compute)
     if frozen is not None:
         frozen = _frozen_at_rest(mesh, flay, frozen, sharded_at_rest)
-    if sharded_at_rest:
-        unit_reducer(tx)  # stage 3 reduces unit by unit with the chain's reduction: say now if it cannot
+    if sharded_at_rest and not getattr(lookup(tx_state, "gather"), "keep", False):  # stage 3
+        unit_reducer(tx)  # it reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
     cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
     frozen_dtype = flow.compute.dtype if cast and flay is not None and flay.torch_dtype != flow.compute.dtype else None
@@ -265,13 +265,16 @@ def train_step(
         _check_state(state, mesh)
         _check_batch(batch, mesh)
         with mesh.record() as ledger:
-            if state.sharded_at_rest and autodiff == "autograd":
+            if autodiff == "autograd" and tx.reduces and tx.unit is not None:  # reduce each unit as it completes
                 grads, loss, aux, buffers, info = _unit_gradients(run, state, batch, mesh, policy, tx)
             else:
                 grads, loss, aux, buffers, info = _whole_gradients(run, state, batch, mesh, autodiff)
+            gathered = info.pop("gathered")
             new, metrics = apply_gradients(
                 state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=info.pop("reduced")
             )
+            if not (metrics["applied"] or metrics["skipped"]) and keeps_gathered(state) and gathered is not None:
+                new = new.replace(compute=gathered)  # an accumulation window: the parameters did not change
             metrics.update(info)
         metrics["comm"] = ledger.as_dict()
         if has_aux:
@@ -279,6 +282,13 @@ def train_step(
         return new, metrics
 
     return step
+
+
+def keeps_gathered(state: TrainState) -> bool:
+    """Whether the chain keeps lazily gathered units through the backward and an accumulation window (stages 1-2:
+    `gather(lazy=True, keep=True)`)."""
+    gather = lookup(state.tx_state, "gather")
+    return bool(getattr(gather, "keep", False))
 
 
 def _check_step_args(mesh: Any, loss_fn: Any, tx: Any, autodiff: Any) -> None:
@@ -336,7 +346,7 @@ def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, a
     compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
     grads, loss, aux, buffers = mesh.map(local, compute, frozen, state.buffers, batch, rank_seeds(state, mesh))
     peak = layout.numel + (layout.frozen_layout.numel if frozen is not None else 0)
-    return grads, loss, aux, buffers, {"reduced": False, "gathered_peak": peak}
+    return grads, loss, aux, buffers, {"reduced": False, "gathered_peak": peak, "gathered": compute}
 
 
 def _func_grads(run: _Forward, state, compute, frozen, buffers, batch, seed) -> tuple[Tensor, Any]:
@@ -373,9 +383,11 @@ def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, po
         return loss, aux, buffers
 
     frozen = frozen_shard(state.frozen, state.frozen_dtype)  # cast once: gathers then move the compute dtype
+    compute = state.compute if state.compute is not None else state.params
     grads, outs, info = sharded_backward(
-        mesh, state.layout, run.model, (state.compute, frozen), policy, lambda g, i: unit(g, i, ctx), rank_run
-    )
+        mesh, state.layout, run.model, (compute, frozen), policy, lambda g, i: unit(g, i, ctx), rank_run,
+        keeps_gathered(state),
+    )  # fmt: skip
     loss, aux, buffers = (ranks.stack([o[k] for o in outs]) for k in range(3))
     return grads, loss, aux, buffers, {"reduced": True, **info}
 
@@ -481,7 +493,7 @@ def apply_gradients(
     layout = state.layout
     scale = _scale_of(state)
     facts = Facts(grad_factor=1.0 / scale, reduced=reduced)
-    flow = Flow(grads, state.params, state.compute, sharded=reduced, facts=facts)
+    flow = Flow(grads, state.params, state.compute, sharded=not layout.is_full(grads), facts=facts)
     flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
     loss = mesh.all_reduce(loss.detach().float(), "mean")
     new = state.replace(step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state)

@@ -22,9 +22,7 @@ def test_state_bytes_follow_the_zero_formulas(world, precision, micro):
         b = state_bytes(state)
         assert b["master"] == 4 * sharded_state
         assert b["optimizer"] == 8 * sharded_state
-        compute = (n // world if stage == 3 else n) * (2 if half else 4)
-        if not half and (stage in (0, 3) or world == 1):
-            compute = 0  # the compute copy has the master's form and dtype: it is the master tensor itself
+        compute = (n // world if stage else n) * 2 if half else 0  # fp32: the copy is the master tensor itself
         assert b["compute"] == compute
         acc = 0 if micro == 1 else 4 * (n // world if stage >= 2 else n)
         assert b["accumulator"] == acc

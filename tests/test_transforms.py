@@ -137,7 +137,8 @@ def test_state_shapes(stage):
     opt = fzero.transforms.lookup(state.tx_state, "shard_update")
     assert acc.shape == (4, n if stage <= 1 else n // 4)
     assert opt.exp_avg.shape == state.params.shape == (4, n if stage == 0 else n // 4)
-    assert state.sharded_at_rest == (stage == 3)
+    assert state.sharded_at_rest == (stage > 0)  # stages 1-2 gather at the step and keep (GatherState.keep)
+    assert fzero.step.keeps_gathered(state) == (stage in (1, 2))
 
 
 def test_two_optimizers_in_one_chain_is_an_error():

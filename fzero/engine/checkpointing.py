@@ -303,6 +303,7 @@ def load_checkpoint(
     # everything checked: apply
     engine._discard_micro_step()
     engine.state = state
+    engine._gathered = None  # a gathered copy of the old state's compute parameters
     if counters is not None:
         engine.global_steps = counters["global_steps"]
         engine.global_samples = counters["global_samples"]

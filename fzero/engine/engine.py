@@ -47,7 +47,7 @@ from ..metrics import Monitor, transformer_flops
 from ..optim import Hyper, hyper_value
 from ..stage3 import UnitGathering
 from ..state import TrainState
-from ..step import apply_gradients, compute_params, frozen_params, init, named_tensors
+from ..step import apply_gradients, compute_params, frozen_params, init, keeps_gathered, named_tensors
 from ..step import state_dict as consolidated
 from ..transforms import Context, Transform, lookup, unit_reducer
 from ..transforms.scaling import current_loss_scale
@@ -115,6 +115,9 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self._micro: _MicroStep | None = None
+        # stages 1-2: (the state's compute shard, its all-gather), valid until the next update (a donated update
+        # changes the shard in place)
+        self._gathered: tuple[Tensor, Tensor] | None = None
         self._gas_factor = 1.0
         self._grad: Tensor | None = None
         self._loss: Tensor | None = None
@@ -243,18 +246,32 @@ class Engine(nn.Module):
         self._times["forward"] += time.perf_counter() - t0
         return out
 
-    def _stage3(self) -> bool:
-        """Whether compute parameters are sharded at rest and gathered unit by unit (stage 3 on a real mesh)."""
-        compute = self.state.compute
-        return not self._sim and compute is not None and not self.state.layout.is_full(compute)
+    def _compute(self) -> Tensor | None:
+        """This rank's full compute parameters for the next forward, or None at stage 3 (gathered unit by unit).
+        At stages 1-2 the state keeps them sharded: they are all-gathered once per update (what DeepSpeed does after
+        its step), so that `engine.module` holds them, and kept for the micro-steps of the accumulation window."""
+        state = self.state
+        compute = state.compute if state.compute is not None else state.params
+        if state.layout.is_full(compute):
+            return self._local(compute)
+        if not keeps_gathered(state):
+            return None
+        if self._gathered is None or self._gathered[0] is not compute:  # dropped by every update (see step)
+            self._gathered = (compute, self._local(compute_params(state, self.mesh)))
+        return self._gathered[1]
+
+    def _per_unit(self) -> bool:
+        """Whether the forward and backward run unit by unit, each unit's gradient reduced as soon as it is complete
+        (the chain's own reduction; a chain that reduces after accumulating, stage 1's, cannot)."""
+        return not self._sim and self.tx.reduces and self.tx.unit is not None
 
     def _forward_without_grad(self, args: Any, kwargs: Any) -> Any:
         """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
         updates them (a train-mode BatchNorm), nothing else changed."""
         state, module = self.state, self._modules["module"]
         buffers = {k: self._local(v).clone() for k, v in state.buffers.items()}
-        gathering = None
-        if self._stage3():
+        gathering, compute = None, self._compute()
+        if compute is None:
             gathering = UnitGathering(
                 self.mesh, state.layout, module, state.compute, state.frozen, self._gather_policy, None,
                 state.frozen_dtype,
@@ -262,7 +279,6 @@ class Engine(nn.Module):
             named = {**gathering.params(), **buffers}
         else:
             frozen = frozen_params(state, self.mesh)
-            compute = self._local(compute_params(state, self.mesh))
             named = named_tensors(state.layout, compute, None if frozen is None else self._local(frozen), buffers)
         try:
             out = torch.func.functional_call(module, named, args, kwargs)
@@ -358,6 +374,8 @@ class Engine(nn.Module):
         self._step_losses.append(metrics["loss"])
         applied, skipped = bool(metrics["applied"]), bool(metrics["skipped"])
         self._step_applied = applied
+        if applied:
+            self._gathered = None  # the parameters changed (in place, donated)
         if boundary != (applied or skipped):
             raise RuntimeError(
                 f"the transform chain and the engine disagree on the accumulation boundary at micro-step "
@@ -567,11 +585,12 @@ class Engine(nn.Module):
         state = self.state
         named = dict(self._modules["module"].named_parameters())
         with torch.no_grad():
-            for lay, flat in ((state.layout, state.compute), (state.layout.frozen_layout, state.frozen)):
+            frozen = None if state.frozen is None else self._local(state.frozen)
+            for lay, flat in ((state.layout, self._compute()), (state.layout.frozen_layout, frozen)):
                 if lay is None:
                     continue
                 full = flat is not None and lay.is_full(flat)
-                views = unflatten(lay, self._local(flat)) if full else {}
+                views = unflatten(lay, flat) if full else {}
                 for leaf in lay.leaves:
                     p = named[leaf.name]
                     p.data = views[leaf.name] if full else torch.empty(0, dtype=p.dtype, device=p.device)
@@ -621,16 +640,18 @@ class _MicroStep:
         # the forward may update buffers in place (BatchNorm): the state's own stay untouched until step()
         self.buffers = {k: engine._local(v).clone() for k, v in state.buffers.items()}
         self.gathering: UnitGathering | None = None
-        if engine._stage3():  # gather one unit at a time inside the forward and the backward (fzero.stage3)
+        compute = engine._compute()
+        if engine._per_unit():  # unit by unit, each unit's gradient reduced as soon as it is complete (fzero.stage3)
             unit, ctx = unit_reducer(engine.tx), Context(engine.mesh, state.layout)
             self.gathering = UnitGathering(
-                engine.mesh, state.layout, module, state.compute, state.frozen, engine._gather_policy,
-                lambda g, i: unit(g, i, ctx), state.frozen_dtype,
+                engine.mesh, state.layout, module, compute if compute is not None else state.compute, state.frozen,
+                engine._gather_policy, lambda g, i: unit(g, i, ctx), state.frozen_dtype, keeps_gathered(state),
             )  # fmt: skip
             self.leaf = self.gathering.shard
             named = self.gathering.params()
         else:
-            self.leaf = engine._local(compute_params(state, engine.mesh)).detach().requires_grad_()
+            self.leaf = (compute if compute is not None else compute_params(state, engine.mesh)).detach()
+            self.leaf.requires_grad_()
             frozen = frozen_params(state, engine.mesh)
             named = named_tensors(state.layout, self.leaf, None if frozen is None else engine._local(frozen), {})
         self.named = {**named, **self.buffers}

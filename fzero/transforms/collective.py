@@ -21,14 +21,16 @@ Example:
 
 from __future__ import annotations
 
+import optree
 import torch
 from torch import Tensor
 
 from ..layout import Layout, to_rank_major, to_unit_major
 from ..mesh import Mesh
+from ..state import pytree, register_torch_pytree
 from .base import Context, EmptyState, Flow, Transform
 
-__all__ = ["all_reduce", "gather", "gather_params", "reduce_scatter"]
+__all__ = ["GatherState", "all_reduce", "gather", "gather_params", "reduce_scatter"]
 
 
 def _require_full(flow: Flow, what: str) -> None:
@@ -103,9 +105,27 @@ def gather_params(mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype
     return params if layout.is_full(params) else to_unit_major(layout, mesh.all_gather(params))
 
 
-def gather(dtype: torch.dtype | None = None, lazy: bool = False) -> Transform:
+@pytree.dataclasses.dataclass(frozen=True)
+class GatherState:
+    """`gather`'s state: what the step does with lazily gathered units (static; no tensor).
+
+    Attributes:
+      keep: keep every unit gathered from its forward to the end of its backward, and the gathered buffer through
+        an accumulation window (ZeRO-1/2: FSDP's reshard-after-forward off); False: free each unit after its
+        forward and gather it again for its backward (ZeRO-3).
+    """
+
+    keep: bool = optree.dataclasses.field(default=False, pytree_node=False)
+
+
+register_torch_pytree(GatherState)
+
+
+def gather(dtype: torch.dtype | None = None, lazy: bool = False, keep: bool = False) -> Transform:
     """Compute parameters (in `dtype`, default the master dtype) from the updated master parameters: gathered now,
-    or with `lazy=True` kept as this rank's shard until the next step's start.
+    or with `lazy=True` kept as this rank's shard until the next step, which gathers them one unit at a time as
+    the forward reaches them (prefetching ahead: the gathers overlap the forward), freeing each after its forward
+    (ZeRO-3) or, with `keep=True`, keeping them through the backward (ZeRO-1/2: `GatherState`).
 
     Example:
         >>> import torch, fzero
@@ -122,5 +142,8 @@ def gather(dtype: torch.dtype | None = None, lazy: bool = False) -> Transform:
             compute = gather_params(ctx.mesh, ctx.layout, compute, dtype)
         return flow._replace(compute=compute)
 
-    return Transform(lambda flow, ctx: (apply(flow, ctx), EmptyState()),
+    if keep and not lazy:
+        raise ValueError("gather(keep=True) keeps lazily gathered units: it needs lazy=True")
+    state = GatherState(keep) if lazy else EmptyState()
+    return Transform(lambda flow, ctx: (apply(flow, ctx), state),
                      lambda flow, state, ctx: (apply(flow, ctx), state), "gather")  # fmt: skip

@@ -68,7 +68,7 @@ def _preset(
             offload=offload,
             compute_dtype=policy.compute_dtype,
         ),
-        gather(policy.compute_dtype, lazy=stage == 3),
+        gather(policy.compute_dtype, lazy=stage > 0, keep=stage in (1, 2)),
     )
 
 
