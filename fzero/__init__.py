@@ -14,7 +14,7 @@ from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, ini
 from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .memory import state_bytes
-from .mesh import DistMesh, Ledger, Mesh, SimMesh
+from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, sgd
 from .precision import Policy, get_policy
 from .stage3 import GatherPolicy
@@ -42,6 +42,7 @@ from .transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveError",
     "Context",
     "DeepSpeedEngine",
     "DistMesh",

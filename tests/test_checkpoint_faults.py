@@ -202,6 +202,7 @@ def _read_saved(proc: subprocess.Popen) -> list[int]:
     return [int(line.split()[1]) for line in proc.stdout.read().decode().splitlines() if line.startswith("saved")]
 
 
+@pytest.mark.timeout(300)
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     """A process saving a 17 MB state over and over is killed with SIGKILL at random moments; each time `latest`
     names a complete checkpoint, equal to the last save that finished (or the one finishing), and the next run

@@ -136,6 +136,7 @@ def test_train_errors_exit_2(tmp_path, capsys):
     assert "nope.json" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(600)
 def test_train_two_processes_under_torchrun(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fzero.cli", "train", "--nproc", "2", "--stage", "3", "--steps", "4", "--out",
