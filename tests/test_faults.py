@@ -78,9 +78,9 @@ def test_a_stopped_rank_ends_the_other_with_a_named_error(tmp_path):
 def test_an_async_gather_fails_with_the_named_error(tmp_path, how):
     """`all_gather_into(..., async_op=True).wait()` raises the same error: a timeout when the peer stops, a closed
     connection when it dies."""
-    err = _survivor(_start("gather", tmp_path, 3), how)
+    err = _survivor(_start("gather", tmp_path, 5), how)
     if how == signal.SIGSTOP:
-        expected = "rank 0 of 2 timed out after 3 s in all_gather of 1000 float32 elements: rank 1 stopped answering"
+        expected = "rank 0 of 2 timed out after 5 s in all_gather of 1000 float32 elements: rank 1 stopped answering"
     else:
         expected = "rank 0 of 2 failed in all_gather of 1000 float32 elements: rank 1 closed its connection"
     assert f"fzero.mesh.CollectiveError: {expected}" in err, err[-3000:]
