@@ -15,27 +15,54 @@ How each leaf is stored (`storage`):
 - ``"rank0"``: every rank holds the same value; rank 0's file holds it.
 - ``"per_rank"``: the ranks' values differ (e.g. gradients accumulated locally in the middle of a step, or
   per-rank buffers); every rank's file holds its own.
+
+The manifest is covered by ``manifest.json.sha256`` beside it (``sha256sum``'s format), written with it and checked
+before anything of it is read: a manifest altered after it was written is refused. Format 1 (before this digest
+existed) loads with a `CheckpointWarning`; from format 2 on a missing digest is an error. Then every field is checked
+against the declared schema `SCHEMA` (its layout by `Layout.from_json`, rebuilt to check every offset; its leaves'
+kinds from `fzero.checkpoint.tree.KINDS`; their shapes against the layout; the files' names, ranks, sizes and
+checksums; the roles): a malformed manifest raises `CorruptCheckpointError` naming the field, whatever was changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..layout import Layout
-from .errors import CheckpointVersionError, CorruptCheckpointError
-from .tree import PARAM_SPACE, REPLICATED, Entry
+from ..config.schema import REQUIRED, Bool, ConfigError, Field, Int, ListOf, Nullable, Section, Spec, Str
+from ..layout import Layout, TensorSpec, dtype_of, make_layout
+from .errors import CheckpointVersionError, CheckpointWarning, CorruptCheckpointError
+from .safetensors_io import DTYPES
+from .tree import KINDS, PARAM_SPACE, SHARD, Entry, dtype_name
 
-__all__ = ["FORMAT", "VERSION", "FileInfo", "Manifest", "StoredEntry", "file_name", "read_manifest"]
+__all__ = [
+    "DIGEST",
+    "FORMAT",
+    "SCHEMA",
+    "VERSION",
+    "FileInfo",
+    "Manifest",
+    "StoredEntry",
+    "file_name",
+    "parse_manifest",
+    "read_manifest",
+    "write_manifest",
+]
 
 FORMAT = "fzero-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest's digest file
+DIGEST = "manifest.json.sha256"
 STORAGES = ("split", "rank0", "per_rank")
 _FILE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
+_DIGEST_LINE = re.compile(rb"([0-9a-f]{64})  manifest\.json\n?")
+_DTYPE_NAMES = tuple(dtype_name(d) for d in DTYPES)
 
 
 def file_name(rank: int, world: int) -> str:
@@ -119,128 +146,403 @@ class Manifest:
         return "{\n " + ",\n ".join(lines) + "\n}\n"
 
 
-def _need(data: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if name not in data:
-        raise CorruptCheckpointError(f"{where}: the manifest has no {name!r} field")
-    value = data[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise CorruptCheckpointError(f"{where}: manifest field {name!r} is {value!r}, not a {kind}")
-    return value
+# ---------------------------------------------------------------------------------------------------- the schema
+class _Json(Spec):
+    """Any JSON value (user state, config): kept as it is."""
+
+    expect = "a JSON value"
+
+    def validate(self, value: Any, path: str, unknown: list[str]) -> Any:
+        return value
 
 
-def _entry(x: Any, where: str, i: int) -> StoredEntry:
-    try:
-        e = StoredEntry(
-            key=str(x["key"]),
-            path=str(x.get("path", x["key"])),
-            kind=str(x["kind"]),
-            shape=tuple(int(s) for s in x["shape"]),
-            dtype=str(x["dtype"]),
-            world_axis=bool(x["world_axis"]),
-            storage=str(x["storage"]),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptCheckpointError(f"{where}: leaf entry {i} is malformed ({err!r})") from None
-    if e.kind not in (*PARAM_SPACE, REPLICATED) or e.storage not in STORAGES:
-        raise CorruptCheckpointError(f"{where}: leaf {e.key!r} has unknown kind {e.kind!r} or storage {e.storage!r}")
-    if e.storage == "split" and (e.kind == REPLICATED or not e.shape):
-        raise CorruptCheckpointError(f"{where}: leaf {e.key!r} of kind {e.kind!r} cannot be stored split")
-    return e
+@dataclass(frozen=True)
+class _Match(Spec):
+    """A string matching `pattern` in full."""
+
+    pattern: re.Pattern[str]
+    expect: str = "a string"  # type: ignore[misc]
+
+    def validate(self, value: Any, path: str, unknown: list[str]) -> str:
+        if not isinstance(value, str):
+            raise self.type_error(path, value)
+        if not self.pattern.fullmatch(value):
+            raise self.value_error(path, value)
+        return value
 
 
-def _roles(roles: Any, keys: set[str], where: str) -> dict[str, Any]:
-    """Which leaves hold the master parameters, frozen parameters and buffers; each must be a leaf's key."""
-    roles = roles if isinstance(roles, dict) else {}
-    params = roles.get("params")
-    named = {f: roles.get(f) if isinstance(roles.get(f), dict) else {} for f in ("frozen", "buffers")}
-    for key in [params, *named["frozen"].values(), *named["buffers"].values()]:
-        if key is not None and key not in keys:
-            raise CorruptCheckpointError(f"{where}: roles name leaf {key!r}, which the manifest does not list")
-    return {"params": params, **named}
+@dataclass(frozen=True)
+class _MapOf(Spec):
+    """An object of string keys and `inner` values."""
+
+    inner: Spec
+    expect: str = "an object of strings"  # type: ignore[misc]
+
+    def validate(self, value: Any, path: str, unknown: list[str]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.type_error(path, value)
+        return {k: self.inner.validate(v, f"{path}.{k}", unknown) for k, v in value.items()}
+
+
+def _difference(a: Any, b: Any, path: str) -> str | None:
+    """The first path where two JSON values differ (types included: `1`, `1.0` and `true` differ)."""
+    if type(a) is not type(b):
+        return path
+    if isinstance(a, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if k not in a or k not in b:
+                return f"{path}.{k}"
+            found = _difference(a[k], b[k], f"{path}.{k}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):  # a length difference is reported below
+            found = _difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return f"{path}[{min(len(a), len(b))}]" if len(a) != len(b) else None
+    return None if a == b else path
+
+
+def _value_at(data: Any, path: str) -> Any:
+    for part in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
+        key, index = part
+        try:
+            data = data[int(index)] if index else data[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+class _LayoutSpec(Spec):
+    """A layout: parsed by `Layout.from_json`, then rebuilt by `make_layout` from its parameters' names, shapes,
+    dtypes and units, which must give it back exactly (every offset, unit start, size and shard start; every value
+    of its JSON type), with non-negative shapes and known dtypes."""
+
+    expect = "a layout (JSON object)"
+
+    def validate(self, value: Any, path: str, unknown: list[str]) -> Layout:
+        if not isinstance(value, dict):
+            raise self.type_error(path, value)
+        try:
+            layout = Layout.from_json(json.dumps(value))
+            canonical = _canonical(layout)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as e:
+            raise ConfigError(path, f"malformed ({type(e).__name__}: {_short(e)})") from None
+        written, rebuilt = json.loads(json.dumps(value)), json.loads(canonical.to_json())
+        where = _difference(written, rebuilt, path)
+        if where is not None:
+            raise ConfigError(where, f"is {_short(_value_at(written, where[len(path):]))}, inconsistent with the "
+                              f"layout (expected {_short(_value_at(rebuilt, where[len(path):]))})")  # fmt: skip
+        return canonical
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dims(shape: Any, what: str) -> tuple[int, ...]:
+    dims = tuple(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"{what} has shape {_short(list(dims))}: expected non-negative integers")
+    return dims
+
+
+def _dtype(name: Any, what: str) -> str:
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"{what} has dtype {_short(name)}: expected one of {', '.join(_DTYPE_NAMES)}")
+    return name
+
+
+def _canonical(layout: Layout) -> Layout:
+    """The layout `make_layout` gives for `layout`'s parameters, units and specs (raises on a malformed one)."""
+    names = [u.name for u in layout.units]
+    params = []
+    for x in layout.leaves:
+        if not isinstance(x.unit, int) or isinstance(x.unit, bool) or not 0 <= x.unit < len(names):
+            raise ValueError(f"parameter {_short(x.name)} names unit {_short(x.unit)} of {len(names)}")
+        params.append((str(x.name), _dims(x.shape, f"parameter {x.name!r}"), dtype_of(_dtype(x.dtype, str(x.name)))))
+    units = {str(x.name): names[x.unit] for x in layout.leaves}
+    specs = {
+        kind: tuple(TensorSpec(str(s.name), _dims(s.shape, f"{kind} {s.name!r}"), _dtype(s.dtype, str(s.name)))
+                    for s in getattr(layout, kind))
+        for kind in ("frozen", "buffers")
+    }  # fmt: skip
+    aliases = tuple((str(a), str(b)) for a, b in layout.aliases)
+    seen: set[str] = set()
+    for name in [p[0] for p in params] + [s.name for kind in specs.values() for s in kind] + [a for a, _ in aliases]:
+        if name in seen:
+            raise ValueError(f"the name {_short(name)} appears twice")
+        seen.add(name)
+    for alias, name in aliases:
+        if name not in seen or name == alias:
+            raise ValueError(f"alias {_short(alias)} names {_short(name)}, not a parameter, frozen parameter or buffer")
+    return make_layout(
+        params, world=layout.world, align=layout.align, unit_of=units.__getitem__,
+        dtype=dtype_of(_dtype(layout.dtype, "the layout")), aliases=aliases, **specs,
+    )  # fmt: skip
+
+
+_INT = Int(0)
+_KEY = _Match(re.compile(r".+", re.DOTALL), "a non-empty string")
+_LEAF = Section(
+    {
+        "key": Field(_KEY, REQUIRED),
+        "path": Field(Str(), REQUIRED),
+        "kind": Field(Str(KINDS), REQUIRED),
+        "shape": Field(ListOf(_INT), REQUIRED),
+        "dtype": Field(Str(_DTYPE_NAMES), REQUIRED),
+        "world_axis": Field(Bool(), REQUIRED),
+        "storage": Field(Str(STORAGES), REQUIRED),
+    }
+)
+_FILE_ENTRY = Section(
+    {
+        "name": Field(_Match(_FILE, "rank-NNNNN-of-NNNNN.safetensors"), REQUIRED),
+        "rank": Field(_INT, REQUIRED),
+        "bytes": Field(_INT, REQUIRED),
+        "sha256": Field(_Match(re.compile(r"[0-9a-f]{64}"), "64 lower-case hex digits"), REQUIRED),
+    }
+)
+_ROLES = Section(
+    {
+        "params": Field(Nullable(_KEY), None),
+        "frozen": Field(_MapOf(_KEY), REQUIRED),
+        "buffers": Field(_MapOf(_KEY), REQUIRED),
+    }
+)
+
+
+def _checks(v: dict[str, Any], path: str) -> None:
+    """What no single field says: the fields agree with each other and with the layout."""
+    layout: Layout = v["layout"]
+    world = v["world"]
+    if world != layout.world:
+        raise ConfigError("world", f"is {world}, the layout's world is {layout.world}")
+    if v["processes"] not in (1, world):
+        raise ConfigError("processes", f"is {v['processes']}, expected 1 or {world}")
+    files = v["files"]
+    if len(files) != world:
+        raise ConfigError("files", f"lists {len(files)} shard files for world {world}")
+    for i, f in enumerate(files):
+        if f["name"] != file_name(i, world) or f["rank"] != i:
+            raise ConfigError(f"files[{i}]", f"names {_short(f['name'])} of rank {f['rank']}, expected "
+                              f"{file_name(i, world)} of rank {i}")  # fmt: skip
+    keys: set[str] = set()
+    stored = [0] * world  # bytes of tensor data each file must hold at least
+    for i, e in enumerate(v["leaves"]):
+        where, kind, shape = f"leaves[{i}]", e["kind"], tuple(e["shape"])
+        if e["key"] in keys:
+            raise ConfigError(f"{where}.key", f"{_short(e['key'])} appears twice")
+        keys.add(e["key"])
+        if kind in PARAM_SPACE:
+            want = layout.shard_numel if kind == SHARD else layout.numel
+            if not shape or shape[-1] != want:
+                raise ConfigError(f"{where}.shape", f"is {list(shape)}: a {kind} leaf's last dimension is {want}")
+        if e["storage"] == "split" and kind not in PARAM_SPACE:
+            raise ConfigError(f"{where}.storage", f"a {kind} leaf cannot be stored 'split'")
+        if kind == SHARD and e["storage"] != "split":
+            raise ConfigError(f"{where}.storage", f"is {e['storage']!r}: a shard leaf is stored 'split'")
+        entry = StoredEntry(e["key"], e["path"], kind, shape, e["dtype"], e["world_axis"], e["storage"])
+        size = math.prod(entry.stored_shape(layout)) * dtype_of(e["dtype"]).itemsize
+        for r in range(world):
+            stored[r] += size if entry.in_file(r) else 0
+    for r, need in enumerate(stored):
+        if files[r]["bytes"] < need:
+            raise ConfigError(f"files[{r}].bytes", f"is {files[r]['bytes']}, less than the {need} bytes of tensors "
+                              "the leaves put in it")  # fmt: skip
+    roles = v["roles"]
+    if roles["params"] is not None and roles["params"] not in keys:
+        raise ConfigError("roles.params", f"names leaf {_short(roles['params'])}, which the manifest does not list")
+    for role in ("frozen", "buffers"):
+        for name, key in roles[role].items():
+            if key not in keys:
+                raise ConfigError(f"roles.{role}.{name}", f"names leaf {_short(key)}, which the manifest does not list")
+    for key, dtype in v["precision"].items():
+        if dtype is not None and dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"precision.{key}", f"is {_short(dtype)}, not a dtype name")
+
+
+SCHEMA = Section(
+    {
+        "format": Field(Str((FORMAT,)), REQUIRED),
+        "version": Field(Int(1, VERSION), REQUIRED),
+        "tag": Field(_Match(re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}"), "a checkpoint tag"), REQUIRED),
+        "step": Field(_INT, REQUIRED),
+        "world": Field(Int(1), REQUIRED),
+        "processes": Field(Int(1), REQUIRED),
+        "simulated": Field(Bool(), REQUIRED),
+        "layout": Field(_LayoutSpec(), REQUIRED),
+        "leaves": Field(ListOf(_LEAF), REQUIRED),
+        "files": Field(ListOf(_FILE_ENTRY), REQUIRED),
+        "precision": Field(_MapOf(Nullable(Str())), REQUIRED),
+        "data_position": Field(Nullable(Int()), None),
+        "user_state": Field(_Json(), None),
+        "config": Field(_Json(), None),
+        "created": Field(Str(), REQUIRED),
+        "fzero_version": Field(Str(), REQUIRED),
+        "torch_version": Field(Str(), REQUIRED),
+        "roles": Field(_ROLES, REQUIRED),
+    },
+    checks=(_checks,),
+)
+"""Every field of a manifest, its type and constraints; `_checks` holds the constraints between fields."""
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def _strict_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
-    """Parse and check a manifest's text; `where` names the file in errors."""
+    """Parse and check a manifest's text against `SCHEMA`; `where` names the file in errors.
+
+    Raises:
+      CorruptCheckpointError: not JSON, or a field is missing, of another type, out of range or inconsistent
+        (the message names it).
+      CheckpointVersionError: written in a newer format.
+    """
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({e}); the file is damaged") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: nested too deeply to be a manifest; the file is damaged") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CorruptCheckpointError(f"{where}: not an fzero checkpoint manifest (format {got!r}, expected {FORMAT!r})")
+        raise CorruptCheckpointError(
+            f"{where}: not an fzero checkpoint manifest (format {_short(got)}, expected {FORMAT!r})"
+        )
     version = data.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise CorruptCheckpointError(f"{where}: invalid format version {version!r}")
-    if version > VERSION:
+    if _strict_int(version) and version > VERSION:
         from .. import __version__
 
-        by = data.get("fzero_version") or "a newer fzero"
+        by = data.get("fzero_version")
+        by = by if isinstance(by, str) and len(by) <= 40 else "a newer fzero"
         raise CheckpointVersionError(
             f"{where}: written in checkpoint format version {version} (by fzero {by}); this fzero ({__version__}) "
             f"reads versions up to {VERSION}. Upgrade fzero to load it."
         )
+    if not _strict_int(version):
+        raise CorruptCheckpointError(f"{where}: invalid format version {_short(version)}")
+    unknown: list[str] = []
     try:
-        layout = Layout.from_json(json.dumps(_need(data, "layout", dict, where)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: the manifest's layout is malformed ({e!r})") from None
-    world = _need(data, "world", int, where)
-    if world != layout.world:
-        raise CorruptCheckpointError(f"{where}: world {world} differs from the layout's world {layout.world}")
-    leaves = tuple(_entry(x, where, i) for i, x in enumerate(_need(data, "leaves", list, where)))
-    files = []
-    for i, x in enumerate(_need(data, "files", list, where)):
-        try:
-            info = FileInfo(str(x["name"]), int(x["rank"]), int(x["bytes"]), str(x["sha256"]))
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptCheckpointError(f"{where}: file entry {i} is malformed ({err!r})") from None
-        m = _FILE.fullmatch(info.name)  # plain names only: a manifest never points outside its directory
-        if not m or int(m.group(1)) != info.rank or int(m.group(2)) != world or info.rank != i:
-            raise CorruptCheckpointError(f"{where}: file entry {i} names {info.name!r}, expected {file_name(i, world)}")
-        files.append(info)
-    if len(files) != world:
-        raise CorruptCheckpointError(f"{where}: lists {len(files)} shard files for world {world}")
-    processes = _need(data, "processes", int, where)
-    if processes not in (1, world):
-        raise CorruptCheckpointError(f"{where}: processes is {processes}, expected 1 or {world}")
-    position = data.get("data_position")
-    if position is not None and (isinstance(position, bool) or not isinstance(position, int)):
-        raise CorruptCheckpointError(f"{where}: data_position is {position!r}, not an int")
+        v = SCHEMA.validate(data, "", unknown)
+    except ConfigError as e:
+        raise CorruptCheckpointError(f"{where}: malformed manifest: field {e}") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: nested too deeply to be a manifest; the file is damaged") from None
+    if unknown:
+        raise CorruptCheckpointError(f"{where}: malformed manifest: unknown field {unknown[0]}")
+    leaves = tuple(
+        StoredEntry(e["key"], e["path"], e["kind"], tuple(e["shape"]), e["dtype"], e["world_axis"], e["storage"])
+        for e in v["leaves"]
+    )
     return Manifest(
-        tag=str(_need(data, "tag", str, where)),
-        step=_need(data, "step", int, where),
-        world=world,
-        processes=processes,
-        simulated=bool(data.get("simulated", False)),
-        layout=layout,
+        tag=v["tag"],
+        step=v["step"],
+        world=v["world"],
+        processes=v["processes"],
+        simulated=v["simulated"],
+        layout=v["layout"],
         leaves=leaves,
-        files=tuple(files),
-        precision=dict(data.get("precision") or {}),
-        data_position=position,
-        user_state=data.get("user_state"),
-        config=data.get("config"),
-        created=str(data.get("created", "")),
-        fzero_version=str(data.get("fzero_version", "")),
-        torch_version=str(data.get("torch_version", "")),
-        roles=_roles(data.get("roles"), {e.key for e in leaves}, where),
-        version=version,
+        files=tuple(FileInfo(f["name"], f["rank"], f["bytes"], f["sha256"]) for f in v["files"]),
+        precision=v["precision"],
+        data_position=v["data_position"],
+        user_state=v["user_state"],
+        config=v["config"],
+        created=v["created"],
+        fzero_version=v["fzero_version"],
+        torch_version=v["torch_version"],
+        roles=v["roles"],
+        version=v["version"],
     )
 
 
+def inside(path: Path, directory: Path) -> bool:
+    """Whether `path`, its symbolic links followed, stays inside `directory`."""
+    try:
+        return path.resolve().is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        return False
+
+
+def _read_small(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and check ``DIRECTORY/manifest.json``.
+    """Read ``DIRECTORY/manifest.json``, check it against its digest, then against `SCHEMA`.
 
     Raises:
-      CorruptCheckpointError: missing (an unfinished save), unreadable or malformed.
+      CorruptCheckpointError: missing (an unfinished save), unreadable, altered (its digest differs), a symbolic
+        link out of the directory, or malformed (the message names the field).
       CheckpointVersionError: written by a newer format version.
+
+    Warns:
+      CheckpointWarning: a format-1 manifest, written before digests existed: it is checked, but not covered by a
+        checksum.
     """
-    path = Path(directory) / "manifest.json"
+    directory = Path(directory)
+    path, digest_path = directory / "manifest.json", directory / DIGEST
     if not path.is_file():
         raise CorruptCheckpointError(
             f"{path}: missing; {directory} is not a complete checkpoint (its save did not finish, or it is not a "
             "checkpoint directory)"
         )
+    for p in (path, digest_path):
+        if os.path.lexists(p) and not inside(p, directory):
+            raise CorruptCheckpointError(f"{p}: a symbolic link out of the checkpoint directory; refused")
     try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
-    return parse_manifest(text, str(path))
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: unreadable ({type(e).__name__}: {e.strerror})") from None
+    if os.path.lexists(digest_path):
+        try:
+            line = _read_small(digest_path, 200)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{digest_path}: unreadable ({type(e).__name__}: {e.strerror})") from None
+        m = _DIGEST_LINE.fullmatch(line)
+        if m is None:
+            raise CorruptCheckpointError(f"{digest_path}: not a sha256 line for manifest.json; the file is damaged")
+        actual = hashlib.sha256(raw).hexdigest()
+        if actual != m.group(1).decode():
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch (sha256 {actual[:16]}..., {DIGEST} records {m.group(1).decode()[:16]}...)"
+                ": the manifest was altered or damaged after it was written"
+            )
+        digested = True
+    else:
+        digested = False
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(f"{path}: not UTF-8 text; the file is damaged") from None
+    manifest = parse_manifest(text, str(path))
+    if not digested:
+        if manifest.version >= 2:
+            raise CorruptCheckpointError(
+                f"{digest_path}: missing; a format-{manifest.version} manifest is always written with its digest"
+            )
+        warnings.warn(
+            f"{path}: format 1, written before manifests had a digest: its fields are checked, but a change to them "
+            "cannot be detected; save the checkpoint again to add one",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: Manifest, fsync: bool = True) -> None:
+    """Write ``manifest.json`` and its digest ``manifest.json.sha256`` into `directory` (flushed if `fsync`)."""
+    data = manifest.to_json().encode("utf-8")
+    digest = f"{hashlib.sha256(data).hexdigest()}  manifest.json\n".encode()
+    for name, content in (("manifest.json", data), (DIGEST, digest)):
+        with open(directory / name, "wb") as f:
+            f.write(content)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())

@@ -33,6 +33,7 @@ __all__ = ["FULL", "REPLICATED", "SHARD", "Entry", "FlatState", "dtype_name", "f
 
 SHARD, FULL, REPLICATED = "shard", "full", "replicated"
 PARAM_SPACE = (SHARD, FULL)
+KINDS = (*PARAM_SPACE, REPLICATED)  # every kind a leaf can have: a manifest's leaves are checked against it
 
 
 def dtype_name(dtype: torch.dtype) -> str:
