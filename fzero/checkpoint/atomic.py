@@ -192,15 +192,26 @@ def _write_pointer(path: Path, tag: str) -> None:
         os.fsync(f.fileno())
 
 
+def inside(path: Path, directory: Path) -> bool:
+    """Whether `path`, its symbolic links followed, stays inside `directory`."""
+    try:
+        return path.resolve().is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        return False
+
+
 def read_latest(root: str | os.PathLike[str]) -> str | None:
     """The tag ``ROOT/latest`` names, or None without a pointer.
 
     Raises:
-      CheckpointError: the pointer holds no valid tag (its contents are not repeated in the message).
+      CheckpointError: the pointer holds no valid tag (its contents are not repeated in the message), or is a
+        symbolic link out of the root.
     """
     path = Path(root) / LATEST
     if not path.is_file():
         return None
+    if not inside(path, Path(root)):
+        raise CheckpointError(f"{path}: a symbolic link out of the checkpoint root; refused")
     try:
         with open(path, "rb") as f:
             raw = f.read(_MAX_POINTER + 1)

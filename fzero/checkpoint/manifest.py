@@ -38,6 +38,7 @@ from typing import Any
 
 from ..config.schema import REQUIRED, Bool, ConfigError, Field, Int, ListOf, Nullable, Section, Spec, Str
 from ..layout import Layout, TensorSpec, dtype_of, make_layout
+from .atomic import inside
 from .errors import CheckpointVersionError, CheckpointWarning, CorruptCheckpointError
 from .safetensors_io import DTYPES
 from .tree import KINDS, PARAM_SPACE, SHARD, Entry, dtype_name
@@ -218,7 +219,7 @@ def _value_at(data: Any, path: str) -> Any:
 class _LayoutSpec(Spec):
     """A layout: parsed by `Layout.from_json`, then rebuilt by `make_layout` from its parameters' names, shapes,
     dtypes and units, which must give it back exactly (every offset, unit start, size and shard start; every value
-    of its JSON type), with non-negative shapes and known dtypes."""
+    of its JSON type), with non-negative shapes, known dtypes and unique names."""
 
     expect = "a layout (JSON object)"
 
@@ -227,9 +228,9 @@ class _LayoutSpec(Spec):
             raise self.type_error(path, value)
         try:
             layout = Layout.from_json(json.dumps(value))
-            canonical = _canonical(layout)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as e:
-            raise ConfigError(path, f"malformed ({type(e).__name__}: {_short(e)})") from None
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+            raise ConfigError(path, f"malformed ({type(e).__name__}: {_short(e, 100)})") from None
+        canonical = _canonical(layout, path)
         written, rebuilt = json.loads(json.dumps(value)), json.loads(canonical.to_json())
         where = _difference(written, rebuilt, path)
         if where is not None:
@@ -238,51 +239,69 @@ class _LayoutSpec(Spec):
         return canonical
 
 
-def _short(value: Any) -> str:
+def _short(value: Any, limit: int = 60) -> str:
     text = repr(value) if not isinstance(value, BaseException) else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _dims(shape: Any, what: str) -> tuple[int, ...]:
-    dims = tuple(shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise ValueError(f"{what} has shape {_short(list(dims))}: expected non-negative integers")
+def _dims(shape: Any, path: str) -> tuple[int, ...]:
+    dims = tuple(shape) if isinstance(shape, (list, tuple)) else None
+    if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        got = list(shape) if isinstance(shape, tuple) else shape
+        raise ConfigError(path, f"expected a list of non-negative integers, got {_short(got)}")
     return dims
 
 
-def _dtype(name: Any, what: str) -> str:
+def _dtype(name: Any, path: str) -> str:
     if name not in _DTYPE_NAMES:
-        raise ValueError(f"{what} has dtype {_short(name)}: expected one of {', '.join(_DTYPE_NAMES)}")
+        raise ConfigError(path, f"expected one of {', '.join(_DTYPE_NAMES)}, got {_short(name)}")
     return name
 
 
-def _canonical(layout: Layout) -> Layout:
-    """The layout `make_layout` gives for `layout`'s parameters, units and specs (raises on a malformed one)."""
-    names = [u.name for u in layout.units]
-    params = []
-    for x in layout.leaves:
-        if not isinstance(x.unit, int) or isinstance(x.unit, bool) or not 0 <= x.unit < len(names):
-            raise ValueError(f"parameter {_short(x.name)} names unit {_short(x.unit)} of {len(names)}")
-        params.append((str(x.name), _dims(x.shape, f"parameter {x.name!r}"), dtype_of(_dtype(x.dtype, str(x.name)))))
-    units = {str(x.name): names[x.unit] for x in layout.leaves}
-    specs = {
-        kind: tuple(TensorSpec(str(s.name), _dims(s.shape, f"{kind} {s.name!r}"), _dtype(s.dtype, str(s.name)))
-                    for s in getattr(layout, kind))
-        for kind in ("frozen", "buffers")
-    }  # fmt: skip
-    aliases = tuple((str(a), str(b)) for a, b in layout.aliases)
+def _name(name: Any, path: str, seen: set[str]) -> str:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(path, f"expected a non-empty string, got {_short(name)}")
+    if name in seen:
+        raise ConfigError(path, f"{_short(name)} names two tensors")
+    seen.add(name)
+    return name
+
+
+def _canonical(layout: Layout, path: str) -> Layout:
+    """The layout `make_layout` gives for `layout`'s parameters, units and specs; raises `ConfigError` naming the
+    field of a malformed one."""
+    units = [u.name for u in layout.units]
     seen: set[str] = set()
-    for name in [p[0] for p in params] + [s.name for kind in specs.values() for s in kind] + [a for a, _ in aliases]:
-        if name in seen:
-            raise ValueError(f"the name {_short(name)} appears twice")
-        seen.add(name)
-    for alias, name in aliases:
-        if name not in seen or name == alias:
-            raise ValueError(f"alias {_short(alias)} names {_short(name)}, not a parameter, frozen parameter or buffer")
-    return make_layout(
-        params, world=layout.world, align=layout.align, unit_of=units.__getitem__,
-        dtype=dtype_of(_dtype(layout.dtype, "the layout")), aliases=aliases, **specs,
-    )  # fmt: skip
+    params, unit_of = [], {}
+    for i, x in enumerate(layout.leaves):
+        where = f"{path}.leaves[{i}]"
+        name = _name(x.name, f"{where}.name", seen)
+        if not isinstance(x.unit, int) or isinstance(x.unit, bool) or not 0 <= x.unit < len(units):
+            raise ConfigError(f"{where}.unit", f"expected a unit index in [0, {len(units)}), got {_short(x.unit)}")
+        params.append((name, _dims(x.shape, f"{where}.shape"), dtype_of(_dtype(x.dtype, f"{where}.dtype"))))
+        unit_of[name] = units[x.unit]
+    specs = {}
+    for kind in ("frozen", "buffers"):
+        specs[kind] = tuple(
+            TensorSpec(_name(s.name, f"{path}.{kind}[{j}].name", seen), _dims(s.shape, f"{path}.{kind}[{j}].shape"),
+                       _dtype(s.dtype, f"{path}.{kind}[{j}].dtype"))
+            for j, s in enumerate(getattr(layout, kind))
+        )  # fmt: skip
+    named = set(seen)
+    aliases = []
+    for k, (alias, target) in enumerate(layout.aliases):
+        _name(alias, f"{path}.aliases[{k}][0]", seen)
+        if target not in named:
+            raise ConfigError(
+                f"{path}.aliases[{k}][1]", f"{_short(target)} is no parameter, frozen parameter or buffer"
+            )
+        aliases.append((alias, target))
+    dtype = dtype_of(_dtype(layout.dtype, f"{path}.dtype"))
+    try:
+        return make_layout(params, world=layout.world, align=layout.align, unit_of=unit_of.__getitem__, dtype=dtype,
+                           aliases=tuple(aliases), **specs)  # fmt: skip
+    except (TypeError, ValueError) as e:  # world, align, no parameters
+        raise ConfigError(path, f"malformed ({_short(e, 100)})") from None
 
 
 _INT = Int(0)
@@ -459,14 +478,6 @@ def parse_manifest(text: str, where: str) -> Manifest:
         roles=v["roles"],
         version=v["version"],
     )
-
-
-def inside(path: Path, directory: Path) -> bool:
-    """Whether `path`, its symbolic links followed, stays inside `directory`."""
-    try:
-        return path.resolve().is_relative_to(directory.resolve())
-    except (OSError, RuntimeError):  # a loop of links
-        return False
 
 
 def _read_small(path: Path, limit: int) -> bytes:

@@ -136,7 +136,9 @@ def save(
     try:
         infos = _write_files(tmp, source, coord, tag, fsync)
     except Exception as e:
-        error = e
+        error = CheckpointError(f"writing the shard files of {root / tag} failed ({type(e).__name__}: {e}); "
+                                "nothing was changed")  # fmt: skip
+        error.__cause__ = e
     try:
         coord.agree(error, "writing the shard files")
     except BaseException:
