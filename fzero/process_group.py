@@ -78,7 +78,7 @@ def _drop_stale_references() -> None:
         if not name.startswith("torch.distributed") or module is None:
             continue
         for fn in list(vars(module).values()):
-            if not isinstance(fn, types.FunctionType):
+            if type(fn) is not types.FunctionType:  # type(): touches no attribute, so no deprecation warning
                 continue
             defaults = fn.__defaults__
             if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):

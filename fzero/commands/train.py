@@ -229,6 +229,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary is not None else 1
 
 
+def _timeout(mesh: Any) -> str:
+    seconds = getattr(mesh, "timeout", None)
+    return f" (collective timeout {seconds:g} s)" if seconds is not None else ""
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """The training loop on this process's rank; returns the summary (rank 0's figures on every rank)."""
     import torch
@@ -256,7 +261,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         say("note: fp16 matrix multiplications are very slow on CPUs without native fp16; bf16 is the fast choice")
     say(
         f"fzero train: GPT {engine.state.layout.real_numel / 1e6:.2f}M params, ZeRO-{c.stage}, {c.precision}"
-        f"{', optimizer offload' if c.offload else ''}, {engine.world_size} rank(s) over {engine.mesh!r}, "
+        f"{', optimizer offload' if c.offload else ''}, {engine.world_size} rank(s) over {engine.mesh!r}"
+        f"{_timeout(engine.mesh)}, "
         f"{c.micro_batch}x{seq_len} tokens/rank/micro-step, accumulate {c.gas}"
         + (f", config {args.config}" if args.config else "")
     )
