@@ -133,3 +133,34 @@ def test_deepspeed_timeout_variable(monkeypatch):
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="DEEPSPEED_TIMEOUT must be a positive number of minutes, got 'soon'"):
         process_group.env_timeout()
+
+
+SHUTDOWN = """
+import sys, types
+import torch, torch.distributed as dist
+from fzero import process_group
+
+def holders():
+    return [f"{n}.{f.__name__}" for n, m in list(sys.modules.items()) if n.startswith("torch.distributed")
+            for f in vars(m).values() if type(f) is types.FunctionType
+            and any(isinstance(v, dist.ProcessGroup) for v in (f.__defaults__ or ()))]
+
+process_group.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1, timeout=60)
+group = dist.group.WORLD
+torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # imports torch._dynamo, hence torch.distributed.nn
+before = holders()
+process_group.shutdown()
+print(len(before), len(holders()), sys.getrefcount(group) - 1)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_frees_the_group(tmp_path):
+    """The exit flake's cause, reproduced and removed: a torch optimizer built after `init_process_group` imports
+    functions whose default arguments hold the group; `shutdown()` destroys it and drops those references, so the
+    group is freed there (only this script's own variable is left), not by the garbage collector at exit."""
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN, str(tmp_path / "store")], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after, references = map(int, done.stdout.split())
+    assert before > 0 and after == 0 and references == 1
