@@ -337,7 +337,8 @@ def collective_error(
         how = "stopped answering" if timed_out else "closed its connection (it crashed or was killed)"
         who = f": rank {peer} {how} (the only other rank of the group)"
     elif timed_out or gone:
-        who = f": the backend does not say which of the other {world - 1} ranks stopped answering"
+        how = "stopped answering" if timed_out else "closed its connection"
+        who = f": the backend does not say which of the other {world - 1} ranks {how}"
     else:
         who = ""
     message = f"{head}{who}. {_HINT} Backend: {backend}"
