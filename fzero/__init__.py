@@ -15,7 +15,7 @@ from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, ini
 from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .memory import state_bytes
-from .mesh import DistMesh, Ledger, Mesh, SimMesh
+from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, param_groups, sgd
 from .precision import Policy, get_policy
 from .stage3 import GatherPolicy
@@ -45,6 +45,7 @@ from .transforms import (
 )
 
 __all__ = [
+    "CollectiveError",
     "Context",
     "DeepSpeedEngine",
     "DistMesh",

@@ -1,5 +1,6 @@
 """`fzero COMMAND ...`: one entry point; each command lives in `fzero.commands.<name>` with
-`add_arguments(parser)` and `run(args) -> int`."""
+`add_arguments(parser)`, optionally `check_arguments(args, parser)` (checks across flags, ending in
+`parser.error`), and `run(args) -> int`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fzero", description="ZeRO stages 0-3 as a functional library")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    modules = {}
+    modules, parsers = {}, {}
     for name, help_text in COMMANDS.items():
         try:
             module = importlib.import_module(f"fzero.commands.{name}")
@@ -25,9 +26,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             continue  # not built yet
         modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(parsers[name])
     args = parser.parse_args(argv)
-    return int(modules[args.command].run(args) or 0)
+    module = modules[args.command]
+    if hasattr(module, "check_arguments"):
+        module.check_arguments(args, parsers[args.command])
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

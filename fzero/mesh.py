@@ -25,13 +25,19 @@ The ledger (`Mesh.record()`) counts, per collective, calls, the logical element 
 (`elements`: the full buffer size for reduce-scatter and all-gather, twice it for an all-reduce: the ZeRO paper's
 accounting) and the elements each rank sends and receives with a bandwidth-optimal ring algorithm
 (`(world - 1) / world` of those).
+
+A `DistMesh` collective that fails (it waited longer than the mesh's `timeout` for another rank, or a peer closed
+its connection) raises `CollectiveError` on the ranks still running, naming this rank, the collective, its size,
+the timeout and, where it can be told, the rank that stopped answering; an async handle's `wait()` does the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -39,7 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DistMesh", "Ledger", "Mesh", "SimMesh", "Work", "done"]
+from . import process_group
+
+__all__ = ["CollectiveError", "DistMesh", "Ledger", "Mesh", "SimMesh", "Work", "done"]
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -259,18 +267,123 @@ class SimMesh(_LedgerMixin):
         return optree.tree_map(lambda *xs: torch.stack(xs), *outs)
 
 
+class CollectiveError(RuntimeError):
+    """A collective of a `DistMesh` failed on this rank: it waited longer than the timeout for another rank, or a
+    peer closed its connection, or the backend refused it.
+
+    Attributes:
+      rank, world: this rank and the group's size.
+      collective: ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"`` or ``"broadcast"``.
+      elements, dtype: the size and dtype of this rank's input.
+      timeout: the timeout in seconds (from the backend's message, else the mesh's), None if unknown.
+      timed_out: whether the backend reported a timeout.
+      peer: the rank that stopped answering or closed its connection, None when the backend does not tell (gloo
+        names no rank: it is told in a group of two, where only one other rank exists).
+      backend_message: the backend's own message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        world: int,
+        collective: str,
+        elements: int,
+        dtype: str,
+        timeout: float | None,
+        timed_out: bool,
+        peer: int | None,
+        backend_message: str,
+    ) -> None:
+        super().__init__(message)
+        self.rank, self.world, self.collective, self.elements, self.dtype = rank, world, collective, elements, dtype
+        self.timeout, self.timed_out, self.peer, self.backend_message = timeout, timed_out, peer, backend_message
+
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_TIMEOUT_MS = re.compile(r"Timed out waiting (\d+)\s*ms|Timeout\(ms\)=(\d+)")
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused", re.IGNORECASE)
+_SOURCE = re.compile(r"^\s*\[[^\]]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[.../unbound_buffer.cc:78] " prefix
+_HINT = (
+    "Every rank must issue the same collectives in the same order: a rank that hangs, stops, crashes or skips one "
+    "leaves the others waiting. Set the limit with DistMesh(timeout=SECONDS), the config's comms_config.timeout, or "
+    "fzero train --timeout."
+)
+
+
+def _seconds(timeout: datetime.timedelta | None) -> float | None:
+    return None if timeout is None else timeout.total_seconds()
+
+
+def collective_error(
+    err: BaseException, *, rank: int, world: int, collective: str, x: Tensor, timeout: float | None
+) -> CollectiveError:
+    """The `CollectiveError` for a backend's exception `err` raised by `collective` on tensor `x` (see the class)."""
+    backend = _SOURCE.sub("", str(err)).strip()
+    timed_out = bool(_TIMED_OUT.search(backend))
+    m = _TIMEOUT_MS.search(backend)
+    if m:
+        timeout = int(m.group(1) or m.group(2)) / 1000
+    gone = bool(_PEER_GONE.search(backend))
+    peer = 1 - rank if world == 2 and (timed_out or gone) else None
+    what = f"{collective} of {x.numel()} {str(x.dtype).removeprefix('torch.')} elements"
+    limit = "" if timeout is None else f" after {timeout:g} s"
+    if timed_out:
+        head = f"rank {rank} of {world} timed out{limit} in {what}"
+    else:
+        head = f"rank {rank} of {world} failed in {what}"
+    if peer is not None:
+        how = "stopped answering" if timed_out else "closed its connection (it crashed or was killed)"
+        who = f": rank {peer} {how} (the only other rank of the group)"
+    elif timed_out or gone:
+        how = "stopped answering" if timed_out else "closed its connection"
+        who = f": the backend does not say which of the other {world - 1} ranks {how}"
+    else:
+        who = ""
+    message = f"{head}{who}. {_HINT} Backend: {backend}"
+    return CollectiveError(
+        message, rank=rank, world=world, collective=collective, elements=x.numel(),
+        dtype=str(x.dtype).removeprefix("torch."), timeout=timeout, timed_out=timed_out, peer=peer,
+        backend_message=backend,
+    )  # fmt: skip
+
+
+class _Guarded:
+    """An async collective's handle whose `wait()` raises `CollectiveError` instead of the backend's error."""
+
+    def __init__(self, work: Work, fail: Callable[[BaseException], CollectiveError]) -> None:
+        self._work, self._fail = work, fail
+
+    def wait(self) -> object:
+        try:
+            return self._work.wait()
+        except RuntimeError as e:
+            raise self._fail(e) from e
+
+
 class DistMesh(_LedgerMixin):
     """The ranks of a `torch.distributed` process group (gloo on CPU, NCCL on GPU).
 
     Args:
       group: the process group; default the world group. If `torch.distributed` is not initialised yet, it is,
-        from the `torchrun` environment variables, with `backend` (default: NCCL when CUDA is available, else gloo).
+        from the `torchrun` environment variables, with `backend` (default: NCCL when CUDA is available, else gloo)
+        and `timeout`; the group is then shut down before the interpreter exits (`fzero.process_group`).
       backend: the backend for that initialisation.
+      timeout: seconds (or a `datetime.timedelta`) a collective may wait for the other ranks before it fails with
+        `CollectiveError`; set on the group, so it applies to everything that uses the group. Default: the
+        group's own (torch's default is 30 minutes for gloo).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        backend: str | None = None,
+        timeout: float | datetime.timedelta | None = None,
+    ) -> None:
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this torch build")
+        delta = None if timeout is None else process_group.as_timedelta(timeout, "DistMesh(timeout=...)")
         if not dist.is_initialized():
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise RuntimeError(
@@ -278,11 +391,37 @@ class DistMesh(_LedgerMixin):
                     "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); start the script with torchrun, "
                     "or use SimMesh(world=...) in a single process"
                 )
-            dist.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            process_group.init_process_group(
+                backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=delta
+            )
+        elif delta is not None:
+            process_group.set_timeout(delta, group)
+        process_group.shutdown_at_exit()
         self.group = group
         self.world = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
+        self._timeout = delta
         self._ledgers: list[Ledger] = []
+
+    @property
+    def timeout(self) -> float | None:
+        """The collectives' timeout in seconds, if this mesh set one."""
+        return _seconds(self._timeout)
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        """Set the timeout (seconds or a `timedelta`) of every later collective of the mesh's group."""
+        self._timeout = process_group.set_timeout(timeout, self.group)
+
+    def _error(self, collective: str, x: Tensor, err: BaseException) -> CollectiveError:
+        return collective_error(
+            err, rank=self._rank, world=self.world, collective=collective, x=x, timeout=self.timeout
+        )
+
+    def _run(self, collective: str, x: Tensor, fn: Callable[..., object], *args: object, **kwargs: object) -> object:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            raise self._error(collective, x, e) from e
 
     def __repr__(self) -> str:
         return f"DistMesh(world={self.world}, rank={self._rank}, backend={dist.get_backend(self.group)})"
@@ -296,7 +435,7 @@ class DistMesh(_LedgerMixin):
         if self.world == 1:
             return _finish(x, op, 1)
         out = x.clone()  # a collective writes in place; the caller's tensor is never touched
-        dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)
+        self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group)
         return _finish(out, op, self.world)
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
@@ -307,7 +446,7 @@ class DistMesh(_LedgerMixin):
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
         out = torch.empty_like(chunks[0])
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        fn(out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM, group=self.group)
+        self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM, group=self.group)
         return _finish(out, op, self.world)
 
     def all_gather(self, x: Tensor) -> Tensor:
@@ -315,7 +454,7 @@ class DistMesh(_LedgerMixin):
         src = x.contiguous()
         out = torch.empty(self.world * src.numel(), dtype=src.dtype, device=src.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        fn(out, src.reshape(-1), group=self.group)
+        self._run("all_gather", x, fn, out, src.reshape(-1), group=self.group)
         return out.view(self.world, *src.shape).movedim(0, -2).flatten(-2)
 
     def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work:
@@ -326,13 +465,16 @@ class DistMesh(_LedgerMixin):
             out.copy_(x)
             return done
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = fn(out, x.contiguous(), group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        work = self._run("all_gather", x, fn, out, x.contiguous(), group=self.group, async_op=async_op)
+        if not async_op:
+            return done
+        return _Guarded(work, lambda e: self._error("all_gather", x, e))  # type: ignore[arg-type]
 
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         self._log("broadcast", x.numel())
         out = x.clone()
-        dist.broadcast(out, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        root = dist.get_global_rank(self.group, src) if self.group else src
+        self._run("broadcast", x, dist.broadcast, out, src=root, group=self.group)
         return out
 
     def local_shard(self, x: Tensor) -> Tensor:

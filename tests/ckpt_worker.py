@@ -15,6 +15,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import fzero
+from fzero import process_group
+from tests.spawn import init_worker
 from tests.support import lm_batches, lm_loss, tiny_gpt
 
 # (preset, accumulate, micro-step of the save): zero1 saved mid-accumulation keeps each rank's local gradients
@@ -44,7 +46,7 @@ def train(state, step, data, start: int, rank: int | None):
 
 def resume(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    init_worker(rank, world, f"{out_dir}/store")
     mesh = fzero.DistMesh()
     for preset, micro, at in CASES:
         model = tiny_gpt(0)
@@ -92,7 +94,7 @@ def resume(rank: int, world: int, out_dir: str) -> None:
     with open(f"{out_dir}/outcomes-{rank}.txt", "w") as f:
         f.write("\n".join(outcomes))
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.shutdown()
 
 
 def save_loop(root: str) -> None:

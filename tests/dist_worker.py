@@ -10,6 +10,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import fzero
+from fzero import process_group
+from tests.spawn import init_worker
 from tests.support import lm_batches, lm_loss, tiny_gpt
 
 CASES = [(preset, micro, poison) for preset in ("zero0", "zero1", "zero2", "zero3") for micro in (1, 2)
@@ -37,7 +39,7 @@ def name(preset: str, micro: int, poison: bool) -> str:
 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    init_worker(rank, world, f"{out_dir}/store")
     mesh = fzero.DistMesh()
     ledgers = {}
     for preset, micro, poison in CASES:
@@ -60,4 +62,4 @@ def run(rank: int, world: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, "ledgers.json"), "w") as f:
             json.dump(ledgers, f)
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.shutdown()

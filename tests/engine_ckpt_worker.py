@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fzero
+from fzero import process_group
 from fzero.checkpoint import CheckpointError
+from tests.spawn import init_worker
 
 
 def model(seed: int) -> nn.Module:
@@ -73,7 +75,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
     continues; a world-2 stage-2 checkpoint at a boundary for the single-process resharding test; a tag mismatch."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    init_worker(rank, world, f"{out_dir}/store")
     results: dict = {}
     data = batches(9, rank)
     for stage in (1, 3):
@@ -114,4 +116,4 @@ def run(rank: int, world: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"results{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.shutdown()

@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero
+from fzero import process_group
+from tests.spawn import init_worker
 from tests.support import lm_batches, mlp, regression_batches, tiny_gpt
 
 
@@ -112,7 +114,7 @@ DIST_CASES = [(stage, precision, kind) for stage in (0, 1, 2, 3) for precision, 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    init_worker(rank, world, f"{out_dir}/store")
     results: dict = {"seed": {}, "cases": {}}
     for variant in ("plain", "retain_graph"):
         engine, returned = seed_example(fzero, steps=16, retain_graph=variant == "retain_graph")
@@ -139,14 +141,14 @@ def run(rank: int, world: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.shutdown()
 
 
 def no_backward(rank: int, world: int, out_dir: str) -> None:
     """Stage 3 on a real mesh: `engine(x)` then `engine.step()` without a backward raises, and changes nothing."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store-nb", rank=rank, world_size=world)
+    init_worker(rank, world, f"{out_dir}/store-nb")
     model = tiny_gpt(0)
     config = {"train_batch_size": 2 * world, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}  # fmt: skip
@@ -161,4 +163,4 @@ def no_backward(rank: int, world: int, out_dir: str) -> None:
         raise AssertionError("engine.step() without a backward did not raise at stage 3")
     assert torch.equal(engine.state.params, before) and engine.global_steps == 0
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.shutdown()

@@ -253,7 +253,9 @@ def test_the_directory_a_save_leaves(tmp_path):
     assert m["precision"] == {"master": "float32", "compute": "bfloat16"}
     assert m["user_state"] == {"epoch": 1} and m["config"] == {"zero_optimization": 3}
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["manifest.json"] + [f"rank-{r:05d}-of-00004.safetensors" for r in range(4)]
+    assert names == ["manifest.json", "manifest.json.sha256"] + [f"rank-{r:05d}-of-00004.safetensors" for r in range(4)]
+    digest = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+    assert (path / "manifest.json.sha256").read_text() == f"{digest}  manifest.json\n"  # sha256sum -c reads it
     for info in m["files"]:
         data = (path / info["name"]).read_bytes()
         assert len(data) == info["bytes"] and hashlib.sha256(data).hexdigest() == info["sha256"]

@@ -5,20 +5,22 @@ rank (a damaged file only it verifies, a tag only rank 0 sees exists) is raised 
 
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import fzero
 from fzero.checkpoint import named_leaves
 from tests import ckpt_worker
 from tests.ckpt_worker import CASES, batches, train
+from tests.spawn import spawn
 from tests.support import lm_loss, tiny_gpt
 from tests.test_checkpoint import assert_same
 
 WORLD = 2
 
 
+@pytest.mark.timeout(600)
 def test_dist_resume_and_reshard(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: matmul's reduction order may depend on the thread count
@@ -31,7 +33,7 @@ def test_dist_resume_and_reshard(tmp_path):
         state3 = train(state3, step3, batches(3, 2)[:2], 0, None)
         fzero.save(state3, tmp_path / "from3", data_position=2)
 
-        mp.start_processes(ckpt_worker.resume, args=(WORLD, str(tmp_path)), nprocs=WORLD, start_method="spawn")
+        spawn(ckpt_worker.resume, (WORLD, str(tmp_path)), WORLD)
 
         for preset, micro, _ in CASES:
             got = load_file(tmp_path / f"{preset}.st")

@@ -4,6 +4,7 @@ the file, with nothing loaded; and loading never unpickles anything."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -42,6 +43,14 @@ def saved(tmp_path):
     model, tx, state = make()
     path = fzero.save(state, tmp_path, data_position=3)
     return tmp_path, path, model, tx, state
+
+
+def rewrite_manifest(path: Path, m: dict | str) -> None:
+    """Replace a checkpoint's manifest and its digest consistently (as a buggy tool or a deliberate edit would):
+    what the checks after the digest must catch."""
+    data = (m if isinstance(m, str) else json.dumps(m)).encode()
+    (path / "manifest.json").write_bytes(data)
+    (path / "manifest.json.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  manifest.json\n")
 
 
 def shard(path: Path, rank: int = 1) -> Path:
@@ -96,6 +105,8 @@ def test_missing_shard(saved):
 def test_missing_or_unreadable_manifest(saved):
     root, path, _, _, like = saved
     (path / "manifest.json").write_text('{"format": "fzero-checkpoint", "version": 1, "layo')
+    expect_nothing_loaded(root, like, CorruptCheckpointError, r"manifest.json: checksum mismatch .* altered or damaged")
+    rewrite_manifest(path, '{"format": "fzero-checkpoint", "version": 1, "layo')
     expect_nothing_loaded(root, like, CorruptCheckpointError, r"manifest.json: not valid JSON")
     (path / "manifest.json").unlink()
     expect_nothing_loaded(root, like, CorruptCheckpointError, r"manifest.json: missing; .* save did not finish")
@@ -110,7 +121,7 @@ def test_newer_format_version(saved):
     root, path, _, _, like = saved
     m = json.loads((path / "manifest.json").read_text())
     m["version"], m["fzero_version"] = 3, "9.0"
-    (path / "manifest.json").write_text(json.dumps(m))
+    rewrite_manifest(path, m)
     expect_nothing_loaded(root, like, CheckpointVersionError, r"manifest.json: written in checkpoint format version 3 "
                           r"\(by fzero 9.0\); this fzero \(.*\) reads versions up to 2. Upgrade fzero")  # fmt: skip
 
@@ -126,6 +137,8 @@ def test_checkpoint_of_another_model(saved, tmp_path_factory):
     elsewhere = tmp_path_factory.mktemp("other")
     other_path = fzero.save(other, elsewhere)
     (path / "manifest.json").write_bytes((other_path / "manifest.json").read_bytes())
+    expect_nothing_loaded(root, like, CorruptCheckpointError, r"manifest.json: checksum mismatch")
+    (path / "manifest.json.sha256").write_bytes((other_path / "manifest.json.sha256").read_bytes())
     expect_nothing_loaded(root, like, IncompatibleCheckpointError, r"another model: parameter '0.weight' has shape \(9")
     # and its records do not match these files
     with pytest.raises(CorruptCheckpointError, match=rf"{shard(path, 0)}: (truncated|longer than written)"):
@@ -136,8 +149,9 @@ def test_manifest_cannot_point_outside(saved):
     root, path, _, _, like = saved
     m = json.loads((path / "manifest.json").read_text())
     m["files"][0]["name"] = "../../etc/passwd"
-    (path / "manifest.json").write_text(json.dumps(m))
-    expect_nothing_loaded(root, like, CorruptCheckpointError, r"file entry 0 names '../../etc/passwd'")
+    rewrite_manifest(path, m)
+    expect_nothing_loaded(root, like, CorruptCheckpointError, r"malformed manifest: field files\[0\].name: expected "
+                          r"rank-NNNNN-of-NNNNN.safetensors, got '../../etc/passwd'")  # fmt: skip
 
 
 class Planted:
@@ -161,11 +175,16 @@ def test_a_planted_pickle_is_never_unpickled(saved, tmp_path_factory, how):
         torch.save({"params": Planted(str(marker))}, f)
     with pytest.raises(CorruptCheckpointError, match=rf"{f}: (truncated|longer than written|checksum mismatch)"):
         fzero.load(root, like)
-    # an attacker who also rewrites the manifest's records gets no further: the file is parsed as safetensors
-    data = f.read_bytes()
+    # an attacker who also rewrites the manifest's records (and its digest) gets no further: the file is parsed as
+    # safetensors (padded to the size the manifest's leaves need, which is checked before any file is read)
+    data = f.read_bytes() + bytes(4096)
+    f.write_bytes(data)
     m = json.loads((path / "manifest.json").read_text())
-    m["files"][0].update(bytes=len(data), sha256=__import__("hashlib").sha256(data).hexdigest())
+    m["files"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CorruptCheckpointError, match="manifest.json: checksum mismatch"):
+        fzero.load(root, like)
+    rewrite_manifest(path, m)
     with pytest.raises(CorruptCheckpointError, match=rf"{f}: not a readable safetensors file"):
         fzero.load(root, like)
     with pytest.raises(CorruptCheckpointError, match=rf"{f}: not a readable safetensors file"):
@@ -203,6 +222,7 @@ def _read_saved(proc: subprocess.Popen) -> list[int]:
     return [int(line.split()[1]) for line in proc.stdout.read().decode().splitlines() if line.startswith("saved")]
 
 
+@pytest.mark.timeout(300)
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     """A process saving a 17 MB state over and over is killed with SIGKILL at random moments; each time `latest`
     names a complete checkpoint, equal to the last save that finished (or the one finishing), and the next run

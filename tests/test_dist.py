@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import fzero
 from tests import dist_worker
+from tests.spawn import spawn
 from tests.support import tiny_gpt
 
 
@@ -37,9 +37,10 @@ def _sim(preset: str, micro: int, poison: bool, world: int):
     return fzero.state_dict(state), {"comm": metrics["comm"], "skipped": skipped}
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 def test_dist_matches_sim(world, tmp_path):
-    mp.start_processes(dist_worker.run, args=(world, str(tmp_path)), nprocs=world, start_method="spawn")
+    spawn(dist_worker.run, (world, str(tmp_path)), world)
     ledgers = json.loads((tmp_path / "ledgers.json").read_text())
     for preset, micro, poison in dist_worker.CASES:
         case = dist_worker.name(preset, micro, poison)

@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +19,7 @@ import fzero
 from fzero.config import ConfigError, UnsupportedConfigError
 from fzero.metrics import read_jsonl
 from tests import engine_worker
+from tests.spawn import spawn
 from tests.support import mlp
 
 
@@ -69,8 +69,9 @@ def test_second_backward_accumulates_like_torch(stage):
     assert all(torch.equal(_params(engine)[k], v) for k, v in ref.state_dict().items())
 
 
+@pytest.mark.timeout(600)
 def test_seed_example_and_equivalence_on_two_gloo_processes(tmp_path):
-    mp.start_processes(engine_worker.run, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(engine_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     for variant, r in results["seed"].items():
         assert r["mesh"] == "DistMesh(world=2, rank=0, backend=gloo)", variant
@@ -342,9 +343,8 @@ def test_errors_are_clear():
         fzero.initialize(model=model, config={**cfg, "zero_optimization": {"stage": 7}})
 
 
+@pytest.mark.timeout(600)
 def test_stage3_step_without_backward_raises_on_two_processes(tmp_path):
     """At stage 3 the engine's gradients arrive unit by unit during the backward: a step with no backward must not
     apply an update from the zeros it would otherwise reduce."""
-    torch.multiprocessing.start_processes(
-        engine_worker.no_backward, args=(2, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    spawn(engine_worker.no_backward, (2, str(tmp_path)), 2)

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import fzero
 from fzero.checkpoint import CheckpointError, IncompatibleCheckpointError, named_leaves
 from tests.engine_ckpt_worker import batches, config, counters, engine, model, train
+from tests.spawn import spawn
 
 
 def _equal_states(a, b) -> bool:
@@ -314,6 +314,7 @@ def test_another_stage_loads(tmp_path, target):
     assert _params_equal(a, b)
 
 
+@pytest.mark.timeout(600)
 def test_two_gloo_processes_and_resharding_to_one(tmp_path):
     """On 2 gloo processes: stage 1 (fp16) and stage 3 (bf16) saved inside an accumulation window with per-rank
     dropout draws, and resumed by fresh engines: bitwise, on both ranks; client_state is rank 0's; different tags
@@ -321,7 +322,7 @@ def test_two_gloo_processes_and_resharding_to_one(tmp_path):
     stages 2 and 3: the consolidated parameters bitwise and the counters as saved; training continues."""
     from tests import engine_ckpt_worker
 
-    mp.start_processes(engine_ckpt_worker.run, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(engine_ckpt_worker.run, (2, str(tmp_path)), 2)
     results = [json.loads((tmp_path / f"results{r}.json").read_text()) for r in range(2)]
     for r in results:
         for stage in ("1", "3"):

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fzero.examples import train_gpt
 
 SMALL = ["--steps", "4", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "2",
          "--log-every", "2"]  # fmt: skip
 
 
+@pytest.mark.timeout(600)
 def test_main_job_under_torchrun():
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "fzero.examples.train_gpt", "--stage", "3"]

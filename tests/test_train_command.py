@@ -132,19 +132,78 @@ def test_train_errors_exit_2(tmp_path, capsys):
     ds.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 5}}))
     assert cli.main(["train", "--config", str(ds), "--out", str(tmp_path), *TINY]) == 2
     assert "zero_optimization.stage: expected an integer in [0, 3], got 5" in capsys.readouterr().err
-    assert cli.main(["train", "--config", str(tmp_path / "nope.json"), *TINY]) == 2
-    assert "nope.json" in capsys.readouterr().err
+    ds.write_text(json.dumps({"train_batch_size": 8, "comms_config": {"timeout": -1}}))
+    assert cli.main(["train", "--config", str(ds), "--out", str(tmp_path), *TINY]) == 2
+    assert "comms_config.timeout: expected a finite number > 0, got -1" in capsys.readouterr().err
 
 
+BAD_FLAGS = [
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["--steps", "-3"], "argument --steps: expected an integer >= 1, got -3"),
+    (["--steps", "2.5"], "argument --steps: expected an integer >= 1, got '2.5'"),
+    (["--heads", "3"], "--d-model 128 is not a multiple of --heads 3"),
+    (["--d-model", "30", "--heads", "4"], "--d-model 30 is not a multiple of --heads 4"),
+    (["--heads", "0"], "argument --heads: expected an integer >= 1, got 0"),
+    (["--threads", "-1"], "argument --threads: expected an integer >= 0, got -1"),
+    (["--warmup", "-5"], "argument --warmup: expected an integer >= 0, got -5"),
+    (["--nproc", "0"], "argument --nproc: expected an integer >= 1, got 0"),
+    (["--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
+    (["--batch", "x"], "argument --batch: expected an integer >= 1, got 'x'"),
+    (["--accumulate", "0"], "argument --accumulate: expected an integer >= 1, got 0"),
+    (["--lr=-1e-3"], "argument --lr: expected a finite number > 0, got '-1e-3'"),
+    (["--lr", "nan"], "argument --lr: expected a finite number > 0, got 'nan'"),
+    (["--layers", "0"], "argument --layers: expected an integer >= 1, got 0"),
+    (["--d-model", "0"], "argument --d-model: expected an integer >= 1, got 0"),
+    (["--seq-len", "0"], "argument --seq-len: expected an integer >= 1, got 0"),
+    (["--seq-len", "10000000"], "--seq-len 10000000 does not fit the bundled corpus"),
+    (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["--seed", str(2**60)], "--seed must be below 2**53"),
+    (["--print-every", "0"], "argument --print-every: expected an integer >= 1, got 0"),
+    (["--timeout", "0"], "argument --timeout: expected a finite number > 0, got '0'"),
+    (["--timeout", "inf"], "argument --timeout: expected a finite number > 0, got 'inf'"),
+    (["--stage", "4"], "argument --stage: invalid choice: 4"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--config", "nope.json"], "--config nope.json: no such file"),
+    (["--out", "FILE"], "--out FILE: exists and is not a directory"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_are_usage_errors(tmp_path, capsys, flags, message):
+    """Every flag is checked before anything runs: argparse's usage line, the message naming the flag, exit 2."""
+    (tmp_path / "FILE").write_text("")
+    flags = [str(tmp_path / "FILE") if f == "FILE" else f for f in flags]
+    message = message.replace("FILE", str(tmp_path / "FILE"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fzero train") and f"fzero train: error: {message}" in err, err
+
+
+def test_timeout_flag_and_config(tmp_path):
+    """`--timeout` (default 300 s) becomes `comms_config.timeout`; a config file's own value stays unless the flag
+    is given."""
+    assert train_command.build_config(_args())["comms_config"] == {"timeout": 300.0}
+    assert train_command.build_config(_args("--timeout", "20"))["comms_config"] == {"timeout": 20.0}
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "comms_config": {"timeout": 45}}))
+    assert train_command.build_config(_args("--config", str(ds)))["comms_config"] == {"timeout": 45}
+    assert train_command.build_config(_args("--config", str(ds), "--timeout", "9"))["comms_config"] == {"timeout": 9.0}
+    assert "--timeout 9.0" in " ".join(train_command._relaunch_argv(_args("--timeout", "9")))
+
+
+@pytest.mark.timeout(600)
 def test_train_two_processes_under_torchrun(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fzero.cli", "train", "--nproc", "2", "--stage", "3", "--steps", "4", "--out",
-           str(out), *TINY]  # fmt: skip
+           str(out), "--timeout", "120", *TINY]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "ZeRO-3, fp32, 2 rank(s) over DistMesh(world=2, rank=0, backend=gloo)" in done.stdout
+    mesh = "DistMesh(world=2, rank=0, backend=gloo) (collective timeout 120 s)"  # --timeout reached the mesh
+    assert f"ZeRO-3, fp32, 2 rank(s) over {mesh}" in done.stdout
     assert "done: loss" in done.stdout and done.stdout.count("fzero train:") == 1  # rank 0 speaks
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
     assert (out / "loss.png").read_bytes()[:8] == PNG_MAGIC

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
 from fzero.examples.gpt import GPT, GPTConfig
 from tests import zero3_worker
+from tests.spawn import spawn
 from tests.support import lm_batches, lm_loss, tiny_gpt
 from tests.test_stages import equal
 
@@ -106,6 +106,7 @@ def test_meta_errors():
         fzero.GatherPolicy(prefetch=-1)
 
 
+@pytest.mark.timeout(900)
 def test_memory_on_two_gloo_processes(tmp_path):
     """A model of ~1.5 GB of fp32 parameters in 12 units, 2 gloo processes, AdamW with donation.
 
@@ -119,8 +120,7 @@ def test_memory_on_two_gloo_processes(tmp_path):
     d, layers, world, prefetch = 5600, 12, 2, 1
     results = {}
     for stage in (3, 2):
-        mp.start_processes(zero3_worker.run, args=(world, str(tmp_path), stage, d, layers, prefetch, 1), nprocs=world,
-                           start_method="spawn")  # fmt: skip
+        spawn(zero3_worker.run, (world, str(tmp_path), stage, d, layers, prefetch, 1), world)
         results[stage] = [json.loads((tmp_path / f"rank{r}-stage{stage}-prefetch{prefetch}.json").read_text())
                           for r in range(world)]  # fmt: skip
     mib = 2**20

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fzero
+from fzero import process_group
+from tests.spawn import init_worker
 
 
 class Wide(nn.Module):
@@ -48,8 +50,7 @@ def reset_peak() -> None:
 
 def run(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int, prefetch: int, steps: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store-{stage}-{prefetch}", rank=rank,
-                            world_size=world)  # fmt: skip
+    init_worker(rank, world, f"{out_dir}/store-{stage}-{prefetch}")  # fmt: skip
     mesh = fzero.DistMesh()
     torch.manual_seed(0)  # the same initial model in every launch (rank 0 broadcasts it to the others anyway)
     x = torch.randn(4, d, generator=torch.Generator().manual_seed(rank))
@@ -84,4 +85,4 @@ def run(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int, pr
     with open(os.path.join(out_dir, f"rank{rank}-stage{stage}-prefetch{prefetch}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.shutdown()

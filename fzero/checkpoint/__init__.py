@@ -8,7 +8,7 @@ and stage, and consolidated without a conversion step.
 A checkpoint directory holds one safetensors file per rank (``rank-00000-of-00004.safetensors``: the rank's
 shards, and the process's random generator states) and ``manifest.json`` (format version, layout, world size,
 step, precision, how each leaf is stored, every file's size and sha256, the data position, user state and
-config), written last. See ``docs/checkpoints.md``.
+config) with its digest ``manifest.json.sha256``, written last. See ``docs/checkpoints.md``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointVersionError,
+    CheckpointWarning,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "CheckpointWarning",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "Manifest",

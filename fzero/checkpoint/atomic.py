@@ -1,13 +1,20 @@
 """Making a checkpoint visible all at once, or not at all.
 
-A save writes into ``ROOT/.TAG.tmp``, flushes every file and the directory to the disk, then renames the directory
-to ``ROOT/TAG`` (a rename within one file system is atomic) and flushes ``ROOT``; the ``ROOT/latest`` pointer (a
-text file holding the tag) is replaced the same way, by writing a temporary file and renaming it over the old one.
-A crash at any point leaves either the previous checkpoint and pointer, or the new ones: never a directory that
-looks complete but is not. A leftover ``.TAG.tmp`` is removed by the next save of that tag, and never read.
+A save writes into ``ROOT/.TAG.tmp`` and flushes every file and the directory to the disk. Then `commit` writes
+the new ``latest`` pointer (a text file holding the tag) as ``ROOT/.latest.tmp<PID>`` and flushes it: everything
+that needs disk space is written before anything visible changes, so a full disk fails the save with the previous
+checkpoints and pointer untouched. Only renames follow (a rename within one file system is atomic): the new
+directory to ``ROOT/TAG``, the temporary pointer over ``ROOT/latest``; if one of them fails, the ones done are
+undone. A crash at any point leaves either the previous checkpoint and pointer, or the new ones: never a directory
+that looks complete but is not.
 
-Replacing an existing tag (`overwrite=True`) takes two renames (old out of the way, new in place); a crash between
-them leaves the old checkpoint as ``ROOT/.TAG.old``, which `resolve` falls back to.
+Replacing an existing tag (`overwrite=True`) moves the old one to ``ROOT/.TAG.old`` first; a crash between the
+renames leaves it there, and `resolve` falls back to it. A tag that is a symbolic link is replaced as a link: the
+link goes, its target is never touched.
+
+Leftovers of interrupted saves (``.TAG.tmp`` directories, ``.latest.tmp<PID>`` files, ``.TAG.old`` beside a
+complete ``TAG``) are removed by the next save into the root, whatever its tag; a ``.TAG.old`` without ``TAG`` is
+renamed back to ``TAG``. One process saves into a root at a time (on a `DistMesh`, rank 0 commits).
 """
 
 from __future__ import annotations
@@ -19,10 +26,21 @@ from pathlib import Path
 
 from .errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["LATEST", "MANIFEST", "check_tag", "commit", "fsync_dir", "prepare", "read_latest", "resolve"]
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "check_tag",
+    "clean_leftovers",
+    "commit",
+    "fsync_dir",
+    "prepare",
+    "read_latest",
+    "resolve",
+]
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+_MAX_POINTER = 256  # bytes: a tag is at most 200 characters
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
 
 
@@ -59,60 +77,150 @@ def old_dir(root: Path, tag: str) -> Path:
     return root / f".{tag}.old"
 
 
+def _latest_tmp(root: Path) -> Path:
+    return root / f".{LATEST}.tmp{os.getpid()}"
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a directory tree, or a symbolic link (never what it points to); errors are ignored: a
+    leftover is removed again by the next save."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+_LEFTOVER = re.compile(rf"\.(?P<tag>{_TAG.pattern})\.(?P<kind>tmp|old)|\.{LATEST}\.tmp\d+")
+
+
+def clean_leftovers(root: str | os.PathLike[str]) -> None:
+    """Remove what interrupted saves left in `root` (see the module docstring); best effort, never raises."""
+    root = Path(root)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return
+    for name in names:
+        m = _LEFTOVER.fullmatch(name)
+        if m is None:
+            continue
+        path = root / name
+        if m.group("kind") == "old" and not os.path.lexists(root / m.group("tag")):
+            try:  # an overwrite stopped between its renames: the old checkpoint is the complete one
+                os.rename(path, root / m.group("tag"))
+                continue
+            except OSError:
+                pass
+        _remove(path)
+    fsync_dir(root)
+
+
 def prepare(root: str | os.PathLike[str], tag: str, overwrite: bool) -> Path:
-    """Create ``ROOT/.TAG.tmp`` afresh (removing a leftover of an interrupted save) and return it.
+    """Clean the leftovers of interrupted saves, create ``ROOT/.TAG.tmp`` afresh and return it.
 
     Raises:
       CheckpointError: ``ROOT/TAG`` exists and `overwrite` is False.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(root)
     final = root / tag
-    if final.exists() and not overwrite:
+    if os.path.lexists(final) and not overwrite:
         raise CheckpointError(f"{final} already exists; pass overwrite=True to replace it, or choose another tag")
     tmp = temp_dir(root, tag)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir()
     return tmp
 
 
 def commit(root: str | os.PathLike[str], tag: str, latest: bool) -> Path:
-    """Make ``ROOT/.TAG.tmp`` (its files already flushed) visible as ``ROOT/TAG``, then point ``latest`` at it."""
+    """Make ``ROOT/.TAG.tmp`` (its files already flushed) visible as ``ROOT/TAG``, and point ``latest`` at it;
+    on failure, everything visible is as it was and the temporaries are gone.
+
+    Raises:
+      CheckpointError: naming the step that failed (the cause is chained); nothing changed.
+    """
     root = Path(root)
     tmp, final, old = temp_dir(root, tag), root / tag, old_dir(root, tag)
+    pointer = _latest_tmp(root)
     fsync_dir(tmp)
-    replaced = final.exists()
-    if replaced:
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    if replaced:
-        shutil.rmtree(old)
     if latest:
-        write_latest(root, tag)
+        try:
+            _write_pointer(pointer, tag)
+        except OSError as e:
+            _remove(pointer)
+            _remove(tmp)
+            raise CheckpointError(
+                f"writing {root / LATEST} failed ({type(e).__name__}: {e.strerror or e}); nothing was changed"
+            ) from e
+    done: list[tuple[Path, Path]] = []  # renames made, to undo in reverse
+    try:
+        if os.path.lexists(final):
+            _remove(old)
+            os.rename(final, old)
+            done.append((final, old))
+        os.rename(tmp, final)
+        done.append((tmp, final))
+        if latest:
+            os.replace(pointer, root / LATEST)
+        fsync_dir(root)
+    except OSError as e:
+        for source, target in reversed(done):
+            try:
+                os.rename(target, source)
+            except OSError:
+                pass
+        _remove(pointer)
+        _remove(tmp)
+        fsync_dir(root)
+        raise CheckpointError(
+            f"making {final} visible failed ({type(e).__name__}: {e.strerror or e}); nothing was changed"
+        ) from e
+    _remove(old)  # committed: what is left of the replaced checkpoint is only removed, never raised about
     return final
 
 
-def write_latest(root: Path, tag: str) -> None:
-    """Point ``ROOT/latest`` at `tag`, atomically."""
-    tmp = root / f".{LATEST}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+def _write_pointer(path: Path, tag: str) -> None:
+    # O_EXCL | O_NOFOLLOW: a planted file or symbolic link is never written through
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
         f.write(tag + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    fsync_dir(root)
+
+
+def inside(path: Path, directory: Path) -> bool:
+    """Whether `path`, its symbolic links followed, stays inside `directory`."""
+    try:
+        return path.resolve().is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        return False
 
 
 def read_latest(root: str | os.PathLike[str]) -> str | None:
-    """The tag ``ROOT/latest`` names, or None without a pointer."""
+    """The tag ``ROOT/latest`` names, or None without a pointer.
+
+    Raises:
+      CheckpointError: the pointer holds no valid tag (its contents are not repeated in the message), or is a
+        symbolic link out of the root.
+    """
     path = Path(root) / LATEST
     if not path.is_file():
         return None
-    return check_tag(path.read_text().strip(), where=f"{path} names")
+    if not inside(path, Path(root)):
+        raise CheckpointError(f"{path}: a symbolic link out of the checkpoint root; refused")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_POINTER + 1)
+        text = raw.decode("utf-8").strip() if len(raw) <= _MAX_POINTER else ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__})") from None
+    if not _TAG.fullmatch(text) or text == LATEST:
+        raise CheckpointError(f"{path}: does not hold a checkpoint tag (it is damaged, or not fzero's pointer)")
+    return text
 
 
 def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Path:

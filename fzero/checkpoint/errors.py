@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "CheckpointWarning",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
 ]
@@ -29,3 +30,7 @@ class IncompatibleCheckpointError(CheckpointError, ValueError):
 
 class CheckpointVersionError(IncompatibleCheckpointError):
     """The checkpoint was written in a newer format than this fzero reads."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loads, with a caveat (e.g. an old format whose manifest has no digest)."""

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..layout import dtype_of
 from . import rng
-from .atomic import resolve
+from .atomic import inside, resolve
 from .errors import CorruptCheckpointError
 from .manifest import Manifest, StoredEntry, read_manifest
 from .safetensors_io import DTYPES, file_sha256, open_safetensors, raw_bytes
@@ -130,9 +130,7 @@ class Checkpoint:
         ranks = list(range(len(files)) if ranks is None else ranks)
         for rank in ranks:  # cheap checks first, for every file
             info = files[rank]
-            path = self.path / info.name
-            if not path.is_file():
-                raise CorruptCheckpointError(f"{path}: missing (rank {rank}'s shard, listed in the manifest)")
+            path = self._checked(rank)
             size = path.stat().st_size
             if size != info.bytes:
                 what = "truncated" if size < info.bytes else "longer than written"
@@ -148,13 +146,21 @@ class Checkpoint:
                     f"{info.sha256[:16]}...): the file was altered or damaged after it was written"
                 )
 
+    def _checked(self, rank: int) -> Path:
+        """Rank `rank`'s shard file, which must be a file inside the checkpoint directory."""
+        path = self.path / self.manifest.files[rank].name
+        if not os.path.lexists(path):
+            raise CorruptCheckpointError(f"{path}: missing (rank {rank}'s shard, listed in the manifest)")
+        if not inside(path, self.path):
+            raise CorruptCheckpointError(f"{path}: a symbolic link out of the checkpoint directory; refused")
+        if not path.is_file():
+            raise CorruptCheckpointError(f"{path}: not a regular file (rank {rank}'s shard)")
+        return path
+
     def file(self, rank: int) -> _Shard:
         """Rank `rank`'s shard file, opened (and its header checked) on first use."""
         if rank not in self._open:
-            info = self.manifest.files[rank]
-            path = self.path / info.name
-            if not path.is_file():
-                raise CorruptCheckpointError(f"{path}: missing (rank {rank}'s shard, listed in the manifest)")
+            path = self._checked(rank)
             with open_safetensors(path) as f:  # the library parses and validates the header
                 self._check_header(f, rank, path)
                 meta = f.metadata() or {}
@@ -164,6 +170,10 @@ class Checkpoint:
 
     def _check_header(self, f: Any, rank: int, path: Path) -> None:
         keys = set(f.keys())
+        listed = {e.key for e in self.manifest.leaves if e.in_file(rank)}
+        extra = [k for k in keys if k not in listed and not k.startswith(rng.PREFIX)]
+        if extra:  # e.g. a leaf the manifest says only rank 0 stores: the manifest is not this file's
+            raise CorruptCheckpointError(f"{path}: holds {len(extra)} tensor(s) that the manifest does not list")
         for e in self.manifest.leaves:
             if not e.in_file(rank):
                 continue

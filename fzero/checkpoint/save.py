@@ -21,10 +21,10 @@ import torch
 from .._version import __version__
 from ..layout import dtype_of
 from . import rng
-from .atomic import MANIFEST, check_tag, commit, fsync_dir, prepare, temp_dir
+from .atomic import check_tag, commit, fsync_dir, prepare, temp_dir
 from .coord import Coordinator
 from .errors import CheckpointError
-from .manifest import VERSION, FileInfo, Manifest, StoredEntry, file_name
+from .manifest import VERSION, FileInfo, Manifest, StoredEntry, file_name, write_manifest
 from .safetensors_io import TensorSpec, write_safetensors
 from .sources import MemorySource, decide_storage
 from .tree import FlatState, flatten_state
@@ -139,7 +139,9 @@ def save(
     try:
         infos = _write_files(tmp, source, coord, tag, fsync)
     except Exception as e:
-        error = e
+        error = CheckpointError(f"writing the shard files of {root / tag} failed ({type(e).__name__}: {e}); "
+                                "nothing was changed")  # fmt: skip
+        error.__cause__ = e
     try:
         coord.agree(error, "writing the shard files")
     except BaseException:
@@ -154,12 +156,19 @@ def save(
     if coord.rank == 0:
         try:
             manifest = _manifest(state, flat, storage, infos, coord, tag, step, data_position, user_state, config)
-            _write_manifest(tmp, manifest, fsync)
-            final = commit(root, tag, latest)
+            write_manifest(tmp, manifest, fsync)  # last: a directory without it is an unfinished save
+            if fsync:
+                fsync_dir(tmp)
         except Exception as e:
-            error = CheckpointError(f"committing {final}: {type(e).__name__}: {e}")
+            error = CheckpointError(f"writing the manifest of {final} failed ({type(e).__name__}: {e}); nothing "
+                                    "was changed")  # fmt: skip
             error.__cause__ = e
             shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            try:
+                final = commit(root, tag, latest)  # on failure it restores what was there and removes tmp
+            except CheckpointError as e:
+                error = e
     coord.agree(error, "committing the checkpoint")
     return final
 
@@ -206,13 +215,3 @@ def _manifest(
         torch_version=torch.__version__,
         roles=roles,
     )
-
-
-def _write_manifest(tmp: Path, manifest: Manifest, fsync: bool) -> None:
-    with open(tmp / MANIFEST, "w") as f:  # last: a directory without it is an unfinished save
-        f.write(manifest.to_json())
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    if fsync:
-        fsync_dir(tmp)

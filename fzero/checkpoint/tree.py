@@ -37,7 +37,7 @@ __all__ = ["FULL", "REPLICATED", "SHARD", "SPACES", "Entry", "FlatState", "dtype
 
 SHARD, FULL, REPLICATED = "shard", "full", "replicated"
 PARAM_SPACE = (SHARD, FULL)
-KINDS = (SHARD, FULL, REPLICATED)
+KINDS = (*PARAM_SPACE, REPLICATED)  # every kind a leaf can have: a manifest's leaves are checked against it
 PARAMS, FROZEN = "params", "frozen"
 SPACES = (PARAMS, FROZEN)
 

@@ -7,6 +7,10 @@ Without `--config` the run's DeepSpeed config is built from the flags; with it, 
 flags given explicitly override it. Each rank draws its own batches (seeded by rank). Rank 0 shows a progress bar,
 prints a metrics line every `--print-every` steps, writes `OUT/metrics.jsonl` (one line per optimizer step) and
 `OUT/loss.png`, and ends with a summary.
+
+Every flag is checked before anything runs (`check_arguments`): a bad value ends the command with an argparse-style
+usage error naming the flag. A collective that waits longer than `--timeout` seconds for another rank (one that
+hung, stopped or crashed) ends the rank with `fzero.CollectiveError` naming the rank that stopped answering.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,8 +29,35 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "stage": 3, "precision": "fp32", "nproc": 1, "steps": 300, "offload": False, "batch": 8, "accumulate": 1,
     "lr": 1e-2, "warmup": 30, "layers": 4, "d_model": 128, "heads": 4, "seq_len": 128, "seed": 0, "threads": 0,
-    "out": "runs/train", "print_every": 10,
+    "out": "runs/train", "print_every": 10, "timeout": 300.0,
 }  # fmt: skip
+
+
+def _int(low: int) -> Any:
+    """An argparse type: an integer >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,23 +67,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--stage", type=int, choices=(0, 1, 2, 3), help=f"ZeRO stage (default {d['stage']})")
     a("--precision", choices=("fp32", "bf16", "fp16"), help=f"training precision (default {d['precision']})")
-    a("--nproc", type=int, help="processes; > 1 launches torchrun (default 1)")
-    a("--steps", type=int, help=f"optimizer steps (default {d['steps']})")
+    a("--nproc", type=_int(1), help="processes; > 1 launches torchrun (default 1)")
+    a("--steps", type=_int(1), help=f"optimizer steps (default {d['steps']})")
     a("--offload", action="store_true", default=None, help="optimizer state and step on the CPU (ZeRO-Offload)")
     a("--config", metavar="DS_CONFIG_JSON", help="a DeepSpeed JSON config: the base the flags override")
-    a("--batch", type=int, help=f"sequences per rank per micro-step (default {d['batch']})")
-    a("--accumulate", type=int, help="micro-steps per optimizer step (default 1)")
-    a("--lr", type=float, help=f"peak learning rate (AdamW, default {d['lr']})")
-    a("--warmup", type=int, help=f"linear warm-up steps (default {d['warmup']})")
-    a("--layers", type=int, help=f"transformer blocks (default {d['layers']})")
-    a("--d-model", type=int, help=f"hidden size (default {d['d_model']})")
-    a("--heads", type=int, help=f"attention heads (default {d['heads']})")
-    a("--seq-len", type=int, help=f"tokens per sequence (default {d['seq_len']})")
-    a("--seed", type=int, help="seed of the model and the data (default 0)")
-    a("--threads", type=int, help="torch threads per rank (default: cores / ranks)")
+    a("--batch", type=_int(1), help=f"sequences per rank per micro-step (default {d['batch']})")
+    a("--accumulate", type=_int(1), help="micro-steps per optimizer step (default 1)")
+    a("--lr", type=_positive_float, help=f"peak learning rate (AdamW, default {d['lr']})")
+    a("--warmup", type=_int(0), help=f"linear warm-up steps (default {d['warmup']})")
+    a("--layers", type=_int(1), help=f"transformer blocks (default {d['layers']})")
+    a("--d-model", type=_int(1), help=f"hidden size, a multiple of --heads (default {d['d_model']})")
+    a("--heads", type=_int(1), help=f"attention heads (default {d['heads']})")
+    a("--seq-len", type=_int(1), help=f"tokens per sequence (default {d['seq_len']})")
+    a("--seed", type=_int(0), help="seed of the model and the data (default 0)")
+    a("--threads", type=_int(0), help="torch threads per rank; 0: cores / ranks (the default)")
     a("--out", help=f"directory for metrics.jsonl and loss.png (default {d['out']})")
-    a("--print-every", type=int, help=f"a metrics line every N steps (default {d['print_every']})")
+    a("--print-every", type=_int(1), help=f"a metrics line every N steps (default {d['print_every']})")
+    a("--timeout", type=_positive_float, metavar="SECONDS",
+      help=f"a collective waiting longer for another rank fails (default {d['timeout']:g}; config key "
+           "comms_config.timeout)")  # fmt: skip
     a("--no-progress", action="store_true", help="no progress bar")
+
+
+_SEED_LIMIT = 2**53  # the data generator is seeded with seed * 1000 + rank, which must stay a valid 64-bit seed
+
+
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The checks that involve more than one flag, or the file system; each failure is `parser.error` (usage, the
+    message, exit status 2)."""
+    d_model, heads = _opt(args, "d_model"), _opt(args, "heads")
+    if d_model % heads:
+        parser.error(f"--d-model {d_model} is not a multiple of --heads {heads}: each head gets d_model / heads")
+    if _opt(args, "seed") >= _SEED_LIMIT:
+        parser.error(f"--seed must be below 2**53, got {args.seed}")
+    if args.config is not None and not Path(args.config).is_file():
+        parser.error(f"--config {args.config}: no such file")
+    out = Path(_opt(args, "out"))
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: exists and is not a directory")
+    from ..examples.gpt import corpus_tokens
+
+    seq_len, corpus = _opt(args, "seq_len"), corpus_tokens().numel()
+    if seq_len + 1 >= corpus:
+        parser.error(f"--seq-len {seq_len} does not fit the bundled corpus ({corpus} bytes)")
 
 
 def _given(args: argparse.Namespace, name: str) -> bool:
@@ -112,6 +170,9 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         cfg["gradient_clipping"] = 1.0
     if want("print_every"):
         cfg["steps_per_print"] = _opt(args, "print_every")
+    comms = cfg.setdefault("comms_config", {})
+    if isinstance(comms, dict) and (_given(args, "timeout") or comms.get("timeout") is None):
+        comms["timeout"] = _opt(args, "timeout")  # a file's own timeout stays unless the flag is given
     out = Path(_opt(args, "out"))
     metrics = cfg.setdefault("fzero_metrics", {})
     metrics.update(
@@ -127,7 +188,7 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
     """The command line for each torchrun worker: the same flags, without `--nproc`."""
     argv = []
     for action_name in ("stage", "precision", "steps", "config", "batch", "accumulate", "lr", "warmup", "layers",
-                        "d_model", "heads", "seq_len", "seed", "threads", "out", "print_every"):  # fmt: skip
+                        "d_model", "heads", "seq_len", "seed", "threads", "out", "print_every", "timeout"):  # fmt: skip
         value = getattr(args, action_name, None)
         if value is not None:
             argv += [f"--{action_name.replace('_', '-')}", str(value)]
@@ -146,13 +207,13 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train (or launch torchrun to train); returns the exit code."""
+    """Train (or launch torchrun to train); returns the exit code. The process group, if any, is shut down before
+    this returns (`fzero.process_group.shutdown`), whatever happened."""
+    from .. import process_group
     from ..config import ConfigError
+    from ..mesh import CollectiveError
 
     nproc = _opt(args, "nproc")
-    if nproc < 1:
-        print(f"fzero train: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
-        return 2
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, nproc)
     try:
@@ -160,13 +221,22 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"fzero train: error: {e}", file=sys.stderr)
         return 2
+    except CollectiveError as e:
+        print(f"fzero train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        process_group.shutdown()
     return 0 if summary is not None else 1
+
+
+def _timeout(mesh: Any) -> str:
+    seconds = getattr(mesh, "timeout", None)
+    return f" (collective timeout {seconds:g} s)" if seconds is not None else ""
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """The training loop on this process's rank; returns the summary (rank 0's figures on every rank)."""
     import torch
-    import torch.distributed as dist
     from tqdm import tqdm
 
     import fzero
@@ -191,7 +261,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         say("note: fp16 matrix multiplications are very slow on CPUs without native fp16; bf16 is the fast choice")
     say(
         f"fzero train: GPT {engine.state.layout.real_numel / 1e6:.2f}M params, ZeRO-{c.stage}, {c.precision}"
-        f"{', optimizer offload' if c.offload else ''}, {engine.world_size} rank(s) over {engine.mesh!r}, "
+        f"{', optimizer offload' if c.offload else ''}, {engine.world_size} rank(s) over {engine.mesh!r}"
+        f"{_timeout(engine.mesh)}, "
         f"{c.micro_batch}x{seq_len} tokens/rank/micro-step, accumulate {c.gas}"
         + (f", config {args.config}" if args.config else "")
     )
@@ -224,6 +295,4 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"{total:.1f}s in all\nmetrics: {out / 'metrics.jsonl'}  loss curve: {png}"
         )
     summary["total_s"] = total
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return summary

@@ -13,6 +13,11 @@ Three kinds of keys:
 `fzero_metrics` and `fzero_precision` are fzero's own blocks (DeepSpeed ignores them): the JSONL metrics file and
 the shape of a dense transformer for the tokens/s and TFLOPS estimate (see `fzero.metrics`); whether the fp32 master
 starts from the weights rounded to the compute dtype, as DeepSpeed's does (`fzero.precision.round_params`).
+
+`comms_config.timeout` (seconds) is the collectives' timeout. DeepSpeed 0.19 has no config key for it, only
+`deepspeed.init_distributed(timeout=timedelta)` and the `DEEPSPEED_TIMEOUT` environment variable (minutes); the
+block takes its name from the attribute DeepSpeed keeps its communication settings in (`DeepSpeedConfig.
+comms_config`), the field that of `init_distributed`'s argument. DeepSpeed ignores the block.
 """
 
 from __future__ import annotations
@@ -370,6 +375,17 @@ FZERO_PRECISION = Section(
 )
 
 
+COMMS = Section(
+    {
+        "timeout": Field(
+            Nullable(Num(0, low_open=True)), None,
+            effect="seconds a collective waits for the other ranks before it fails with fzero.CollectiveError "
+            "(default: the process group's own)",
+        ),
+    }
+)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------------ top level
 def _top_checks(values: dict[str, Any], path: str) -> None:
     if values["fp16"]["enabled"] and values["bf16"]["enabled"]:
@@ -438,6 +454,7 @@ SCHEMA = Section(
         "tensor_parallel": Section({"autotp_size": Field(Int(0), 0, unsupported="tensor parallelism")}, open=True),
         "fzero_metrics": FZERO_METRICS,
         "fzero_precision": FZERO_PRECISION,
+        "comms_config": COMMS,
     },
     aliases={"bfloat16": "bf16"},
     checks=(_top_checks,),

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import optim
+from .. import optim, process_group
 from ..config import Config, ConfigError, ConfigWarning, parse_config
 from ..config.build import OptimizerSpec, build_policy, build_transform, group_keys, optimizer_kind, optimizer_spec
 from ..config.build import scheduled as with_schedule
@@ -220,7 +220,8 @@ def initialize(
       distributed_port, dist_init_required: accepted for compatibility (the mesh decides; see the module doc).
       mpu, mesh_param: model parallelism, not supported (must be None).
       collate_fn: the data loader's `collate_fn`.
-      config: the DeepSpeed config: a dict or the path of a JSON file.
+      config: the DeepSpeed config: a dict or the path of a JSON file. Its `comms_config.timeout` (seconds), if
+        given, is set on a `DistMesh`'s group.
       config_params: DeepSpeed's older name for `config`.
       mesh: fzero only: the mesh to train on (default: see the module docstring).
       printer: fzero only: where the engine's console lines go (rank 0).
@@ -240,6 +241,9 @@ def initialize(
     device = _device()
     mesh = mesh if mesh is not None else default_mesh()
     cfg = parse_config(source, world=mesh.world)
+    timeout = cfg["comms_config"]["timeout"]
+    if timeout is not None and isinstance(mesh, DistMesh):
+        mesh.set_timeout(timeout)
     model.to(device)
     spec, view, groups = _optimizer(model, cfg, optimizer, model_parameters)
     scheduler = None
@@ -294,7 +298,11 @@ def init_distributed(
     world_size: int = -1,
 ) -> None:
     """DeepSpeed's `init_distributed`: initialise the default process group from the torchrun environment, or as
-    a group of one (rank 0, `127.0.0.1:distributed_port`) in a plain process. No-op if already initialised."""
+    a group of one (rank 0, `127.0.0.1:distributed_port`) in a plain process. No-op if already initialised.
+
+    `timeout` (a `timedelta`, or seconds) bounds every collective's wait for the other ranks; default, as in
+    DeepSpeed, the `DEEPSPEED_TIMEOUT` environment variable (minutes) if set, else torch's default. The group is
+    shut down before the interpreter exits (`fzero.process_group`)."""
     if dist.is_initialized():
         return
     if rank >= 0 and world_size > 0:
@@ -305,7 +313,6 @@ def init_distributed(
                            ("MASTER_PORT", str(distributed_port))):  # fmt: skip
             os.environ.setdefault(key, value)
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    dist.init_process_group(**kwargs)
+    if timeout is None:
+        timeout = process_group.env_timeout()
+    process_group.init_process_group(backend, timeout=timeout, init_method=init_method)
