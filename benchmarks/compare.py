@@ -132,7 +132,7 @@ def fzero_core(stage: int) -> Callable[[nn.Module, str], Step]:
     def build(model: nn.Module, precision: str) -> Step:
         mesh = fzero.DistMesh()
         preset = getattr(fzero, f"zero{stage}")
-        tx = preset(fzero.adamw(LR, weight_decay=WD), precision=None if precision == "fp32" else precision)
+        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=True), precision=None if precision == "fp32" else precision)
 
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
             return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])

@@ -480,40 +480,52 @@ def flatten(layout: Layout, tensors: Mapping[str, Tensor]) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _pieces(layout: Layout) -> tuple[tuple[int, ...], tuple[Leaf | None, ...]]:
-    """Split sizes covering the full buffer, and the leaf (or None for padding) each piece is."""
+def _pieces(leaves: tuple[Leaf, ...], start: int, end: int) -> tuple[tuple[int, ...], tuple[Leaf | None, ...]]:
+    """Split sizes covering elements `[start, end)` of the full buffer, and the leaf (or None for padding) each
+    piece is."""
     sizes: list[int] = []
     owners: list[Leaf | None] = []
-    pos = 0
-    for leaf in sorted(layout.leaves, key=lambda x: x.offset):
+    pos = start
+    for leaf in sorted(leaves, key=lambda x: x.offset):
         if leaf.offset > pos:
             sizes.append(leaf.offset - pos)
             owners.append(None)
         sizes.append(leaf.numel)
         owners.append(leaf)
         pos = leaf.offset + leaf.numel
-    if layout.numel > pos:
-        sizes.append(layout.numel - pos)
+    if end > pos:
+        sizes.append(end - pos)
         owners.append(None)
     return tuple(sizes), tuple(owners)
 
 
-def unflatten(layout: Layout, flat: Tensor) -> dict[str, Tensor]:
-    """Views of a full buffer (`[numel]`) as named tensors of the layout's shapes (no copy), aliases included.
+def _split_views(flat: Tensor, leaves: tuple[Leaf, ...], start: int) -> dict[str, Tensor]:
+    """One `split` of `flat` (elements `[start, start + len(flat))` of the full buffer) into the leaves' views:
+    its backward writes every gradient into one new buffer, where slicing each parameter separately would make
+    autograd sum one buffer-sized gradient per parameter."""
+    sizes, owners = _pieces(leaves, start, start + flat.shape[0])
+    return {leaf.name: p.view(leaf.shape) for p, leaf in zip(flat.split(sizes), owners, strict=True) if leaf}
 
-    The views come from one `split`, whose backward writes every gradient into one new buffer: slicing each
-    parameter separately would make autograd sum one buffer-sized gradient per parameter.
-    """
+
+def unflatten(layout: Layout, flat: Tensor) -> dict[str, Tensor]:
+    """Views of a full buffer (`[numel]`) as named tensors of the layout's shapes (no copy), aliases included
+    (one `split`: see `_split_views`)."""
     if flat.shape != (layout.numel,):
         raise ValueError(f"expected a full buffer of shape ({layout.numel},), got {tuple(flat.shape)}")
-    sizes, owners = _pieces(layout)
-    pieces = flat.split(sizes)
-    out = {leaf.name: piece.view(leaf.shape) for piece, leaf in zip(pieces, owners, strict=True) if leaf is not None}
+    out = _split_views(flat, layout.leaves, 0)
     out = {leaf.name: out[leaf.name] for leaf in layout.leaves}  # the layout's order
     for alias, name in layout.aliases:
         if name in out:
             out[alias] = out[name]
     return out
+
+
+def unit_views(layout: Layout, unit: int, flat: Tensor) -> dict[str, Tensor]:
+    """Views of one unit's full buffer (`[unit size]`) as the named tensors of its parameters (one `split`)."""
+    u = layout.units[unit]
+    if flat.shape != (u.size,):
+        raise ValueError(f"expected unit {u.name!r}'s full buffer of shape ({u.size},), got {tuple(flat.shape)}")
+    return _split_views(flat, tuple(leaf for leaf in layout.leaves if leaf.unit == unit), u.start)
 
 
 def _check_last(layout: Layout, x: Tensor, what: str) -> None:

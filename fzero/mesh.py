@@ -349,6 +349,18 @@ def collective_error(
     )  # fmt: skip
 
 
+class _All:
+    """Several collectives in flight as one."""
+
+    def __init__(self, works: list[Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+
 class _Guarded:
     """An async collective's handle whose `wait()` raises `CollectiveError` instead of the backend's error."""
 
@@ -402,6 +414,11 @@ class DistMesh(_LedgerMixin):
         self._rank = dist.get_rank(group)
         self._timeout = delta
         self._ledgers: list[Ledger] = []
+        # gloo's reduce-scatter runs 2-4x slower than an all-to-all of the chunks summed here (summing in rank order
+        # also makes the result SimMesh's, bitwise, at any world size), and its all-gather 1.3-3.7x slower than one
+        # broadcast per rank (benchmarks/collectives.py): on gloo the mesh runs those exchanges instead
+        self._exchange = dist.get_backend(group) == "gloo"
+        self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
 
     @property
     def timeout(self) -> float | None:
@@ -444,17 +461,23 @@ class DistMesh(_LedgerMixin):
         if self.world == 1:
             return _finish(x, op, 1)
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
+        if self._exchange:
+            received = torch.empty_like(chunks)  # received[r]: rank r's chunk of this rank's part
+            self._run("reduce_scatter", x, dist.all_to_all_single, received.view(-1), chunks.view(-1),
+                      group=self.group)  # fmt: skip
+            out = received[0]
+            for r in range(1, self.world):  # rank order, as SimMesh sums: the same value, bitwise, at any world
+                out = out + received[r]
+            return _finish(out, op, self.world)
         out = torch.empty_like(chunks[0])
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM, group=self.group)
         return _finish(out, op, self.world)
 
     def all_gather(self, x: Tensor) -> Tensor:
-        self._log("all_gather", x.numel() * self.world)
         src = x.contiguous()
         out = torch.empty(self.world * src.numel(), dtype=src.dtype, device=src.device)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._run("all_gather", x, fn, out, src.reshape(-1), group=self.group)
+        self.all_gather_into(out, src.reshape(-1))
         return out.view(self.world, *src.shape).movedim(0, -2).flatten(-2)
 
     def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work:
@@ -464,11 +487,24 @@ class DistMesh(_LedgerMixin):
         if self.world == 1:
             out.copy_(x)
             return done
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = self._run("all_gather", x, fn, out, x.contiguous(), group=self.group, async_op=async_op)
+        x = x.contiguous()
+        if self._exchange:  # each rank broadcasts its chunk straight into the others' `out`
+            chunks = out.view(self.world, -1)
+            works = [
+                self._run("all_gather", x, dist.broadcast, x if r == self._rank else chunks[r],
+                          src=self._global[r], group=self.group, async_op=True)
+                for r in range(self.world)
+            ]  # fmt: skip
+            chunks[self._rank].copy_(x)
+            work: Work = _All(works)
+        else:
+            fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = self._run("all_gather", x, fn, out, x, group=self.group, async_op=True)
+        guarded = _Guarded(work, lambda e: self._error("all_gather", x, e))
         if not async_op:
+            guarded.wait()
             return done
-        return _Guarded(work, lambda e: self._error("all_gather", x, e))  # type: ignore[arg-type]
+        return guarded
 
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         self._log("broadcast", x.numel())

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from .bind import Unavailable
-from .layout import ROOT_UNIT, Layout
+from .layout import ROOT_UNIT, Layout, unit_views
 from .mesh import Mesh, SimMesh, Work
 from .ranks import Ranks, Reduction, ranks_of
 
@@ -252,10 +252,7 @@ class Gatherer:
                         full = _Unit.apply(self.shards[TRAIN][lay.unit_shard_slice(i)], self, i)
                 else:
                     full = _alias(rec.stores[space])
-                start = lay.units[i].start
-                for leaf in lay.leaves:
-                    if leaf.unit == i:
-                        views[leaf.name] = full[leaf.offset - start : leaf.offset - start + leaf.numel].view(leaf.shape)
+                views.update(unit_views(lay, i, full))
             rec.views = views
         return rec.views
 
