@@ -8,7 +8,7 @@ state, metrics = step(state, batch)
 model.load_state_dict(fzero.state_dict(state))
 """
 
-from . import layout, loss_scale, native, optim, precision
+from . import hostmem, layout, loss_scale, native, optim, precision
 from ._version import __version__ as __version__
 from .checkpoint import consolidate, load, save
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
@@ -78,6 +78,7 @@ __all__ = [
     "eval_step",
     "gather",
     "get_policy",
+    "hostmem",
     "identity",
     "init",
     "init_distributed",
