@@ -12,7 +12,9 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   ZeRO-3-like; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), torch's AdamW;
 - `deepspeed-zeroN`: DeepSpeed's engine with the same JSON config, when DeepSpeed is installed (`pip install
   ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
-- `fzero-zeroN` (the functional core, `train_step(donate=True)`) and `fzero-shell-zeroN` (`fzero.initialize`).
+- `fzero-zeroN` (the functional core, `train_step(donate=True)`), `fzero-zeroN-overlap` (the same, each unit's
+  reduction overlapped with the backward: `GatherPolicy(overlap_reduce=True)`) and `fzero-shell-zeroN`
+  (`fzero.initialize`, the config's defaults: overlap at stage 3 only, as DeepSpeed).
 
 Every trainer lives in the same two processes and runs in rotating order, round after round (machine noise hits
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
@@ -128,7 +130,7 @@ def deepspeed_engine(stage: int) -> Callable[[nn.Module, str], Step]:
     return build
 
 
-def fzero_core(stage: int) -> Callable[[nn.Module, str], Step]:
+def fzero_core(stage: int, overlap: bool = False) -> Callable[[nn.Module, str], Step]:
     def build(model: nn.Module, precision: str) -> Step:
         mesh = fzero.DistMesh()
         preset = getattr(fzero, f"zero{stage}")
@@ -137,7 +139,8 @@ def fzero_core(stage: int) -> Callable[[nn.Module, str], Step]:
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
             return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
 
-        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True)
+        policy = fzero.GatherPolicy(overlap_reduce=overlap)
+        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)
         box = [fzero.init(model, tx, mesh)]
 
         def step(batch: dict[str, torch.Tensor]) -> None:
@@ -170,6 +173,8 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
         out[f"deepspeed-zero{stage}"] = deepspeed_engine(stage)
     for stage in (0, 1, 2, 3):
         out[f"fzero-zero{stage}"] = fzero_core(stage)
+    for stage in (0, 1, 2, 3):
+        out[f"fzero-zero{stage}-overlap"] = fzero_core(stage, overlap=True)
     for stage in (0, 1, 2, 3):
         out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
     return out

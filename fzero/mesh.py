@@ -18,6 +18,10 @@ collective         per-rank input              per-rank output
 `local_shard`      `[..., world * s]`          `[..., s]`, chunk `rank` of the rank's own value
 =================  ==========================  =============================================
 
+`all_reduce_start` and `reduce_scatter_start` start the same reductions and return a handle whose `wait()` gives
+the result: a `DistMesh`'s backend works on it meanwhile (stages reduce each unit's gradient this way while the
+backward goes on), a `SimMesh` has computed it already.
+
 A mean is the rank-ordered sum divided by `world` on every implementation, so `SimMesh` and `DistMesh` agree
 bitwise wherever the backend's sum does (always for two ranks).
 
@@ -47,7 +51,7 @@ from torch import Tensor
 
 from . import process_group
 
-__all__ = ["CollectiveError", "DistMesh", "Ledger", "Mesh", "SimMesh", "Work", "done"]
+__all__ = ["CollectiveError", "DistMesh", "Ledger", "Mesh", "Pending", "Ready", "SimMesh", "Work", "done"]
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -66,6 +70,29 @@ class _Done:
 
 
 done = _Done()
+
+
+class Ready:
+    """A result already computed, as a handle: `wait()` returns it (a `SimMesh`'s `*_start`)."""
+
+    def __init__(self, value: Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> Tensor:
+        return self.value
+
+
+class Pending:
+    """A reduction in flight: `wait()` waits for the exchange, then returns the finished result (`finish()`); the
+    tensors the exchange reads and writes are held until then."""
+
+    def __init__(self, work: Work, finish: Callable[[], Tensor], *hold: Tensor) -> None:
+        self._work, self._finish, self._hold = work, finish, hold
+
+    def wait(self) -> Tensor:
+        self._work.wait()
+        self._hold = ()
+        return self._finish()
 
 
 @dataclass
@@ -102,6 +129,10 @@ class Mesh(Protocol):
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor: ...
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor: ...
+
+    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
+
+    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
 
     def all_gather(self, x: Tensor) -> Tensor: ...
 
@@ -221,6 +252,14 @@ class SimMesh(_LedgerMixin):
             return _finish(x, op, 1)
         total = _finish(self._sum(x), op, self.world)  # [..., world * s]
         return total.unflatten(-1, (self.world, -1)).movedim(-2, 0).contiguous()
+
+    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready:
+        """`all_reduce`, as a handle (simulated ranks reduce at once)."""
+        return Ready(self.all_reduce(x, op))
+
+    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready:
+        """`reduce_scatter`, as a handle (simulated ranks reduce at once)."""
+        return Ready(self.reduce_scatter(x, op))
 
     def all_gather(self, x: Tensor) -> Tensor:
         self._rows(x, "all_gather")
@@ -448,31 +487,47 @@ class DistMesh(_LedgerMixin):
         return self._rank
 
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
-        self._log("all_reduce", x.numel())
-        if self.world == 1:
-            return _finish(x, op, 1)
-        out = x.clone()  # a collective writes in place; the caller's tensor is never touched
-        self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group)
-        return _finish(out, op, self.world)
+        return self.all_reduce_start(x, op).wait()
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+        return self.reduce_scatter_start(x, op).wait()
+
+    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending:
+        """Start `all_reduce`: the handle's `wait()` returns the result (the backend works meanwhile)."""
+        self._log("all_reduce", x.numel())
+        if self.world == 1:
+            return Ready(_finish(x, op, 1))
+        out = x.clone()  # a collective writes in place; the caller's tensor is never touched
+        work = self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Pending(self._guard(work, "all_reduce", x), lambda: _finish(out, op, self.world), out)
+
+    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending:
+        """Start `reduce_scatter`: the handle's `wait()` returns the result (the backend works meanwhile)."""
         s = _check_chunks(x, self.world, "reduce_scatter")
         self._log("reduce_scatter", x.numel())
         if self.world == 1:
-            return _finish(x, op, 1)
+            return Ready(_finish(x, op, 1))
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
         if self._exchange:
             received = torch.empty_like(chunks)  # received[r]: rank r's chunk of this rank's part
-            self._run("reduce_scatter", x, dist.all_to_all_single, received.view(-1), chunks.view(-1),
-                      group=self.group)  # fmt: skip
-            out = received[0]
-            for r in range(1, self.world):  # rank order, as SimMesh sums: the same value, bitwise, at any world
-                out = out + received[r]
-            return _finish(out, op, self.world)
+            work = self._run("reduce_scatter", x, dist.all_to_all_single, received.view(-1), chunks.view(-1),
+                             group=self.group, async_op=True)  # fmt: skip
+
+            def finish() -> Tensor:
+                out = received[0]
+                for r in range(1, self.world):  # rank order, as SimMesh sums: the same value, bitwise, at any world
+                    out = out + received[r]
+                return _finish(out, op, self.world)
+
+            return Pending(self._guard(work, "reduce_scatter", x), finish, chunks, received)
         out = torch.empty_like(chunks[0])
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM, group=self.group)
-        return _finish(out, op, self.world)
+        work = self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM,
+                         group=self.group, async_op=True)  # fmt: skip
+        return Pending(self._guard(work, "reduce_scatter", x), lambda: _finish(out, op, self.world), chunks, out)
+
+    def _guard(self, work: object, collective: str, x: Tensor) -> _Guarded:
+        return _Guarded(work, lambda e: self._error(collective, x, e))  # type: ignore[arg-type]
 
     def all_gather(self, x: Tensor) -> Tensor:
         src = x.contiguous()
@@ -500,7 +555,7 @@ class DistMesh(_LedgerMixin):
         else:
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             work = self._run("all_gather", x, fn, out, x, group=self.group, async_op=True)
-        guarded = _Guarded(work, lambda e: self._error("all_gather", x, e))
+        guarded = self._guard(work, "all_gather", x)
         if not async_op:
             guarded.wait()
             return done

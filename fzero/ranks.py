@@ -10,10 +10,12 @@ every rank has produced its part. `ranks_of(mesh)` gives the strategy object tha
     ranks.pick(x, r) / ranks.stack(xs)  rank r's value of a per-rank value / the per-rank value of each rank's
     ranks.gather_into(out, shards, piece, r, async_op)
                                         rank r's all-gather of `piece` of every rank's shard into `out`
-    ranks.reduction(fn, layout)         per-unit reductions: `add(unit, rank, grads)` as each rank's unit gradient
+    ranks.reduction(fn, layout, budget) per-unit reductions: `add(unit, rank, grads)` as each rank's unit gradient
                                         completes, `result()` this process's reduced gradient shard(s): a DistMesh
-                                        reduces at once (freeing the unit's gradient), a SimMesh once every rank's
-                                        part is in (the same arithmetic and ledger as the real run)
+                                        reduces at once (freeing the unit's gradient; with a `budget`, a reduction
+                                        `fn` started asynchronously stays in flight, at most `budget` elements at
+                                        once), a SimMesh once every rank's part is in (the same arithmetic and
+                                        ledger as the real run)
 
 Example:
     >>> import torch, fzero
@@ -24,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -36,10 +40,17 @@ from .mesh import Mesh, SimMesh, Work, done
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
-ReduceFn = Callable[[Tensor, int], Tensor]
+ReduceFn = Callable[[Tensor, int], "Tensor | Work"]
+
+
+def _value(x: Tensor | Work) -> Tensor:
+    """A reduction's result, waited for if it was started as a handle."""
+    return x if isinstance(x, Tensor) else x.wait()  # type: ignore[return-value]
 
 
 class Reduction(Protocol):
+    peak: int  # the most gradient elements whose reduction was in flight at once
+
     def add(self, unit: int, rank: int, grads: Tensor) -> None: ...
 
     def result(self) -> Tensor: ...
@@ -55,7 +66,7 @@ class Ranks(Protocol):
 
     def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work: ...
 
-    def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction: ...
+    def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction: ...
 
 
 def _assemble(layout: Layout, parts: Sequence[Tensor | None]) -> Tensor:
@@ -73,18 +84,38 @@ def _assemble(layout: Layout, parts: Sequence[Tensor | None]) -> Tensor:
 
 class _DistReduction:
     """Reduce each unit's gradient as it arrives, into this rank's gradient shard (added: a second backward through
-    the graph accumulates, as autograd would)."""
+    the graph accumulates, as autograd would). With a `budget`, the reduction may return a handle (it was started
+    and the backward goes on); before starting one that would put more than `budget` elements in flight, the
+    oldest are waited on; `result()` waits for the rest."""
 
-    def __init__(self, fn: ReduceFn, layout: Layout) -> None:
-        self.fn, self.layout = fn, layout
-        self.pieces: dict[int, Tensor] = {}
+    def __init__(self, fn: ReduceFn, layout: Layout, budget: int | None) -> None:
+        self.fn, self.layout, self.budget = fn, layout, budget
+        self.pieces: dict[int, list[Tensor | Work]] = {}
+        self.flight: collections.deque[tuple[list[Tensor | Work], int, int]] = collections.deque()
+        self.elements = self.peak = 0
 
     def add(self, unit: int, rank: int, grads: Tensor) -> None:
-        piece = self.fn(grads, unit)
-        self.pieces[unit] = piece if unit not in self.pieces else self.pieces[unit] + piece
+        n = grads.numel()
+        while self.flight and self.budget is not None and self.elements + n > self.budget:
+            self._land()
+        pieces = self.pieces.setdefault(unit, [])
+        pieces.append(self.fn(grads, unit))
+        if not isinstance(pieces[-1], Tensor):
+            self.flight.append((pieces, len(pieces) - 1, n))
+            self.elements += n
+            self.peak = max(self.peak, self.elements)
+
+    def _land(self) -> None:
+        """Wait for the oldest reduction in flight."""
+        pieces, i, n = self.flight.popleft()
+        pieces[i] = pieces[i].wait()  # type: ignore[union-attr]
+        self.elements -= n
 
     def result(self) -> Tensor:
-        return _assemble(self.layout, [self.pieces.get(i) for i in range(len(self.layout.units))])
+        while self.flight:
+            self._land()
+        summed = {u: functools.reduce(torch.add, ps) for u, ps in self.pieces.items()}  # in arrival order
+        return _assemble(self.layout, [summed.get(i) for i in range(len(self.layout.units))])
 
 
 class _SimReduction:
@@ -93,6 +124,7 @@ class _SimReduction:
     def __init__(self, fn: ReduceFn, layout: Layout, world: int) -> None:
         self.fn, self.layout, self.world = fn, layout, world
         self.grads: dict[int, dict[int, Tensor]] = {}
+        self.peak = 0  # nothing in flight: the simulated ranks reduce at once
 
     def add(self, unit: int, rank: int, grads: Tensor) -> None:
         mine = self.grads.setdefault(unit, {})
@@ -103,7 +135,7 @@ class _SimReduction:
         for i in range(len(self.layout.units)):
             per_rank = self.grads.get(i)
             parts.append(
-                None if per_rank is None else self.fn(torch.stack([per_rank[r] for r in range(self.world)]), i)
+                None if per_rank is None else _value(self.fn(torch.stack([per_rank[r] for r in range(self.world)]), i))
             )
         return _assemble(self.layout, parts)
 
@@ -129,7 +161,7 @@ class SimRanks:
             self.mesh.account("all_gather", out.numel())
         return done
 
-    def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction:
+    def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:
         return _SimReduction(fn, layout, self.mesh.world)
 
 
@@ -149,8 +181,8 @@ class DistRanks:
     def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work:
         return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op)
 
-    def reduction(self, fn: ReduceFn, layout: Layout) -> Reduction:
-        return _DistReduction(fn, layout)
+    def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:
+        return _DistReduction(fn, layout, budget)
 
 
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:

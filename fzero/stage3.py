@@ -59,7 +59,8 @@ __all__ = ["GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard",
 
 @dataclass(frozen=True)
 class GatherPolicy:
-    """How stage 3 gathers units (DeepSpeed's names in brackets).
+    """How a step schedules its per-unit collectives: stage 3's gathers, every stage's reductions (DeepSpeed's
+    names in brackets).
 
     Attributes:
       prefetch: units gathered ahead of the one computing [`stage3_prefetch_bucket_size`, in units].
@@ -69,18 +70,36 @@ class GatherPolicy:
         [`stage3_param_persistence_threshold`].
       timings: report each gathered-on-demand unit's forward and backward wall time (seconds, rank 0's on a
         SimMesh) in the step's metrics as `unit_times`: `{unit name: (forward, backward)}`.
+      overlap_reduce: start each unit's reduction as soon as its gradient is complete and go on with the backward
+        without waiting for it (a `DistMesh` backend's threads run it); all are waited on before the optimizer.
+        The same arithmetic in the same order: results are bitwise those without overlap [`overlap_comm`].
+      reduce_bucket_elements: with `overlap_reduce`, the most gradient elements whose reduction is in flight at
+        once: before starting one that would exceed it, the oldest are waited on. In-flight gradients stay alive,
+        so this bounds the memory overlap costs [`reduce_bucket_size`].
     """
 
     prefetch: int = 1
     max_live_elements: int | None = None
     persistence_threshold: int = 0
     timings: bool = False
+    overlap_reduce: bool = False
+    reduce_bucket_elements: int = 500_000_000
+
+    @property
+    def reduce_budget(self) -> int | None:
+        """The in-flight bound the reduction gets: None without overlap (each unit's reduction is waited for)."""
+        return self.reduce_bucket_elements if self.overlap_reduce else None
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "persistence_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"GatherPolicy.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.overlap_reduce, bool):
+            raise ValueError(f"GatherPolicy.overlap_reduce must be a bool, got {self.overlap_reduce!r}")
+        bucket = self.reduce_bucket_elements
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+            raise ValueError(f"GatherPolicy.reduce_bucket_elements must be an int >= 1, got {bucket!r}")
         if self.max_live_elements is not None and (
             isinstance(self.max_live_elements, bool)
             or not isinstance(self.max_live_elements, int)
@@ -525,7 +544,7 @@ class UnitGathering:
         ranks = ranks_of(mesh)
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
-        self._reduction = None if reducer is None else ranks.reduction(reducer, layout)
+        self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
         self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep)
         self._handles = self._g.install()
         self._params = self._g.params()
@@ -582,7 +601,7 @@ def sharded_backward(
       shards: the compute parameters and the frozen parameters (in the dtype the forward computes in; None without
         frozen parameters), per rank: shards (`[shard_numel]`, or `[world, shard_numel]` on a SimMesh) gathered
         unit by unit, or full buffers (`FULL`: stage 0, or kept from an earlier micro-step).
-      policy: prefetch and persistence.
+      policy: prefetch, persistence, overlap of the reductions.
       keep: keep gathered units to the end (`KEEP`, stages 1-2) rather than free them after their forward.
       reducer: the chain's per-unit reduction, `reducer(grads, unit)` (`fzero.transforms.unit_reducer`); None to
         run forwards without gradients (evaluation).
@@ -597,7 +616,7 @@ def sharded_backward(
       and, with `policy.timings`, `unit_times`.
     """
     ranks = ranks_of(mesh)
-    reduction = None if reducer is None else ranks.reduction(reducer, layout)
+    reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
     outs, peak, times, gathered = [], 0, None, []
     for rank in ranks.indices:
         mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
@@ -615,6 +634,9 @@ def sharded_backward(
             g.close()
         peak, times = max(peak, g.peak), times if times is not None else g.times
     info: dict[str, Any] = {"gathered_peak": peak, "gathered": ranks.stack(gathered)}
+    if reduction is not None:
+        result = reduction.result()
+        info["reduce_in_flight_peak"] = reduction.peak
     if times is not None:
         info["unit_times"] = {k: tuple(v) for k, v in times.items()}
-    return (None if reduction is None else reduction.result()), outs, info
+    return (None if reduction is None else result), outs, info

@@ -375,7 +375,7 @@ def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, po
     chain's own reduction (`unit_reducer`)."""
     ranks, seeds = ranks_of(mesh), rank_seeds(state, mesh)
     unit = unit_reducer(tx)
-    ctx = Context(mesh, state.layout)
+    ctx = Context(mesh, state.layout, overlap=policy.overlap_reduce)
 
     def rank_run(params: dict[str, Tensor], rank: int):
         buffers = {k: v.clone() for k, v in ranks.pick(state.buffers, rank).items()}

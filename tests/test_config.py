@@ -22,7 +22,7 @@ from fzero.config import (
     parse_config,
 )
 from fzero.config.batch import resolve_batch
-from fzero.config.build import build_optimizer, build_transform, optimizer_spec
+from fzero.config.build import build_gather_policy, build_optimizer, build_transform, optimizer_spec
 from fzero.config.schema import Bool, Int, ListOf, Nullable, Num, PerGroup, Section, Str
 
 BASE = {"train_batch_size": 8}
@@ -443,3 +443,16 @@ def test_schema_paths_cover_nested_sections():
     paths = dict(SCHEMA.paths())
     assert "zero_optimization.offload_optimizer.device" in paths
     assert isinstance(paths["zero_optimization"], Section) and isinstance(paths["train_batch_size"], Nullable)
+
+
+@pytest.mark.parametrize(
+    ("zero", "overlap"),
+    [({"stage": 3}, True), ({"stage": 2}, False), ({"stage": 1}, False), ({"stage": 2, "overlap_comm": True}, True),
+     ({"stage": 3, "overlap_comm": False}, False)],
+)  # fmt: skip
+def test_overlap_comm_and_reduce_bucket_size_take_effect(zero, overlap):
+    """DeepSpeed's default: overlap at stage 3 only; reduce_bucket_size bounds the gradient elements in flight."""
+    policy = build_gather_policy(parse({"zero_optimization": {**zero, "reduce_bucket_size": 1234}}))
+    assert policy.overlap_reduce is overlap
+    assert policy.reduce_bucket_elements == 1234
+    assert policy.reduce_budget == (1234 if overlap else None)

@@ -4,8 +4,12 @@ Three kinds of keys:
 
 - keys fzero implements (the batch triad, `zero_optimization.stage`, `fp16`, `bf16`, `optimizer`, `scheduler`,
   `gradient_clipping`, `steps_per_print`, `wall_clock_breakdown`, ...): DeepSpeed's meaning and default;
-- keys accepted with no effect, because they tune how DeepSpeed schedules its communication (bucket sizes,
-  `overlap_comm`, `contiguous_gradients`, ...) and fzero's flat buffers make them moot: values are still checked;
+- keys that tune how DeepSpeed schedules its communication: `overlap_comm` (each unit's gradient reduction
+  overlaps the backward; default, as DeepSpeed's, on at stage 3 only) and `reduce_bucket_size` (with it, the most
+  gradient elements in flight) take effect through `fzero.GatherPolicy`, as do stage 3's prefetch, persistence and
+  live-parameter bounds; those for DeepSpeed's own buckets and copies (`allgather_bucket_size`,
+  `contiguous_gradients`, ...) have no effect, because fzero's unit of communication is the unit of its flat buffer
+  (one collective per unit): values are still checked;
 - known features fzero does not implement (parameter offload, NVMe, quantized or hierarchical ZeRO, MiCS, 1-bit
   optimizers, AMP, pipeline/tensor/sequence parallelism, monitors, ...): only their disabled value is accepted,
   anything else is an `UnsupportedConfigError` naming the key.
@@ -41,7 +45,7 @@ from .schema import (
 
 __all__ = ["SCHEMA"]
 
-MOOT = "no effect: fzero reduces and gathers each flat buffer in one collective"
+MOOT = "no effect: fzero reduces and gathers one flat buffer per unit, in one collective each"
 NVME = "no effect (NVMe only)"
 GATHER = "stage 3 gathers one unit at a time: 0 disables prefetching (else one unit ahead); see fzero.GatherPolicy"
 INT_MAX = 2**63 - 1
@@ -158,11 +162,21 @@ ZERO = Section(
         "stage": Field(Int(0, 3), 0),
         "contiguous_gradients": Field(Bool(), True, effect=MOOT),
         "reduce_scatter": Field(Bool(), True, effect=MOOT),
-        "reduce_bucket_size": Field(Int(1), 500_000_000, effect=MOOT),
+        "reduce_bucket_size": Field(
+            Int(1),
+            500_000_000,
+            effect="with overlap_comm, the most gradient elements in "
+            "flight (fzero.GatherPolicy.reduce_bucket_elements)",
+        ),
         "use_multi_rank_bucket_allreduce": Field(Bool(), True, effect=MOOT),
         "allgather_partitions": Field(Bool(), True, effect=MOOT),
         "allgather_bucket_size": Field(Int(1), 500_000_000, effect=MOOT),
-        "overlap_comm": Field(Nullable(Bool()), None, effect=MOOT),
+        "overlap_comm": Field(
+            Nullable(Bool()),
+            None,
+            effect="each unit's gradient reduction overlaps the backward "
+            "(fzero.GatherPolicy.overlap_reduce); null: on at stage 3 only, as DeepSpeed",
+        ),
         "load_from_fp32_weights": Field(Bool(), True, effect="no effect (checkpoints hold fp32 master weights)"),
         "elastic_checkpoint": Field(Bool(), False, effect="no effect (fzero's checkpoints reshard on load)"),
         "offload_optimizer": Field(_OFFLOAD_OPTIMIZER, effect="device 'cpu': optimizer step on the CPU"),

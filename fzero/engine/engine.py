@@ -642,10 +642,11 @@ class _MicroStep:
         self.gathering: UnitGathering | None = None
         compute = engine._compute()
         if engine._per_unit():  # unit by unit, each unit's gradient reduced as soon as it is complete (fzero.stage3)
-            unit, ctx = unit_reducer(engine.tx), Context(engine.mesh, state.layout)
+            policy = engine._gather_policy
+            unit, ctx = unit_reducer(engine.tx), Context(engine.mesh, state.layout, overlap=policy.overlap_reduce)
             self.gathering = UnitGathering(
                 engine.mesh, state.layout, module, compute if compute is not None else state.compute, state.frozen,
-                engine._gather_policy, lambda g, i: unit(g, i, ctx), state.frozen_dtype, keeps_gathered(state),
+                policy, lambda g, i: unit(g, i, ctx), state.frozen_dtype, keeps_gathered(state),
             )  # fmt: skip
             self.leaf = self.gathering.shard
             named = self.gathering.params()

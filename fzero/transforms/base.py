@@ -32,13 +32,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 from torch import Tensor
 
 from .. import native
 from ..layout import Layout
-from ..mesh import Mesh
+from ..mesh import Mesh, Work
 
 __all__ = [
     "Context",
@@ -132,13 +132,15 @@ class Flow(NamedTuple):
 
 
 class Context(NamedTuple):
-    """Static facts every transform may read: the mesh, the layout, whether buffers may be donated, and, at init,
-    whether `flow.params` arrive already sharded (sharded construction from a `meta` model)."""
+    """Static facts every transform may read: the mesh, the layout, whether buffers may be donated, at init whether
+    `flow.params` arrive already sharded (sharded construction from a `meta` model), and whether a `unit` reduction
+    may return a handle rather than wait for its result (`overlap`: see `UnitFn`)."""
 
     mesh: Mesh
     layout: Layout
     donate: bool = False
     presharded: bool = False
+    overlap: bool = False
 
 
 class InitFn(Protocol):
@@ -151,9 +153,10 @@ class UpdateFn(Protocol):
 
 class UnitFn(Protocol):
     """A transform's work on one unit's full gradient (`[unit size]` per rank) before or as the reduction; the
-    reduction returns this rank's part of the averaged unit (`[unit size / world]`)."""
+    reduction returns this rank's part of the averaged unit (`[unit size / world]`), or, when `ctx.overlap`, may
+    return a handle whose `wait()` returns it (`mesh.reduce_scatter_start`): the backward goes on meanwhile."""
 
-    def __call__(self, grads: Tensor, unit: int, ctx: Context) -> Tensor: ...
+    def __call__(self, grads: Tensor, unit: int, ctx: Context) -> Tensor | Work: ...
 
 
 class EmptyState(NamedTuple):
@@ -219,10 +222,10 @@ def _compose_units(pairs: tuple[tuple[str, Transform], ...]) -> tuple[UnitFn | N
     if any(u is None for u in prefix):
         return None, True
 
-    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
-        for fn in prefix:
-            grads = fn(grads, index, ctx)
-        return grads
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
+        for fn in prefix[:-1]:  # before the reduction: no handle, a tensor
+            grads = cast(Tensor, fn(grads, index, ctx))
+        return prefix[-1](grads, index, ctx)
 
     return unit, True
 

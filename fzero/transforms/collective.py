@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..layout import Layout, to_rank_major, to_unit_major
-from ..mesh import Mesh
+from ..mesh import Mesh, Work
 from ..state import pytree, register_torch_pytree
 from .base import Context, EmptyState, Flow, Transform
 
@@ -59,8 +59,9 @@ def all_reduce(dtype: torch.dtype | None = None) -> Transform:
         grads = ctx.mesh.all_reduce(_cast(flow.grads, dtype), "mean")
         return flow._replace(grads=grads).with_facts(reduced=True), state
 
-    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
-        return ctx.mesh.all_reduce(_cast(grads, dtype), "mean")
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
+        reduce = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
+        return reduce(_cast(grads, dtype), "mean")
 
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
@@ -92,8 +93,9 @@ def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
         grads = ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), "mean")
         return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
 
-    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
-        return ctx.mesh.reduce_scatter(_cast(grads, dtype), "mean")
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
+        reduce = ctx.mesh.reduce_scatter_start if ctx.overlap else ctx.mesh.reduce_scatter
+        return reduce(_cast(grads, dtype), "mean")
 
     return Transform(init, update, "reduce_scatter", unit, reduces=True)
 
