@@ -1,7 +1,7 @@
 """fzero against DDP, FSDP2 and DeepSpeed: step time and peak memory, side by side, on 2 gloo processes.
 
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
-                                            [--memory] [--threads 1]
+                                            [--memory] [--threads 1] [--profile]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -19,7 +19,8 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
 Every trainer lives in the same two processes and runs in rotating order, round after round (machine noise hits
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
 ratio to DDP's, and with `--memory` the peak resident memory per rank of each trainer run alone in a fresh pair of
-processes.
+processes. `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
+optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def fzero_core(stage: int, overlap: bool = False) -> Callable[[nn.Module, str], 
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
             return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
 
-        policy = fzero.GatherPolicy(overlap_reduce=overlap)
+        policy = fzero.GatherPolicy(overlap_reduce=True) if overlap else None
         train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)
         box = [fzero.init(model, tx, mesh)]
 
@@ -228,6 +229,53 @@ def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, pre
         dist.destroy_process_group()
 
 
+PHASES = {  # torch profiler event names -> phase; the first matching pattern wins
+    "communication (waiting)": ("c10d", "gloo", "wait", "all_to_all", "broadcast", "allreduce", "all_gather",
+                                "reduce_scatter", "barrier"),
+    "optimizer": ("adam", "fz_", "fzero::"),
+    "copies, casts, fills": ("copy_", "cat", "clone", "_to_copy", "fill_", "zero_", "contiguous", "stack", "index"),
+}  # fmt: skip
+
+
+def _phase(name: str) -> str:
+    low = name.lower()
+    for phase, patterns in PHASES.items():
+        if any(p in low for p in patterns):
+            return phase
+    return "compute (other aten ops)" if low.startswith("aten::") else "other"
+
+
+def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, precision: str) -> None:
+    """Rank 0's per-phase split of a step: self CPU time of the profiler's events, by phase; the rest of the wall
+    time (Python, waiting outside collectives) as "unaccounted"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    init(rank, world, store, args.threads)
+    try:
+        steps, _ = build_all(args.only, precision)
+        data = batches(rank, args.steps)
+        for name, step in steps.items():
+            step(data[0])
+            step(data[1 % len(data)])
+            dist.barrier()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for batch in data:
+                    step(batch)
+            wall = (time.perf_counter() - t0) / len(data)
+            if rank == 0:
+                split: dict[str, float] = {}
+                for e in prof.key_averages():
+                    if e.key.startswith("ProfilerStep") or "#" in e.key:
+                        continue
+                    split[_phase(e.key)] = split.get(_phase(e.key), 0.0) + e.self_cpu_time_total / 1e6 / len(data)
+                split["unaccounted (Python, idle)"] = max(0.0, wall - sum(split.values()))
+                cells = " | ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(split.items()))
+                print(f"| {name} | {wall * 1e3:.0f} ms | {cells} |", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def memory_worker(rank: int, world: int, store: str, name: str, precision: str) -> None:
     init(rank, world, store, 1)
     try:
@@ -252,10 +300,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", nargs="+", default=list(trainers()), choices=list(trainers()))
     parser.add_argument("--memory", action="store_true", help="also peak RSS per rank, each trainer alone")
+    parser.add_argument("--profile", action="store_true", help="instead of timing: rank 0's per-phase profile")
     args = parser.parse_args()
     psi = sum(p.numel() for p in make_model().parameters())
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precision:
+            if args.profile:
+                print(f"\n{precision}: rank 0's self CPU time per step by phase (torch.profiler), {args.steps} steps")
+                store = os.path.join(tmp, f"store-prof-{precision}")
+                mp.start_processes(profile_worker, args=(2, store, args, precision), nprocs=2, start_method="spawn")
+                continue
             store = os.path.join(tmp, f"store-{precision}")
             mp.start_processes(time_worker, args=(2, store, args, precision), nprocs=2, start_method="spawn")
             with open(os.path.join(tmp, f"times-{precision}.json")) as f:

@@ -10,6 +10,7 @@ model.load_state_dict(fzero.state_dict(state))
 
 from . import hostmem, layout, loss_scale, native, optim, precision
 from ._version import __version__ as __version__
+from .agreement import DesyncError
 from .checkpoint import consolidate, load, save
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 from .layout import Layout
@@ -48,6 +49,7 @@ __all__ = [
     "CollectiveError",
     "Context",
     "DeepSpeedEngine",
+    "DesyncError",
     "DistMesh",
     "DynamicLossScale",
     "EmptyState",

@@ -561,6 +561,13 @@ class DistMesh(_LedgerMixin):
             return done
         return guarded
 
+    def exchange(self, x: Tensor) -> Tensor:
+        """Every rank's 1-D `x` (`[world, n]`): a control message (`fzero.agreement`), not counted in the ledger."""
+        out = torch.empty(self.world * x.numel(), dtype=x.dtype, device=x.device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._run("exchange", x, fn, out, x.contiguous(), group=self.group)
+        return out.view(self.world, -1)
+
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         self._log("broadcast", x.numel())
         out = x.clone()

@@ -51,10 +51,10 @@ from torch import Tensor, nn
 
 from .bind import Unavailable
 from .layout import ROOT_UNIT, Layout, unit_views
-from .mesh import Mesh, SimMesh, Work
-from .ranks import Ranks, Reduction, ranks_of
+from .mesh import CollectiveError, Mesh, SimMesh, Work
+from .ranks import Ranks, Reduction, SimRanks, ranks_of
 
-__all__ = ["GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
+__all__ = ["Abandoned", "GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,15 @@ class GatherPolicy:
         ):
             got = self.max_live_elements
             raise ValueError(f"GatherPolicy.max_live_elements must be None or an int >= 1, got {got!r}")
+
+
+class Abandoned(Exception):
+    """A rank's forward or backward raised `error`; the step's collectives were completed (zero gradients) so
+    that the other ranks' pair with them (`fzero.agreement` then fails the step on every rank)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 TRAIN, FROZEN = 0, 1  # the two flat spaces a unit has: trainable parameters, frozen parameters
@@ -169,6 +178,8 @@ class _UnitRecord:
         when it drops to 0.
       originals: `(owner, name, original)` for the module slots the views took.
       inputs_done: the gradient of an input of its module exists (its frozen buffer is no longer needed).
+      ran: its forward ran this step.
+      passed: its forward did not run here but was passed (`Gatherer.catch_up_forward`).
     """
 
     index: int
@@ -183,6 +194,8 @@ class _UnitRecord:
     swaps: int = 0
     originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
     inputs_done: bool = False
+    ran: bool = False
+    passed: bool = False
 
 
 def _records(layout: Layout, model: nn.Module, policy: GatherPolicy) -> list[_UnitRecord]:
@@ -404,9 +417,12 @@ class Gatherer:
         """
         rec = self.units[i]
         recompute = _in_backward()
+        if not recompute:
+            self.catch_up_forward(upto=i)
         self._views(i)
         self.unshard(i)
         if not recompute:
+            rec.ran = True
             self._tick(i, None)
             self._prefetch(i, 1)
             rec.phase = Phase.FORWARD
@@ -447,6 +463,9 @@ class Gatherer:
         if rec.phase is Phase.BACKWARD:
             return
         first = rec.phase is not Phase.DONE
+        if first:
+            self.catch_up_forward()
+            self._catch_up_backward(after=i)
         rec.phase = Phase.BACKWARD
         self._tick(i, None)
         self.unshard(i)
@@ -478,13 +497,62 @@ class Gatherer:
                 rec.phase = Phase.DONE
             self.reshard(i, (FROZEN,))
 
+    # -- every rank issues the same collectives ------------------------------------------------------------------
+    # A rank may skip a unit another rank runs (layer drop, early exit, routing), or abandon its forward (an
+    # exception): its collectives would then pair with the wrong ones of the others. So gathers follow the forward
+    # order of on-demand units and reductions its reverse (autograd's order for a sequential model) on every rank:
+    # a unit this rank did not run is still gathered when the forward passes it, and gathered again and reduced
+    # with a zero gradient when the backward passes it, as the ranks that ran it do.
+
+    def catch_up_forward(self, upto: int | None = None) -> None:
+        """Pass every on-demand unit before `upto` in forward order (all of them: None) that has not run this
+        step: gather it, prefetch as its forward would, free it."""
+        for j in self.sequence[: None if upto is None else self.sequence.index(upto)]:
+            rec = self.units[j]
+            if not (rec.ran or rec.passed):
+                rec.passed = True
+                self.unshard(j)
+                self._prefetch(j, 1)
+                self.reshard(j)
+
+    def _catch_up_backward(self, after: int | None = None) -> None:
+        """Pass every on-demand unit after `after` in forward order (all of them: None), last first, whose
+        gradient is not reduced and whose forward did not run here (with `after`; all with None: the backward is
+        over): gather it as its backward would, reduce a zero gradient for it, free it."""
+        start = 0 if after is None else self.sequence.index(after) + 1
+        for j in reversed(self.sequence[start:]):
+            rec = self.units[j]
+            if rec.phase is Phase.DONE or (after is not None and (rec.ran or rec.phase is Phase.BACKWARD)):
+                continue
+            self.unshard(j)
+            self._prefetch(j, -1)
+            self._reduce_zeros(rec)
+
+    def _reduce_zeros(self, rec: _UnitRecord) -> None:
+        self._leave_backward(rec)
+        rec.phase = Phase.DONE
+        if rec.sizes[TRAIN]:  # a unit without trainable elements has nothing to reduce
+            self.reduction.add(rec.index, self.rank, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
+        self.reshard(rec.index)
+
     def finish(self) -> None:
-        """Reduce zeros for units no gradient reached (every rank issues the same collectives; units without
-        trainable elements have nothing to reduce), free the rest."""
-        for rec in self.units:
-            if rec.phase is not Phase.DONE and rec.sizes[TRAIN]:
-                self.post_backward(rec.index, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
+        """The backward is over (or was abandoned): pass the units no forward or gradient reached, in the order
+        the others' forward and backward took (on-demand units last first, then those gathered for the whole step,
+        last first: autograd completes the latter last, in reverse order of creation), reducing zeros for them;
+        free everything."""
+        self.catch_up_forward()
+        self._catch_up_backward()
+        for rec in reversed(self.units):
+            if rec.phase is not Phase.DONE:
+                self._reduce_zeros(rec)
             self.reshard(rec.index)
+
+    def complete(self) -> None:
+        """The forward (and with a reduction, the backward) is over: issue what this rank has not (`finish`)."""
+        if self.reduction is not None:
+            self.finish()
+        else:
+            self.catch_up_forward()
 
     def gathered(self, space: int = TRAIN) -> Tensor | None:
         """The space's full buffer, when it was given whole or gathered and kept (None for `RESHARD`); complete
@@ -583,6 +651,21 @@ class UnitGathering:
         self._params = {}
 
 
+def _run_rank(g: Gatherer, run: Callable[[dict[str, Tensor], int], Any], rank: int) -> Any:
+    """Rank `rank`'s `run` under the gatherer `g`, then the units it did not reach (`Gatherer.finish`). If `run`
+    raises on a real mesh, the step's collectives are completed all the same (the others' pair with them), and
+    `Abandoned` carries the exception."""
+    try:
+        out = run(g.params(), rank)
+    except Exception as e:
+        if isinstance(g.ranks, SimRanks) or isinstance(e, CollectiveError):
+            raise  # one process runs every rank (nothing to complete) / the collectives themselves failed
+        g.complete()
+        raise Abandoned(e) from e
+    g.complete()
+    return out
+
+
 def sharded_backward(
     mesh: Mesh,
     layout: Layout,
@@ -624,9 +707,7 @@ def sharded_backward(
         g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep)
         handles = g.install()
         try:
-            outs.append(run(g.params(), rank))
-            if reduction is not None:
-                g.finish()
+            outs.append(_run_rank(g, run, rank))
             gathered.append(g.gathered())
         finally:
             for h in handles:

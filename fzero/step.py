@@ -41,12 +41,13 @@ import torch
 from torch import Tensor, nn
 
 from . import rng
+from .agreement import agree
 from .bind import bound
 from .construct import sharded_parameters
 from .layout import Layout, flatten, from_module, to_rank_major, unflatten, unshard
-from .mesh import Mesh, SimMesh
+from .mesh import Ledger, Mesh, SimMesh
 from .ranks import ranks_of
-from .stage3 import GatherPolicy, frozen_shard, sharded_backward
+from .stage3 import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
 from .transforms import Context, Facts, Flow, Transform, gather_params, lookup, unit_reducer
 from .transforms.scaling import current_loss_scale
@@ -265,10 +266,7 @@ def train_step(
         _check_state(state, mesh)
         _check_batch(batch, mesh)
         with mesh.record() as ledger:
-            if autodiff == "autograd" and tx.reduces and tx.unit is not None:  # reduce each unit as it completes
-                grads, loss, aux, buffers, info = _unit_gradients(run, state, batch, mesh, policy, tx)
-            else:
-                grads, loss, aux, buffers, info = _whole_gradients(run, state, batch, mesh, autodiff)
+            grads, loss, aux, buffers, info = _gradients(run, state, batch, mesh, policy, tx, autodiff, ledger)
             gathered = info.pop("gathered")
             new, metrics = apply_gradients(
                 state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=info.pop("reduced")
@@ -282,6 +280,22 @@ def train_step(
         return new, metrics
 
     return step
+
+
+def _gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy, tx: Transform,
+               autodiff: str, ledger: Ledger) -> tuple:  # fmt: skip
+    """The step's gradients (reduced unit by unit where the chain can), once every rank agrees it ran this step
+    (`fzero.agreement`: else `DesyncError` on every rank)."""
+    failure = None
+    try:
+        if autodiff == "autograd" and tx.reduces and tx.unit is not None:  # reduce each unit as it completes
+            out = _unit_gradients(run, state, batch, mesh, policy, tx)
+        else:
+            out = _whole_gradients(run, state, batch, mesh, autodiff)
+    except Abandoned as e:
+        failure = e.error
+    agree(mesh, int(state.step), ledger.total("calls"), failure)
+    return out
 
 
 def keeps_gathered(state: TrainState) -> bool:
@@ -344,7 +358,12 @@ def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, a
         return grads, loss, aux, buffers
 
     compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
-    grads, loss, aux, buffers = mesh.map(local, compute, frozen, state.buffers, batch, rank_seeds(state, mesh))
+    try:
+        grads, loss, aux, buffers = mesh.map(local, compute, frozen, state.buffers, batch, rank_seeds(state, mesh))
+    except Exception as e:
+        if isinstance(mesh, SimMesh):
+            raise
+        raise Abandoned(e) from e  # a local forward and backward: no collective of the step is left to pair
     peak = layout.numel + (layout.frozen_layout.numel if frozen is not None else 0)
     return grads, loss, aux, buffers, {"reduced": False, "gathered_peak": peak, "gathered": compute}
 

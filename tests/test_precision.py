@@ -102,3 +102,24 @@ def test_bf16_run_reaches_fp32_loss():
         finals[precision] = sum(losses[-10:]) / 10
     assert finals["fp32"] < 3.5
     assert abs(finals["bf16"] - finals["fp32"]) < 0.1, finals
+
+
+@given(world=st.integers(2, 4), n=st.integers(1, 64).map(lambda k: 16 * k), seed=st.integers(0, 2**31 - 1),
+       spread=st.sampled_from([1.0, 1e-3, 1e3]))  # fmt: skip
+def test_bf16_reduction_error_bound(world, n, seed, spread):
+    """Gradients reduced in bf16 (`Policy(reduce_dtype=bf16)`, DeepSpeed's `communication_data_type`): each rank's
+    gradient is rounded to bf16, summed in bf16 in rank order (W - 1 roundings) and divided by W (one more), so with
+    bf16's unit roundoff u = 2^-8 the mean is within gamma_W * sum_r |g_r| / W + u |mean| of the exact mean
+    (gamma_W = W u / (1 - W u); Higham, Accuracy and Stability, 4.2), element by element. docs/equivalence.md."""
+    mesh = fzero.SimMesh(world)
+    g = torch.randn(world, world * n, generator=torch.Generator().manual_seed(seed)) * spread
+    ctx = fzero.Context(mesh, None)
+    got = fzero.reduce_scatter(torch.bfloat16).unit(g, 0, ctx).double()
+    want = g.double().mean(0).unflatten(-1, (world, n))  # [rank, n]: rank r's shard of the exact mean
+    u = 2.0**-8
+    gamma = world * u / (1 - world * u)
+    bound = gamma * g.double().abs().mean(0).unflatten(-1, (world, n)) + u * want.abs()
+    assert ((got - want).abs() <= bound).all()
+    # and fp32 (the default) is far tighter: the same formula with u = 2^-24
+    exact32 = fzero.reduce_scatter().unit(g, 0, ctx).double()
+    assert ((exact32 - want).abs() <= bound * 2.0**-16).all()

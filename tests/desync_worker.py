@@ -1,0 +1,104 @@
+"""The 2-process half of tests/test_desync.py: per-rank skipped units, a rank whose forward raises, ranks at
+different steps, over a real gloo group. Results go to `results.json` (rank 0's) and `RANK.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fzero
+from fzero import process_group
+from tests.spawn import init_worker
+
+CASES = [
+    ("zero2", "autograd", 0),
+    ("zero3", "autograd", 0),
+    ("zero3", "autograd", 1),
+    ("zero0", "autograd", 1),
+    ("zero3", "func", 1),
+]  # fmt: skip  (preset, autodiff, prefetch)
+
+
+class Drop(nn.Module):
+    """Four residual blocks, any of which a rank may skip (layer drop; skipping the last ones is an early exit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if not skip[i]:
+                h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+def loss_of(model: nn.Module):
+    def loss_fn(params, batch):
+        if batch["fail"]:
+            raise ValueError("a bad batch on this rank")
+        out = torch.func.functional_call(model, params, (batch["x"], batch["skip"]))
+        return ((out - batch["y"]) ** 2).mean()
+
+    return loss_fn
+
+
+def batches(world: int, skips: list[list[list[int]]], fail_at: int | None = None) -> list[dict]:
+    """One batch per step; `skips[step][rank]` lists the blocks that rank skips; `fail_at`: the step where the last
+    rank's loss raises."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for s, per_rank in enumerate(skips):
+        skip = torch.zeros(world, 4, dtype=torch.bool)
+        for r, blocks in enumerate(per_rank):
+            skip[r, blocks] = True
+        fail = torch.tensor([False] * (world - 1) + [s == fail_at])
+        out.append({"x": torch.randn(world, 3, 4, generator=g), "y": torch.randn(world, 3, 2, generator=g),
+                    "skip": skip, "fail": fail})  # fmt: skip
+    return out
+
+
+SKIPS = [[[], [1]], [[2], [3]], [[], [2, 3]], [[], []]]  # layer drop, early exit, none
+
+
+def train(mesh, preset: str, autodiff: str, prefetch: int, data: list[dict], rank: int | None, start: int = 0):
+    """Train over `data` (rank `rank`'s rows, or all rows on a SimMesh); returns the state dict and, per step, the
+    DesyncError's (type of its cause, in_step) if one was raised (caught, as a skip-the-bad-batch loop does)."""
+    model = Drop()
+    tx = getattr(fzero, preset)(fzero.adamw(1e-2))
+    state = fzero.init(model, tx, mesh)
+    state = state.replace(step=state.step + start)
+    step = fzero.train_step(model, loss_of(model), tx, mesh, autodiff=autodiff,
+                            gather=fzero.GatherPolicy(prefetch=prefetch))  # fmt: skip
+    errors = []
+    for batch in data:
+        try:
+            state, _ = step(state, batch if rank is None else {k: v[rank] for k, v in batch.items()})
+            errors.append(None)
+        except fzero.DesyncError as e:
+            errors.append([type(e.__cause__).__name__, e.in_step, str(e)])
+    return {k: v.tolist() for k, v in fzero.state_dict(state, mesh).items()}, errors
+
+
+def run(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_worker(rank, world, f"{out_dir}/store")
+    mesh = fzero.DistMesh()
+    results = {}
+    for preset, autodiff, prefetch in CASES:
+        key = f"{preset}-{autodiff}-{prefetch}"
+        results[f"skip {key}"] = train(mesh, preset, autodiff, prefetch, batches(world, SKIPS), rank)
+        results[f"fail {key}"] = train(mesh, preset, autodiff, prefetch, batches(world, SKIPS, fail_at=1), rank)
+    results["out of step"] = train(mesh, "zero2", "autograd", 1, batches(world, [[[], []]] * 2), rank, start=rank)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    process_group.shutdown()
