@@ -232,7 +232,7 @@ def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, pre
 PHASES = {  # torch profiler event names -> phase; the first matching pattern wins
     "communication (waiting)": ("c10d", "gloo", "wait", "all_to_all", "broadcast", "allreduce", "all_gather",
                                 "reduce_scatter", "barrier"),
-    "optimizer": ("adam", "fz_", "fzero::"),
+    "optimizer": ("adam", "fzero.shard_update", "fzero::"),
     "copies, casts, fills": ("copy_", "cat", "clone", "_to_copy", "fill_", "zero_", "contiguous", "stack", "index"),
 }  # fmt: skip
 
@@ -242,7 +242,7 @@ def _phase(name: str) -> str:
     for phase, patterns in PHASES.items():
         if any(p in low for p in patterns):
             return phase
-    return "compute (other aten ops)" if low.startswith("aten::") else "other"
+    return "compute (other aten ops)" if low.startswith("aten::") else "other (autograd nodes, record_function)"
 
 
 def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, precision: str) -> None:
