@@ -14,7 +14,7 @@ from tests.spawn import init_worker
 from tests.support import lm_batches, lm_loss, tiny_gpt
 
 SHAPE = {"replicate": 2, "shard": 2}
-CASES = [(stage, micro) for stage in (1, 2, 3) for micro in (1, 2)]
+CASES = [(stage, micro, False) for stage in (1, 2, 3) for micro in (1, 2)] + [(2, 1, True), (3, 2, True)]
 STEPS = 2
 
 
@@ -40,10 +40,16 @@ def batches(micro: int):
     return lm_batches(tiny_gpt(0), 4, micro, 2, STEPS, 5)
 
 
-def train(mesh, stage: int, micro: int, rank: int | None):
-    """Hybrid `zero{stage}` for `STEPS` steps; `rank` None: a SimMesh (batches with every rank's rows)."""
+def name(stage: int, micro: int, quantized: bool) -> str:
+    return f"zero{stage}-{micro}" + ("-q" if quantized else "")
+
+
+def train(mesh, stage: int, micro: int, quantized: bool, rank: int | None):
+    """Hybrid `zero{stage}` for `STEPS` steps (`quantized`: with qgZ, and qwZ below stage 3); `rank` None: a
+    SimMesh (batches with every rank's rows)."""
     model = tiny_gpt(0)
-    tx = getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2), accumulate=micro, hybrid=True)
+    q = {"qgz": True, "qwz": stage < 3} if quantized else {}
+    tx = getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2), accumulate=micro, hybrid=True, **q)
     state = fzero.init(model, tx, mesh)
     step = fzero.train_step(model, lm_loss(model), tx, mesh)
     for batch in batches(micro):
@@ -59,11 +65,11 @@ def run(rank: int, world: int, out_dir: str) -> None:
     got = collectives(mesh, inputs(world)[rank])
     save_file({k: v.contiguous() for k, v in got.items()}, f"{out_dir}/collectives-{rank}.st")
     ledgers = {}
-    for stage, micro in CASES:
-        params, comm = train(mesh, stage, micro, rank)
-        ledgers[f"{stage}-{micro}"] = comm
+    for case in CASES:
+        params, comm = train(mesh, *case, rank)
+        ledgers[name(*case)] = comm
         if rank == 0:
-            save_file(params, f"{out_dir}/zero{stage}-{micro}.st")
+            save_file(params, f"{out_dir}/{name(*case)}.st")
     if rank == 0:
         with open(f"{out_dir}/ledgers.json", "w") as f:
             json.dump(ledgers, f)

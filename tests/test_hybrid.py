@@ -139,7 +139,7 @@ def sim_reference():
     try:
         mesh = fzero.SimMesh(shape=hybrid_worker.SHAPE)
         got = hybrid_worker.collectives(mesh, hybrid_worker.inputs(mesh.world))
-        trained = {f"{s}-{m}": hybrid_worker.train(mesh, s, m, None) for s, m in hybrid_worker.CASES}
+        trained = {hybrid_worker.name(*case): hybrid_worker.train(mesh, *case, None) for case in hybrid_worker.CASES}
         return got, trained
     finally:
         torch.set_num_threads(threads)
@@ -156,12 +156,12 @@ def test_dist_mesh_2x2_equals_sim_mesh_bitwise(tmp_path):
             # gloo sums two ranks (a + b == b + a); reduce-scatter is an all-to-all and a rank-ordered sum
             assert torch.equal(value, collectives[name][rank]), (rank, name)
     ledgers = json.loads((tmp_path / "ledgers.json").read_text())
-    for stage, micro in hybrid_worker.CASES:
-        want, comm = trained[f"{stage}-{micro}"]
-        got = load_file(tmp_path / f"zero{stage}-{micro}.st")
+    for case in hybrid_worker.CASES:  # hybrid presets, also with qgZ and qwZ (all-to-alls on the sub-groups)
+        want, comm = trained[hybrid_worker.name(*case)]
+        got = load_file(tmp_path / f"{hybrid_worker.name(*case)}.st")
         assert got.keys() == want.keys()
-        assert all(torch.equal(got[k], want[k]) for k in want), (stage, micro)
-        assert ledgers[f"{stage}-{micro}"] == comm, (stage, micro)
+        assert all(torch.equal(got[k], want[k]) for k in want), case
+        assert ledgers[hybrid_worker.name(*case)] == comm, case
 
 
 def test_checkpoints_of_hybrid_states_are_refused_clearly(tmp_path):

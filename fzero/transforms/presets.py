@@ -21,6 +21,9 @@ owned slice, twice the traffic.) Every preset takes:
 - `hybrid`: stages 1-3 only: False (shard over every rank), True (shard over the mesh axis `"shard"`, average the
   shards over `"replicate"`: FSDP's HSDP, on `SimMesh(shape={"replicate": R, "shard": S})` or a `DistMesh` of
   that shape), or a pair `(replicate_axis, shard_axis)` of other names; see docs/hybrid.md;
+- `qgz`: reduce gradients with `quantized_reduce_scatter` (ZeRO++'s qgZ: int8 with blockwise scales; lossy, its
+  error bound in its docstring); `qwz` (stages 1-2): gather the compute parameters with `quantized_gather`
+  (qwZ), at the end of each step instead of lazily, unit by unit, in the next forward;
 - `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
   (ZeRO-Offload; pair it with `fzero.cpu_adamw`), the compute copy written in the same pass.
 """
@@ -35,6 +38,7 @@ from .accumulate import accumulate as accumulate_
 from .base import Transform, chain, identity
 from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, reduce_scatter
+from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import scale_loss
 from .update import shard_update
 
@@ -51,18 +55,28 @@ def _preset(
     skip_nonfinite: bool,
     offload: str | None,
     hybrid: bool | tuple[str, str] = False,
+    qgz: bool = False,
+    qwz: bool = False,
 ) -> Transform:
     policy = get_policy(precision)
     axis, replicate = _hybrid_axes(hybrid)
+    if qwz and stage == 3:
+        raise ValueError("zero3(qwz=True): qwZ gathers the compute parameters at the end of the step, but stage 3 "
+                         "keeps them sharded and gathers each unit in the forward; use zero1 or zero2")  # fmt: skip
+    rs = (
+        quantized_reduce_scatter(axis=axis, replicate=replicate)
+        if qgz
+        else reduce_scatter(policy.reduce_dtype, axis, replicate)
+    )
     if loss_scale is None:
         loss_scale = "dynamic" if policy.half else "none"
     acc = accumulate_(accumulate, dtype=policy.accum_dtype)
     if stage == 0:
         reduce = [acc, all_reduce(policy.reduce_dtype)]
     elif stage == 1:
-        reduce = [acc, reduce_scatter(policy.reduce_dtype, axis, replicate)]
+        reduce = [acc, rs]
     else:
-        reduce = [reduce_scatter(policy.reduce_dtype, axis, replicate), acc]
+        reduce = [rs, acc]
     return chain(
         *reduce,
         scale_loss(loss_scale, skip_nonfinite=skip_nonfinite),
@@ -73,7 +87,9 @@ def _preset(
             offload=offload,
             compute_dtype=policy.compute_dtype,
         ),
-        gather(policy.compute_dtype, lazy=stage > 0, keep=stage in (1, 2)),
+        quantized_gather(dtype=policy.compute_dtype)
+        if qwz
+        else gather(policy.compute_dtype, lazy=stage > 0, keep=stage in (1, 2)),
     )
 
 
@@ -102,7 +118,7 @@ def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          hybrid: bool | tuple[str, str] = False) -> Transform:  # fmt: skip
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
 
     Example:
@@ -110,12 +126,12 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero1(fzero.adamw(), accumulate=4).children][:2]
         ['accumulate', 'reduce_scatter']
     """
-    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid)
+    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          hybrid: bool | tuple[str, str] = False) -> Transform:  # fmt: skip
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
 
     Example:
@@ -123,12 +139,12 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero2(fzero.adamw(), accumulate=4).children][:2]
         ['reduce_scatter', 'accumulate']
     """
-    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid)
+    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          hybrid: bool | tuple[str, str] = False) -> Transform:  # fmt: skip
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
     the backward (`fzero.GatherPolicy`).
 
@@ -137,4 +153,4 @@ def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> fzero.zero3(fzero.adamw(), precision="bf16").children[-1][0]  # gather(bfloat16, lazy=True)
         'gather'
     """
-    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid)
+    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
