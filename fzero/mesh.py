@@ -114,7 +114,9 @@ class Ledger:
 
 @runtime_checkable
 class Mesh(Protocol):
-    """The collectives of a group of data-parallel ranks (see the module docstring for shapes)."""
+    """The collectives of a group of data-parallel ranks (see the module docstring for shapes). A mesh with named
+    axes also has `axes`, `size(axis)` and `index(axis)`; `axis=` is only ever passed to one (1-D meshes never see
+    it)."""
 
     world: int
 
@@ -132,8 +134,6 @@ class Mesh(Protocol):
     def broadcast(self, x: Tensor, src: int = 0, axis: str | None = None) -> Tensor: ...
 
     def local_shard(self, x: Tensor, axis: str | None = None) -> Tensor: ...
-
-    def size(self, axis: str | None = None) -> int: ...
 
     def map(self, fn, *args): ...
 

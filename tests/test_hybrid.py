@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import optree
 import pytest
 import torch
 from hypothesis import given
@@ -164,10 +165,72 @@ def test_dist_mesh_2x2_equals_sim_mesh_bitwise(tmp_path):
         assert ledgers[hybrid_worker.name(*case)] == comm, case
 
 
-def test_checkpoints_of_hybrid_states_are_refused_clearly(tmp_path):
-    model = mlp([3, 2], 0)
-    state = fzero.init(
-        model, fzero.zero2(fzero.adamw(), hybrid=True), fzero.SimMesh(shape={"replicate": 2, "shard": 2})
+def train_steps(mesh, tx, model, batches, state=None):
+    state = state if state is not None else fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    for batch in batches:
+        state, _ = step(state, batch)
+    return state
+
+
+def leaves(state):
+    return optree.tree_leaves(state, namespace="fzero")
+
+
+def equal_leaves(a, b):
+    """`named_leaves` equal: the same training state whatever the meshes (fzero.checkpoint.named_leaves)."""
+    a, b = fzero.checkpoint.named_leaves(a), fzero.checkpoint.named_leaves(b)
+    flat_a, flat_b = optree.tree_leaves(a), optree.tree_leaves(b)
+    return a.keys() == b.keys() and len(flat_a) == len(flat_b) and all(map(torch.equal, flat_a, flat_b))
+
+
+def test_checkpoint_resumes_bitwise_and_records_the_mesh(tmp_path):
+    model, mesh = tiny_gpt(0), fzero.SimMesh(shape={"replicate": 2, "shard": 2})
+    tx = fzero.zero2(fzero.adamw(1e-2), accumulate=2, hybrid=True)
+    batches = lm_batches(model, 4, 2, 2, 3, 4)
+    whole = train_steps(mesh, tx, model, batches)
+    half = train_steps(mesh, tx, model, batches[:4])
+    path = fzero.save(half, tmp_path)
+    manifest = fzero.checkpoint.read_manifest(path)
+    assert manifest.mesh == {"axis": "shard", "replicas": 2} and manifest.world == 2
+    loaded, extra = fzero.load(tmp_path, fzero.init(model, tx, mesh))
+    assert extra["world"] == 2
+    assert loaded.params.shape == half.params.shape and loaded.layout == half.layout
+    assert all(torch.equal(x, y) for x, y in zip(leaves(loaded), leaves(half), strict=True))
+    resumed = train_steps(mesh, tx, model, batches[4:], loaded)
+    assert all(torch.equal(x, y) for x, y in zip(leaves(resumed), leaves(whole), strict=True))
+
+
+@pytest.mark.parametrize(("source", "target"), [((2, 3), None), (None, (3, 2)), ((3, 2), (2, 2))])
+def test_checkpoints_reshard_between_1d_and_2d_meshes(tmp_path, source, target):
+    """A hybrid (R, S) checkpoint is its shard group's world-S one: it loads into a 1-D mesh of any world, a 1-D one
+    into any hybrid mesh, and hybrid into hybrid of another shape, holding the same training state."""
+
+    def mesh_tx(shape, stage):
+        if shape is None:
+            return fzero.SimMesh(4), getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2))
+        mesh = fzero.SimMesh(shape={"replicate": shape[0], "shard": shape[1]})
+        return mesh, getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2), hybrid=True)
+
+    model = tiny_gpt(0)
+    mesh, tx = mesh_tx(source, 2)
+    state = train_steps(mesh, tx, model, lm_batches(model, mesh.world, 1, 2, 2, 6))
+    fzero.save(state, tmp_path)
+    mesh2, tx2 = mesh_tx(target, 3)
+    loaded, _ = fzero.load(tmp_path, fzero.init(model, tx2, mesh2))
+    assert equal_leaves(loaded, state)
+    assert equal_leaves(fzero.checkpoint.reshard(state, fzero.init(model, tx2, mesh2)), state)
+    sd = fzero.state_dict(loaded)
+    assert all(torch.equal(sd[k], v) for k, v in fzero.state_dict(state).items())
+    train_steps(mesh2, tx2, model, lm_batches(model, mesh2.world, 1, 2, 1, 7), loaded)  # and it trains on
+
+
+def test_checkpoint_mid_window_is_refused_naming_the_leaf(tmp_path):
+    model, mesh = mlp([3, 2], 0), fzero.SimMesh(shape={"replicate": 2, "shard": 2})
+    tx = fzero.zero1(fzero.adamw(), accumulate=2, hybrid=True)  # full local gradients accumulate on each rank
+    state = fzero.init(model, tx, mesh)
+    state, _ = fzero.train_step(model, regression_loss(model), tx, mesh)(
+        state, regression_batches(model, 4, 1, 2, 1, 0)[0]
     )
-    with pytest.raises(ValueError, match="checkpoints of hybrid-sharded states .* are not supported yet"):
-        fzero.save(state, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="differs between the replicas of this hybrid state .* step's boundary"):
+        fzero.save(state, tmp_path)

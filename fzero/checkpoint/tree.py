@@ -196,8 +196,8 @@ def flatten_state(state: Any) -> FlatState:
     if not isinstance(layout, Layout):
         raise TypeError(f"expected an fzero TrainState (with a layout), got {type(state).__name__}")
     if layout.axis is not None:
-        raise ValueError(f"checkpoints of hybrid-sharded states (sharded over mesh axis {layout.axis!r}) are not "
-                         "supported yet; save fzero.state_dict(state, mesh) instead (docs/hybrid.md)")  # fmt: skip
+        raise ValueError(f"a hybrid-sharded state (sharded over mesh axis {layout.axis!r}) is checkpointed as its "
+                         "first shard group: fzero.checkpoint.hybrid.shard_group(state)")  # fmt: skip
     params = getattr(state, "params", None)
     simulated = bool(getattr(state, "simulated", isinstance(params, Tensor) and params.ndim == 2))
     accessors, leaves, treespec = optree.tree_flatten_with_accessor(state, namespace="fzero", none_is_leaf=False)
