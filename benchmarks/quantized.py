@@ -6,9 +6,10 @@ bytes each axis moved.
 Hybrid ZeRO-2 (`hybrid=True`) on `SimMesh(shape={"replicate": 2, "shard": 2})`, AdamW 3e-3, clip 1.0, 4 x 8
 sequences of 32 bytes per step from the bundled corpus, the same batches and initial weights for every variant:
 fp32 communication; `qgz=True` (gradients reduced as int8 with a scale per 256 elements, over both axes); and
-`qgz=True, qwz=True` (the compute weights also gathered as int8). Prints the loss averaged over windows of 10 steps,
-the final window's relative difference, and the bytes per optimizer step per axis (payload: elements times element
-size, the ledger's `bytes`; an all-reduce also counted twice, the ZeRO paper's accounting, in `ring-accounted`).
+`qgz=True, qwz=True` (the compute weights also gathered as int8, a scale per 16 elements). Prints the loss averaged
+over windows of 10 steps, the final window's relative difference, and the bytes per optimizer step per axis
+(payload: elements times element size, the ledger's `bytes`; an all-reduce also counted twice, the ZeRO paper's
+accounting, in `ring-accounted`). `--only NAME` runs some variants (the runs are deterministic: the same numbers).
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def per_axis(comm: dict) -> dict[str, tuple[int, int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--only", choices=sorted(VARIANTS), action="append", help="run only these variants")
     args = p.parse_args()
-    runs = {name: train(options, args.steps) for name, options in VARIANTS.items()}
+    runs = {name: train(options, args.steps) for name, options in VARIANTS.items() if name in (args.only or VARIANTS)}
     for n in sorted({10, args.steps // 4, args.steps // 2, 3 * args.steps // 4, args.steps}):
         window = {k: sum(v[0][max(0, n - 10) : n]) / len(v[0][max(0, n - 10) : n]) for k, v in runs.items()}
         print(f"steps {max(1, n - 9):4d}-{n:4d}: " + "  ".join(f"{k} {w:.4f}" for k, w in window.items()))
-    base = sum(runs["fp32"][0][-10:]) / 10
+    base = sum(runs["fp32"][0][-10:]) / 10 if "fp32" in runs else float("nan")
     for name, (losses, _) in runs.items():
         final = sum(losses[-10:]) / 10
         print(f"{name:8s} final loss {final:.4f} ({(final - base) / base:+.2%} vs fp32)")

@@ -84,11 +84,9 @@ def test_qwz_compute_weights_are_within_the_bound_and_masters_exact():
     full = fzero.layout.unshard(state.layout, state.params[:2])
     compute = state.compute[0]
     assert state.layout.is_full(state.compute) and all(torch.equal(c, compute) for c in state.compute)
-    shard = state.layout.shard_numel
-    blocks = block_max(full[None], 1, 256)  # blocks of each rank's shard in rank-major order
-    bound = fzero.layout.to_unit_major(state.layout, block_max(fzero.layout.to_rank_major(state.layout, full)[None],
-                                                               2, 256))[0]  # fmt: skip
-    assert blocks.numel() == 2 * shard
+    # blocks of `align` (the default) elements along each rank's shard, in rank-major order
+    rank_major = fzero.layout.to_rank_major(state.layout, full)[None]
+    bound = fzero.layout.to_unit_major(state.layout, block_max(rank_major, 2, state.layout.align))[0]
     assert ((compute - full).abs() <= bound / 254 * (1 + SLACK)).all()
     assert not torch.equal(compute, full)
 

@@ -120,7 +120,7 @@ class Manifest:
     torch_version: str = ""
     roles: dict[str, Any] = field(default_factory=dict)
     version: int = VERSION
-    mesh: dict[str, Any] | None = None  # a hybrid state's: {"axis": name, "replicas": R} (fzero.checkpoint.hybrid)
+    mesh: dict[str, Any] | None = None  # a hybrid state's {"axis": name, "replicas": R}, None for 1-D (.hybrid)
 
     def entry(self, key: str) -> StoredEntry | None:
         for e in self.leaves:
@@ -131,7 +131,7 @@ class Manifest:
     def to_json(self) -> str:
         data = {"format": FORMAT, "version": self.version}
         for name in self.__dataclass_fields__:
-            if name == "version" or (name == "mesh" and self.mesh is None):  # 1-D: as before named axes
+            if name == "version":
                 continue
             value = getattr(self, name)
             if name == "layout":
