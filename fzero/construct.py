@@ -172,6 +172,9 @@ def sharded_parameters(
                         start = leaf.offset - unit.start
                         flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
             flat = mesh.broadcast(mesh.replicate(flat), src=0)
+            if lay.axis is not None:  # hybrid: this rank's chunk along the sharding axis
+                pieces[space].append(mesh.local_shard(flat, axis=lay.axis))
+                continue
             rows = flat.view(*flat.shape[:-1], layout.world, -1)  # [(world,) world, unit shard]
             if isinstance(mesh, SimMesh):
                 pieces[space].append(torch.stack([rows[r, r] for r in range(layout.world)]))

@@ -38,7 +38,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from torch import Tensor, nn
@@ -122,6 +122,8 @@ class Layout:
       frozen_layout: the frozen parameters' flat buffer, with the same units (None: no frozen parameter).
       buffers: the module's buffers, carried unsharded.
       aliases: `(alias, name)` for every further name of a tied parameter (trainable or frozen).
+      axis: the mesh axis the buffers are sharded over (`world` is its size; None: every rank of the mesh); a
+        hybrid chain's sharding axis (docs/hybrid.md).
     """
 
     world: int
@@ -132,6 +134,7 @@ class Layout:
     frozen_layout: Layout | None = None
     buffers: tuple[TensorSpec, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()
+    axis: str | None = None
     numel: int = field(init=False)
     shard_numel: int = field(init=False)
 
@@ -144,6 +147,11 @@ class Layout:
     def real_numel(self) -> int:
         """Number of trainable elements, padding excluded (the Ψ of the ZeRO paper)."""
         return sum(u.numel for u in self.units)
+
+    def on_axis(self, axis: str | None) -> Layout:
+        """This layout (and its frozen layout) marked as sharded over the mesh axis `axis`."""
+        frozen = None if self.frozen_layout is None else self.frozen_layout.on_axis(axis)
+        return replace(self, axis=axis, frozen_layout=frozen)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -184,6 +192,8 @@ class Layout:
 
     def _data(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "frozen_layout"}
+        if data["axis"] is None:  # a 1-D layout's JSON is what it was before named axes
+            del data["axis"]
         data = json.loads(json.dumps({k: _plain(v) for k, v in data.items()}))
         data["frozen_layout"] = None if self.frozen_layout is None else self.frozen_layout._data()
         return data
@@ -215,6 +225,7 @@ class Layout:
                 TensorSpec(x["name"], tuple(x["shape"]), x["dtype"], x.get("persistent", True)) for x in data["buffers"]
             ),
             aliases=tuple((a, b) for a, b in data["aliases"]),
+            axis=data.get("axis"),
         )
 
 

@@ -30,6 +30,16 @@ The ledger (`Mesh.record()`) counts, per collective, calls, the logical element 
 accounting) and the elements each rank sends and receives with a bandwidth-optimal ring algorithm
 (`(world - 1) / world` of those).
 
+**Named axes.** `SimMesh(shape={"replicate": R, "shard": S})` and `DistMesh(shape=...)` arrange `R * S` ranks
+row-major on a grid (rank `i * S + j` sits at `replicate=i, shard=j`), and every collective takes the `axis` it
+runs over: `reduce_scatter(x, "mean", axis="shard")` reduces within each group of ranks that differ only in their
+`shard` coordinate (the group's ranks in coordinate order play the ranks of a 1-D mesh of size S, with the same
+arithmetic, so results stay bitwise reproducible); `axis=None` (the default) runs over every rank, exactly as on a
+1-D mesh. `size(axis)` is the group's size and `index(axis)` each rank's coordinate. The ledger records named-axis
+collectives under `"{collective}:{axis}"` with the axis's own size in the ring factor, and, there only, `bytes`:
+the payload per rank (elements times element size, of the full buffer), so `ledger.on("replicate")` shows what
+crossed the slow axis (docs/hybrid.md).
+
 A `DistMesh` collective that fails (it waited longer than the mesh's `timeout` for another rank, or a peer closed
 its connection) raises `CollectiveError` on the ranks still running, naming this rank, the collective, its size,
 the timeout and, where it can be told, the rank that stopped answering; an async handle's `wait()` does the same.
@@ -39,9 +49,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -103,12 +114,23 @@ class Ledger:
     world: int
     entries: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def add(self, kind: str, elements: int, moved: int) -> None:
-        entry = self.entries.setdefault(kind, {"calls": 0, "elements": 0, "sent": 0, "received": 0})
+    def add(self, kind: str, elements: int, moved: int, nbytes: int | None = None) -> None:
+        entry = self.entries.get(kind)
+        if entry is None:
+            entry = self.entries[kind] = {"calls": 0, "elements": 0, "sent": 0, "received": 0}
+            if nbytes is not None:
+                entry["bytes"] = 0
         entry["calls"] += 1
         entry["elements"] += elements
         entry["sent"] += moved
         entry["received"] += moved
+        if nbytes is not None:
+            entry["bytes"] += nbytes
+
+    def on(self, axis: str) -> dict[str, dict[str, int]]:
+        """The collectives that ran over the named mesh axis `axis`: `{collective: counts}`."""
+        suffix = f":{axis}"
+        return {k.removesuffix(suffix): dict(v) for k, v in self.entries.items() if k.endswith(suffix)}
 
     def total(self, key: str = "elements") -> int:
         return sum(e[key] for e in self.entries.values())
@@ -119,28 +141,30 @@ class Ledger:
 
 @runtime_checkable
 class Mesh(Protocol):
-    """The collectives of a group of data-parallel ranks (see the module docstring for shapes)."""
+    """The collectives of a group of data-parallel ranks (see the module docstring for shapes). A mesh with named
+    axes also has `axes`, `size(axis)` and `index(axis)`; `axis=` is only ever passed to one (1-D meshes never see
+    it)."""
 
     world: int
 
     @property
     def rank(self) -> int | Tensor: ...
 
-    def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor: ...
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
 
-    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor: ...
+    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
 
     def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
 
     def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
 
-    def all_gather(self, x: Tensor) -> Tensor: ...
+    def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor: ...
 
     def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work: ...
 
-    def broadcast(self, x: Tensor, src: int = 0) -> Tensor: ...
+    def broadcast(self, x: Tensor, src: int = 0, axis: str | None = None) -> Tensor: ...
 
-    def local_shard(self, x: Tensor) -> Tensor: ...
+    def local_shard(self, x: Tensor, axis: str | None = None) -> Tensor: ...
 
     def map(self, fn, *args): ...
 
@@ -154,6 +178,7 @@ class Mesh(Protocol):
 class _LedgerMixin:
     world: int
     _ledgers: list[Ledger]
+    shape: dict[str, int]
 
     @contextlib.contextmanager
     def record(self) -> Iterator[Ledger]:
@@ -165,22 +190,50 @@ class _LedgerMixin:
         finally:
             self._ledgers.remove(ledger)
 
-    def account(self, kind: str, full: int) -> None:
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh's axis names, outermost first (empty for a 1-D mesh made with `world=`)."""
+        return tuple(self.shape)
+
+    def size(self, axis: str | None = None) -> int:
+        """The number of ranks a collective over `axis` spans (`world` for None)."""
+        if axis is None:
+            return self.world
+        n = self.shape.get(axis)
+        if n is None:
+            raise ValueError(f"{self!r} has no axis {axis!r}; its axes are {list(self.shape) or 'none (1-D)'}")
+        return n
+
+    def account(self, kind: str, full: int, axis: str | None = None, itemsize: int = 4) -> None:
         """Count one collective over a buffer of `full` elements per rank (after gather / before scatter) in the
         active ledgers; for code that moves the data itself (`SimMesh` simulations of per-rank collectives)."""
-        self._log(kind, full)
+        self._log(kind, full, axis, itemsize)
 
-    def _log(self, kind: str, full: int) -> None:
+    def _log(self, kind: str, full: int, axis: str | None = None, itemsize: int = 4) -> None:
         """Log one collective over a buffer of `full` elements per rank (after gather / before scatter)."""
         if not self._ledgers:
             return
+        world = self.world if axis is None else self.size(axis)
         factor = 2 if kind == "all_reduce" else 1
         elements = factor * full
-        moved = factor * full * (self.world - 1) // self.world
+        moved = factor * full * (world - 1) // world
         if kind == "broadcast":
-            moved = full if self.world > 1 else 0
+            moved = full if world > 1 else 0
+        key, nbytes = (kind, None) if axis is None else (f"{kind}:{axis}", full * itemsize)
         for ledger in self._ledgers:
-            ledger.add(kind, elements, moved)
+            ledger.add(key, elements, moved, nbytes)
+
+
+def _shape(shape: Mapping[str, int], what: str) -> dict[str, int]:
+    if not isinstance(shape, Mapping) or not shape:
+        raise ValueError(f"{what}: shape must be a non-empty mapping of axis names to sizes, e.g. "
+                         f"{{'replicate': 2, 'shard': 4}}, got {shape!r}")  # fmt: skip
+    for name, n in shape.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{what}: axis names must be non-empty strings, got {name!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{what}: axis {name!r} needs an int size >= 1, got {n!r}")
+    return dict(shape)
 
 
 def _check_chunks(x: Tensor, world: int, what: str) -> int:
@@ -201,7 +254,9 @@ class SimMesh(_LedgerMixin):
     """`world` ranks simulated in one process on a leading `[world, ...]` axis; deterministic.
 
     Args:
-      world: number of simulated ranks.
+      world: number of simulated ranks (a 1-D mesh).
+      shape: instead of `world`, named axes and their sizes, outermost first, e.g. `{"replicate": 2, "shard": 2}`:
+        `world` is their product and rank `r` sits at the row-major coordinates of `r` (see the module docstring).
 
     Example:
       >>> import torch
@@ -209,21 +264,64 @@ class SimMesh(_LedgerMixin):
       >>> mesh.reduce_scatter(torch.tensor([[1., 2.], [10., 20.]]))
       tensor([[11.],
               [22.]])
+      >>> grid = SimMesh(shape={"replicate": 2, "shard": 2})
+      >>> grid.all_reduce(torch.tensor([[1.], [2.], [3.], [4.]]), axis="replicate").flatten()  # ranks 0+2, 1+3
+      tensor([4., 6., 4., 6.])
     """
 
-    def __init__(self, world: int) -> None:
-        if not isinstance(world, int) or world < 1:
+    def __init__(self, world: int | None = None, *, shape: Mapping[str, int] | None = None) -> None:
+        if shape is not None:
+            self.shape = _shape(shape, "SimMesh(shape=...)")
+            n = math.prod(self.shape.values())
+            if world is not None and world != n:
+                raise ValueError(f"SimMesh: world={world!r} but shape {self.shape} has {n} ranks; give one of them")
+            world = n
+        else:
+            self.shape = {}
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ValueError(f"SimMesh(world=...) needs an int >= 1, got {world!r}")
         self.world = world
         self._ledgers: list[Ledger] = []
+        # one 1-D mesh per axis does each group's arithmetic: the same code, so the same bits, as SimMesh(size)
+        self._sub = {name: SimMesh(n) for name, n in self.shape.items()}
 
     def __repr__(self) -> str:
+        if self.shape:
+            return f"SimMesh(shape={self.shape})"
         return f"SimMesh(world={self.world})"
 
     @property
     def rank(self) -> Tensor:
         """Each simulated rank's index, on the world axis."""
         return torch.arange(self.world)
+
+    def index(self, axis: str | None = None) -> Tensor:
+        """Each simulated rank's coordinate along `axis` (its rank for None), on the world axis."""
+        if axis is None:
+            return self.rank
+        n = self.size(axis)
+        inner = math.prod(list(self.shape.values())[list(self.shape).index(axis) + 1 :])
+        return torch.arange(self.world) // inner % n
+
+    def group(self, rank: int, axis: str) -> list[int]:
+        """The ranks of `rank`'s group along `axis`, in coordinate order."""
+        n = self.size(axis)
+        inner = math.prod(list(self.shape.values())[list(self.shape).index(axis) + 1 :])
+        base = rank - (rank // inner % n) * inner
+        return [base + k * inner for k in range(n)]
+
+    def _grouped(self, x: Tensor, axis: str, fn: Callable[[SimMesh, Tensor], Tensor]) -> Tensor:
+        """`fn(sub, y)` on `y = [n, groups, ...]`: the `n` ranks of each group along `axis` in coordinate order (a
+        1-D mesh `sub` of size n acting on every group at once), its result moved back to the world axis."""
+        self.size(axis)  # an unknown axis: say which exist
+        sizes = list(self.shape.values())
+        k = list(self.shape).index(axis)
+        grid = x.reshape(*sizes, *x.shape[1:]).movedim(k, 0)  # [n, other axes..., ...]
+        others = grid.shape[1 : len(sizes)]
+        y = grid.reshape(sizes[k], math.prod(others), *x.shape[1:])
+        out = fn(self._sub[axis], y)  # [n, groups, ...]
+        out = out.reshape(sizes[k], *others, *out.shape[2:]).movedim(0, k)
+        return out.reshape(self.world, *out.shape[len(sizes) :])
 
     def _rows(self, x: Tensor, what: str) -> None:
         if x.ndim == 0 or x.shape[0] != self.world:
@@ -237,14 +335,23 @@ class SimMesh(_LedgerMixin):
             total = total + x[r]
         return total
 
-    def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
+        if axis is not None:
+            self._rows(x, "all_reduce")
+            self._log("all_reduce", x[0].numel(), axis, x.element_size())
+            return self._grouped(x, axis, lambda m, y: m.all_reduce(y, op))
         self._rows(x, "all_reduce")
         self._log("all_reduce", x[0].numel())
         if self.world == 1:
             return _finish(x, op, 1)
         return _finish(self._sum(x), op, self.world).expand_as(x)
 
-    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
+        if axis is not None:
+            self._rows(x, "reduce_scatter")
+            _check_chunks(x, self.size(axis), "reduce_scatter")
+            self._log("reduce_scatter", x[0].numel(), axis, x.element_size())
+            return self._grouped(x, axis, lambda m, y: m.reduce_scatter(y, op))
         self._rows(x, "reduce_scatter")
         _check_chunks(x, self.world, "reduce_scatter")
         self._log("reduce_scatter", x[0].numel())
@@ -261,11 +368,30 @@ class SimMesh(_LedgerMixin):
         """`reduce_scatter`, as a handle (simulated ranks reduce at once)."""
         return Ready(self.reduce_scatter(x, op))
 
-    def all_gather(self, x: Tensor) -> Tensor:
+    def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor:
+        if axis is not None:
+            self._rows(x, "all_gather")
+            self._log("all_gather", x[0].numel() * self.size(axis), axis, x.element_size())
+            return self._grouped(x, axis, lambda m, y: m.all_gather(y))
         self._rows(x, "all_gather")
         self._log("all_gather", x.numel())
         full = x.movedim(0, -2).flatten(-2)
         return full.expand(self.world, *full.shape).contiguous()
+
+    def all_to_all(self, x: Tensor, axis: str | None = None) -> Tensor:
+        """Each rank's `[..., n * s]` split into `n` chunks, chunk `k` sent to the group's rank `k`: per rank, the
+        `[n, ..., s]` chunks received, row `k` from the group's rank `k` (no arithmetic)."""
+        self._rows(x, "all_to_all")
+        n = self.size(axis)
+        _check_chunks(x, n, "all_to_all")  # (SimMesh.all_to_all)
+        self._log("all_to_all", x[0].numel(), axis, x.element_size())
+        if axis is not None:
+            return self._grouped(x, axis, lambda m, y: m._exchange(y).movedim(1, 2))  # [to, groups, from, ...]
+        return self._exchange(x)
+
+    def _exchange(self, x: Tensor) -> Tensor:
+        chunks = x.unflatten(-1, (self.world, -1))  # [world (from), ..., world (to), s]
+        return chunks.movedim(-2, 0).contiguous()  # [to, from, ..., s]
 
     def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work:
         """Write the all-gather of `x` (`[world, s]`, every rank's chunk) into `out` (`[world * s]`, the value every
@@ -275,12 +401,20 @@ class SimMesh(_LedgerMixin):
         out.copy_(x.reshape(-1))
         return done
 
-    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+    def broadcast(self, x: Tensor, src: int = 0, axis: str | None = None) -> Tensor:
+        if axis is not None:
+            self._rows(x, "broadcast")
+            self._log("broadcast", x[0].numel(), axis, x.element_size())
+            return self._grouped(x, axis, lambda m, y: m.broadcast(y, src))
         self._rows(x, "broadcast")
         self._log("broadcast", x[0].numel())
         return x[src].expand_as(x).contiguous()
 
-    def local_shard(self, x: Tensor) -> Tensor:
+    def local_shard(self, x: Tensor, axis: str | None = None) -> Tensor:
+        if axis is not None:
+            self._rows(x, "local_shard")
+            _check_chunks(x, self.size(axis), "local_shard")
+            return self._grouped(x, axis, lambda m, y: m.local_shard(y))
         self._rows(x, "local_shard")
         _check_chunks(x, self.world, "local_shard")
         chunks = x.unflatten(-1, (self.world, -1))  # [world, ..., world, s]
@@ -424,6 +558,9 @@ class DistMesh(_LedgerMixin):
       timeout: seconds (or a `datetime.timedelta`) a collective may wait for the other ranks before it fails with
         `CollectiveError`; set on the group, so it applies to everything that uses the group. Default: the
         group's own (torch's default is 30 minutes for gloo).
+      shape: named axes and their sizes, outermost first (e.g. `{"replicate": 2, "shard": 2}`), whose product is
+        the group's size: every rank makes one sub-group per line of the grid (`torch.distributed.new_group`, a
+        collective: call it on every rank alike), and collectives with `axis=` run on this rank's sub-group.
     """
 
     def __init__(
@@ -431,6 +568,8 @@ class DistMesh(_LedgerMixin):
         group: dist.ProcessGroup | None = None,
         backend: str | None = None,
         timeout: float | datetime.timedelta | None = None,
+        *,
+        shape: Mapping[str, int] | None = None,
     ) -> None:
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this torch build")
@@ -458,6 +597,37 @@ class DistMesh(_LedgerMixin):
         # broadcast per rank (benchmarks/collectives.py): on gloo the mesh runs those exchanges instead
         self._exchange = dist.get_backend(group) == "gloo"
         self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
+        self.shape = {} if shape is None else _shape(shape, "DistMesh(shape=...)")
+        self._sub: dict[str, DistMesh] = {}
+        if self.shape:
+            if math.prod(self.shape.values()) != self.world:
+                raise ValueError(f"DistMesh(shape={self.shape}) has {math.prod(self.shape.values())} ranks, but the "
+                                 f"process group has {self.world}")  # fmt: skip
+            self._sub = self._subgroups(delta)
+
+    def _subgroups(self, timeout: datetime.timedelta | None) -> dict[str, DistMesh]:
+        """This rank's sub-mesh along every axis; every rank creates every group, in the same order, as
+        `new_group` requires."""
+        grid = torch.arange(self.world).reshape(*self.shape.values())
+        subs = {}
+        for k, name in enumerate(self.shape):
+            lines = grid.movedim(k, -1).reshape(-1, self.shape[name])
+            for line in lines.tolist():
+                kw = {} if timeout is None else {"timeout": timeout}
+                g = dist.new_group([self._global[r] for r in line], **kw)
+                if self._rank in line:
+                    subs[name] = DistMesh(g)
+        return subs
+
+    def _axis(self, axis: str) -> DistMesh:
+        sub = self._sub.get(axis)
+        if sub is None:
+            self.size(axis)  # raises, naming the axes
+        return sub
+
+    def index(self, axis: str | None = None) -> int:
+        """This rank's coordinate along `axis` (its rank for None)."""
+        return self._rank if axis is None else self._axis(axis).rank
 
     @property
     def timeout(self) -> float | None:
@@ -467,6 +637,8 @@ class DistMesh(_LedgerMixin):
     def set_timeout(self, timeout: float | datetime.timedelta) -> None:
         """Set the timeout (seconds or a `timedelta`) of every later collective of the mesh's group."""
         self._timeout = process_group.set_timeout(timeout, self.group)
+        for sub in self._sub.values():
+            sub.set_timeout(timeout)
 
     def _error(self, collective: str, x: Tensor, err: BaseException) -> CollectiveError:
         return collective_error(
@@ -480,16 +652,26 @@ class DistMesh(_LedgerMixin):
             raise self._error(collective, x, e) from e
 
     def __repr__(self) -> str:
-        return f"DistMesh(world={self.world}, rank={self._rank}, backend={dist.get_backend(self.group)})"
+        grid = f"shape={self.shape}, " if self.shape else ""
+        return f"DistMesh({grid}world={self.world}, rank={self._rank}, backend={dist.get_backend(self.group)})"
 
     @property
     def rank(self) -> int:
         return self._rank
 
-    def all_reduce(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
+        if axis is not None:
+            sub = self._axis(axis)
+            self._log("all_reduce", x.numel(), axis, x.element_size())
+            return sub.all_reduce(x, op)
         return self.all_reduce_start(x, op).wait()
 
-    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum") -> Tensor:
+    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
+        if axis is not None:
+            sub = self._axis(axis)
+            _check_chunks(x, sub.world, "reduce_scatter")
+            self._log("reduce_scatter", x.numel(), axis, x.element_size())
+            return sub.reduce_scatter(x, op)
         return self.reduce_scatter_start(x, op).wait()
 
     def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending:
@@ -529,15 +711,39 @@ class DistMesh(_LedgerMixin):
     def _guard(self, work: object, collective: str, x: Tensor) -> _Guarded:
         return _Guarded(work, lambda e: self._error(collective, x, e))  # type: ignore[arg-type]
 
-    def all_gather(self, x: Tensor) -> Tensor:
+    def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor:
+        if axis is not None:
+            sub = self._axis(axis)
+            self._log("all_gather", x.numel() * sub.world, axis, x.element_size())
+            return sub.all_gather(x)
         src = x.contiguous()
         out = torch.empty(self.world * src.numel(), dtype=src.dtype, device=src.device)
         self.all_gather_into(out, src.reshape(-1))
         return out.view(self.world, *src.shape).movedim(0, -2).flatten(-2)
 
-    def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work:
+    def all_to_all(self, x: Tensor, axis: str | None = None) -> Tensor:
+        """`x`'s last dimension split into `n` chunks (n: the group's size), chunk `k` sent to the group's rank
+        `k`: the `[n, ..., s]` chunks received, row `k` from the group's rank `k`."""
+        if axis is not None:
+            sub = self._axis(axis)
+            self._log("all_to_all", x.numel(), axis, x.element_size())
+            return sub.all_to_all(x)
+        s = _check_chunks(x, self.world, "all_to_all")
+        self._log("all_to_all", x.numel())
+        chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
+        if self.world == 1:
+            return chunks
+        received = torch.empty_like(chunks)
+        self._run("all_to_all", x, dist.all_to_all_single, received.view(-1), chunks.view(-1), group=self.group)
+        return received
+
+    def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False, axis: str | None = None) -> Work:
         """All-gather the 1-D `x` into the preallocated 1-D `out` (`world * x.numel()` elements), in place; with
         `async_op` the returned handle must be waited on before `out` is read."""
+        if axis is not None:
+            sub = self._axis(axis)
+            self._log("all_gather", x.numel() * sub.world, axis, x.element_size())
+            return sub.all_gather_into(out, x, async_op)
         self._log("all_gather", x.numel() * self.world)
         if self.world == 1:
             out.copy_(x)
@@ -568,14 +774,21 @@ class DistMesh(_LedgerMixin):
         self._run("exchange", x, fn, out, x.contiguous(), group=self.group)
         return out.view(self.world, -1)
 
-    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+    def broadcast(self, x: Tensor, src: int = 0, axis: str | None = None) -> Tensor:
+        """Rank `src`'s `x` (for a named `axis`: the group's rank `src`, by coordinate)."""
+        if axis is not None:
+            sub = self._axis(axis)
+            self._log("broadcast", x.numel(), axis, x.element_size())
+            return sub.broadcast(x, src)
         self._log("broadcast", x.numel())
         out = x.clone()
         root = dist.get_global_rank(self.group, src) if self.group else src
         self._run("broadcast", x, dist.broadcast, out, src=root, group=self.group)
         return out
 
-    def local_shard(self, x: Tensor) -> Tensor:
+    def local_shard(self, x: Tensor, axis: str | None = None) -> Tensor:
+        if axis is not None:
+            return self._axis(axis).local_shard(x)
         s = _check_chunks(x, self.world, "local_shard")
         return x[..., self._rank * s : (self._rank + 1) * s].clone()
 

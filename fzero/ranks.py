@@ -64,7 +64,9 @@ class Ranks(Protocol):
 
     def stack(self, values: Sequence[Any]) -> Any: ...
 
-    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work: ...
+    def gather_into(
+        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+    ) -> Work: ...
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction: ...
 
@@ -155,7 +157,14 @@ class SimRanks:
             return None
         return optree.tree_map(lambda *xs: torch.stack(xs), *values)
 
-    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work:
+    def gather_into(
+        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+    ) -> Work:
+        if axis is not None:  # from the ranks of this rank's group along the axis
+            out.copy_(shards[self.mesh.group(rank, axis), piece].reshape(-1))
+            if rank == 0:
+                self.mesh.account("all_gather", out.numel(), axis, out.element_size())
+            return done
         out.copy_(shards[:, piece].reshape(-1))
         if rank == 0:  # the simulated ranks gather together: count the collective once
             self.mesh.account("all_gather", out.numel())
@@ -178,7 +187,11 @@ class DistRanks:
     def stack(self, values: Sequence[Any]) -> Any:
         return values[0]
 
-    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool) -> Work:
+    def gather_into(
+        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+    ) -> Work:
+        if axis is not None:
+            return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, axis=axis)
         return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op)
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:

@@ -325,7 +325,7 @@ class Gatherer:
             elif self.modes[space] == RESHARD:
                 store.untyped_storage().resize_(size * store.element_size())
             work = self.ranks.gather_into(
-                _alias(store), self.everyone[space], lay.unit_shard_slice(i), self.rank, ahead
+                _alias(store), self.everyone[space], lay.unit_shard_slice(i), self.rank, ahead, lay.axis
             )
             rec.pending.append(work)
             rec.live[space] = True

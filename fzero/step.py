@@ -50,6 +50,7 @@ from .ranks import ranks_of
 from .stage3 import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
 from .transforms import Context, Facts, Flow, Transform, gather_params, lookup, unit_reducer
+from .transforms.collective import sharding_world
 from .transforms.scaling import current_loss_scale
 
 __all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "state_dict", "train_step"]
@@ -94,7 +95,9 @@ def init(
     _check_mesh(mesh)
     if not isinstance(tx, Transform):
         raise TypeError(f"tx must be an fzero Transform (e.g. fzero.zero2(...)), got {type(tx).__name__}")
-    layout = from_module(model, world=mesh.world, align=align, units=units)
+    axis = tx.axis  # the chain's sharding axis (hybrid sharding; docs/hybrid.md), None: every rank
+    layout = from_module(model, world=sharding_world(mesh, axis), align=align, units=units)
+    layout = layout if axis is None else layout.on_axis(axis)
     flay = layout.frozen_layout
     meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     if meta:
@@ -146,6 +149,8 @@ def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool) -> 
     else full (`frozen` is full, or a shard when constructed sharded from `meta`)."""
     full = flay.is_full(frozen)
     if sharded and full and flay.world > 1:
+        if flay.axis is not None:
+            return mesh.local_shard(to_rank_major(flay, frozen), axis=flay.axis)
         return mesh.local_shard(to_rank_major(flay, frozen))
     if not sharded and not full:
         return gather_params(mesh, flay, frozen)
@@ -200,8 +205,12 @@ def _check_loss(loss: Any) -> None:
 def _check_state(state: Any, mesh: Mesh) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"step expects a TrainState (from fzero.init), got {type(state).__name__}")
-    if state.layout.world != mesh.world:
+    axis = state.layout.axis
+    if axis is None and state.layout.world != mesh.world:
         raise ValueError(f"the state was built for world {state.layout.world}, but the mesh has world {mesh.world}")
+    if axis is not None and (axis not in getattr(mesh, "axes", ()) or state.layout.world != mesh.size(axis)):
+        raise ValueError(f"the state was sharded over {state.layout.world} ranks of mesh axis {axis!r}, but the mesh "
+                         f"is {mesh!r}")  # fmt: skip
 
 
 def rank_seeds(state: TrainState, mesh: Mesh, *tags: int) -> Tensor:
@@ -545,8 +554,8 @@ def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]
             continue
         if lay.is_full(flat):
             full = first(flat)
-        elif state.simulated:
-            full = unshard(lay, flat)
+        elif state.simulated:  # (hybrid: the first shard group's rows, the sharding axis being innermost)
+            full = unshard(lay, flat if lay.axis is None else flat[: lay.world])
         elif mesh is None:
             raise ValueError("state_dict of a sharded DistMesh state needs the mesh: fzero.state_dict(state, mesh)")
         else:

@@ -27,6 +27,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from .hybrid import expand_hybrid, hybrid_mesh, shard_group
 from .load import load
 from .manifest import FORMAT, VERSION, Manifest, read_manifest
 from .reader import Checkpoint
@@ -59,7 +60,7 @@ __all__ = [
 
 
 def _memory(state: Any) -> MemorySource:
-    flat = flatten_state(state)
+    flat = flatten_state(shard_group(state))
     if not flat.simulated and flat.world > 1:
         raise ValueError("this needs every rank's values: a SimMesh state, or world 1 (save and load a DistMesh one)")
     return MemorySource(flat, decide_storage(flat))
@@ -68,6 +69,8 @@ def _memory(state: Any) -> MemorySource:
 def reshard(state: Any, like: Any, *, strict: bool = True) -> Any:
     """`state` (a `SimMesh` state, or world 1) moved into `like`'s structure, world size and stage, in memory:
     what `load(save(state), like)` gives, without the files."""
+    if hybrid_mesh(like) is not None:
+        return expand_hybrid(reshard(state, shard_group(like), strict=strict), like)
     flat = flatten_state(like)
     ranks = list(range(flat.world)) if flat.simulated else [0]
     if not flat.simulated and flat.world > 1:

@@ -15,6 +15,7 @@ import optree
 
 from . import rng
 from .coord import Coordinator
+from .hybrid import expand_hybrid, hybrid_mesh, shard_group
 from .reader import Checkpoint
 from .reshard import build_leaves, check_compatible
 from .tree import flatten_state
@@ -61,6 +62,10 @@ def load(
     Raises:
       CheckpointNotFoundError, CorruptCheckpointError, CheckpointVersionError, IncompatibleCheckpointError.
     """
+    if hybrid_mesh(like) is not None:  # load into its first shard group, then copy that to every replica
+        state, extra = load(directory, shard_group(like), tag=tag, mesh=mesh, strict=strict, select=select,
+                            verify=verify, restore_rng=restore_rng)  # fmt: skip
+        return expand_hybrid(state, like), extra
     flat = flatten_state(like)
     coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
     ckpt = None

@@ -120,6 +120,7 @@ class Manifest:
     torch_version: str = ""
     roles: dict[str, Any] = field(default_factory=dict)
     version: int = VERSION
+    mesh: dict[str, Any] | None = None  # a hybrid state's {"axis": name, "replicas": R}, None for 1-D (.hybrid)
 
     def entry(self, key: str) -> StoredEntry | None:
         for e in self.leaves:
@@ -460,6 +461,7 @@ SCHEMA = Section(
         "fzero_version": Field(Str(), REQUIRED),
         "torch_version": Field(Str(), REQUIRED),
         "roles": Field(_ROLES, REQUIRED),
+        "mesh": Field(Nullable(_Json()), None),
     },
     checks=(_checks,),
 )
@@ -528,6 +530,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
         torch_version=v["torch_version"],
         roles=v["roles"],
         version=v["version"],
+        mesh=v["mesh"],
     )
 
 

@@ -24,6 +24,7 @@ from . import rng
 from .atomic import check_tag, commit, fsync_dir, prepare, temp_dir
 from .coord import Coordinator
 from .errors import CheckpointError
+from .hybrid import hybrid_mesh, shard_group
 from .manifest import VERSION, FileInfo, Manifest, StoredEntry, file_name, write_manifest
 from .safetensors_io import TensorSpec, write_safetensors
 from .sources import MemorySource, decide_storage
@@ -114,6 +115,8 @@ def save(
     Raises:
       CheckpointError: the tag exists (without `overwrite`), or a rank failed to write; nothing becomes visible.
     """
+    hybrid = hybrid_mesh(state)
+    state = shard_group(state)  # a hybrid state: its first shard group's world-S state (fzero.checkpoint.hybrid)
     flat = flatten_state(state)
     coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
     if data_position is not None and (isinstance(data_position, bool) or not isinstance(data_position, int)):
@@ -155,7 +158,9 @@ def save(
     final = root / tag
     if coord.rank == 0:
         try:
-            manifest = _manifest(state, flat, storage, infos, coord, tag, step, data_position, user_state, config)
+            manifest = _manifest(
+                state, flat, storage, infos, coord, tag, step, data_position, user_state, config, hybrid
+            )
             write_manifest(tmp, manifest, fsync)  # last: a directory without it is an unfinished save
             if fsync:
                 fsync_dir(tmp)
@@ -194,6 +199,7 @@ def _manifest(
     data_position: int | None,
     user_state: Any,
     config: Any,
+    mesh: dict[str, Any] | None = None,
 ) -> Manifest:
 
     roles = _roles(state, flat)
@@ -214,4 +220,5 @@ def _manifest(
         fzero_version=__version__,
         torch_version=torch.__version__,
         roles=roles,
+        mesh=mesh,
     )

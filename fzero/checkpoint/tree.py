@@ -195,6 +195,9 @@ def flatten_state(state: Any) -> FlatState:
     layout = getattr(state, "layout", None)
     if not isinstance(layout, Layout):
         raise TypeError(f"expected an fzero TrainState (with a layout), got {type(state).__name__}")
+    if layout.axis is not None:
+        raise ValueError(f"a hybrid-sharded state (sharded over mesh axis {layout.axis!r}) is checkpointed as its "
+                         "first shard group: fzero.checkpoint.hybrid.shard_group(state)")  # fmt: skip
     params = getattr(state, "params", None)
     simulated = bool(getattr(state, "simulated", isinstance(params, Tensor) and params.ndim == 2))
     accessors, leaves, treespec = optree.tree_flatten_with_accessor(state, namespace="fzero", none_is_leaf=False)

@@ -22,6 +22,7 @@ from .base import (
 from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, gather_params, reduce_scatter
 from .presets import zero0, zero1, zero2, zero3
+from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import current_loss_scale, scale_loss
 from .update import shard_update
 
@@ -47,6 +48,8 @@ __all__ = [
     "identity",
     "lookup",
     "named_chain",
+    "quantized_gather",
+    "quantized_reduce_scatter",
     "reduce_scatter",
     "scale_loss",
     "shard_update",

@@ -174,6 +174,8 @@ class Transform(NamedTuple):
         `UnitFn`); None when it cannot.
       reduces: it averages gradients over ranks (`unit` then returns the reduced part).
       children: for a chain, its `(name, transform)` pairs.
+      axis: the mesh axis its reduction shards over (`reduce_scatter(axis=...)`; a chain's is its first child's):
+        `fzero.init` lays the parameters out over that axis's ranks; None: every rank.
     """
 
     init: InitFn
@@ -182,6 +184,7 @@ class Transform(NamedTuple):
     unit: UnitFn | None = None
     reduces: bool = False
     children: tuple[tuple[str, Transform], ...] = ()
+    axis: str | None = None
 
 
 def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | None = None) -> Transform:
@@ -269,7 +272,8 @@ def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform
                 break
         return flow, new
 
-    return Transform(init, update, name, unit, reduces, tuple(pairs))
+    axis = next((t.axis for _, t in pairs if t.axis is not None), None)
+    return Transform(init, update, name, unit, reduces, tuple(pairs), axis)
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -346,7 +350,12 @@ def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
     if not flow.facts.reduced:
         raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
     local = native.sumsq(flow.grads)  # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
-    total = ctx.mesh.all_reduce(local, "sum") if flow.sharded else local
+    if not flow.sharded:
+        total = local
+    elif ctx.layout.axis is None:
+        total = ctx.mesh.all_reduce(local, "sum")
+    else:  # every replica holds the same reduced shards: sum over one copy of them
+        total = ctx.mesh.all_reduce(local, "sum", axis=ctx.layout.axis)
     sumsq = float(ctx.mesh.unreplicate(total))
     stats = GradStats(sumsq, math.isfinite(sumsq))
     return flow.with_facts(stats=stats), stats

@@ -30,7 +30,7 @@ from ..mesh import Mesh, Work
 from ..state import pytree, register_torch_pytree
 from .base import Context, EmptyState, Flow, Transform
 
-__all__ = ["GatherState", "all_reduce", "gather", "gather_params", "reduce_scatter"]
+__all__ = ["GatherState", "all_reduce", "check_axes", "gather", "gather_params", "reduce_scatter", "sharding_world"]
 
 
 def _require_full(flow: Flow, what: str) -> None:
@@ -66,9 +66,18 @@ def all_reduce(dtype: torch.dtype | None = None) -> Transform:
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
 
-def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
+def reduce_scatter(
+    dtype: torch.dtype | None = None, axis: str | None = None, replicate: str | None = None
+) -> Transform:
     """Average full gradients over ranks, keeping this rank's shard (communicating in `dtype`); shards the
     parameters at init.
+
+    Args:
+      dtype: the dtype gradients travel in (default: theirs).
+      axis: the mesh axis to shard over (None: every rank). Named, it must be the mesh's last (innermost) axis:
+        a group of ranks next to each other (one node's, on a real cluster).
+      replicate: a further mesh axis to average the shard over (an all-reduce of 1/size(axis) of the gradient
+        over the slow axis: hybrid sharding, FSDP's HSDP; docs/hybrid.md). Needs `axis`.
 
     Example:
         >>> import torch, fzero
@@ -79,32 +88,81 @@ def reduce_scatter(dtype: torch.dtype | None = None) -> Transform:
                 [2., 3.]])
     """
 
+    if replicate is not None and axis is None:
+        raise ValueError(f"reduce_scatter(replicate={replicate!r}) needs the axis to shard over: axis=...")
+    if replicate is not None and replicate == axis:
+        raise ValueError(f"reduce_scatter: axis and replicate are both {axis!r}; they must be two mesh axes")
+
     def init(flow: Flow, ctx: Context) -> tuple[Flow, EmptyState]:
         if flow.sharded:
             raise ValueError("reduce_scatter() appears twice in the chain: the parameters are already sharded")
+        check_axes(ctx.mesh, axis, replicate)
         if ctx.presharded or ctx.layout.world == 1:
             return flow._replace(sharded=True), EmptyState()
+        if axis is not None:
+            return flow._replace(
+                params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params), axis=axis), sharded=True
+            ), EmptyState()
         return flow._replace(
             params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params)), sharded=True
         ), EmptyState()
 
+    def reduce(x: Tensor, ctx: Context) -> Tensor:
+        if axis is None:
+            return ctx.mesh.reduce_scatter(x, "mean")
+        x = ctx.mesh.reduce_scatter(x, "mean", axis=axis)
+        return x if replicate is None else ctx.mesh.all_reduce(x, "mean", axis=replicate)
+
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "reduce_scatter")
-        grads = ctx.mesh.reduce_scatter(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), "mean")
+        grads = reduce(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), ctx)
         return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
-        reduce = ctx.mesh.reduce_scatter_start if ctx.overlap else ctx.mesh.reduce_scatter
-        return reduce(_cast(grads, dtype), "mean")
+        if ctx.overlap and axis is None:  # (a hybrid reduction's two collectives run one after the other)
+            return ctx.mesh.reduce_scatter_start(_cast(grads, dtype), "mean")
+        return reduce(_cast(grads, dtype), ctx)
 
-    return Transform(init, update, "reduce_scatter", unit, reduces=True)
+    return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)
+
+
+def sharding_world(mesh: Mesh, axis: str | None) -> int:
+    """The number of ranks a layout sharded over mesh axis `axis` (None: every rank) is split into; checks the
+    axis first (`check_axes`)."""
+    if axis is None:
+        return mesh.world
+    check_axes(mesh, axis)
+    return mesh.size(axis)
+
+
+def check_axes(mesh: Mesh, axis: str | None, replicate: str | None = None) -> None:
+    """Check that `mesh` has the named axes and that `axis` (the sharding axis) is its innermost one.
+
+    Raises:
+      ValueError: naming the missing axis, or the mesh's axes when `axis` is not the last.
+    """
+    if axis is None:
+        return
+    axes = tuple(getattr(mesh, "axes", ()))
+    for name in (axis, replicate):
+        if name is not None and name not in axes:
+            raise ValueError(f"the chain shards over mesh axis {name!r}, but {mesh!r} has "
+                             f"{'axes ' + str(list(axes)) if axes else 'no named axes'}: make it with "
+                             f"shape={{'replicate': R, '{axis}': S}}")  # fmt: skip
+    if axes[-1] != axis:
+        raise ValueError(f"the chain shards over mesh axis {axis!r}, which must be the mesh's last (innermost) axis; "
+                         f"{mesh!r} has axes {list(axes)}")  # fmt: skip
 
 
 def gather_params(mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Full (unit-major) parameters from this rank's shard (or a full buffer, returned as is), cast to `dtype`
     before communicating."""
     params = _cast(params, dtype)
-    return params if layout.is_full(params) else to_unit_major(layout, mesh.all_gather(params))
+    if layout.is_full(params):
+        return params
+    if layout.axis is None:
+        return to_unit_major(layout, mesh.all_gather(params))
+    return to_unit_major(layout, mesh.all_gather(params, axis=layout.axis))
 
 
 @pytree.dataclasses.dataclass(frozen=True)

@@ -18,6 +18,12 @@ owned slice, twice the traffic.) Every preset takes:
 - `loss_scale`: default `"dynamic"` under fp16, none otherwise (see `scale_loss`);
 - `clip`: the global-norm bound, or None;
 - `skip_nonfinite`: skip steps with inf/nan gradients on every rank (default on);
+- `hybrid`: stages 1-3 only: False (shard over every rank), True (shard over the mesh axis `"shard"`, average the
+  shards over `"replicate"`: FSDP's HSDP, on `SimMesh(shape={"replicate": R, "shard": S})` or a `DistMesh` of
+  that shape), or a pair `(replicate_axis, shard_axis)` of other names; see docs/hybrid.md;
+- `qgz`: reduce gradients with `quantized_reduce_scatter` (ZeRO++'s qgZ: int8 with blockwise scales; lossy, its
+  error bound in its docstring); `qwz` (stages 1-2): gather the compute parameters with `quantized_gather`
+  (qwZ), at the end of each step instead of lazily, unit by unit, in the next forward;
 - `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
   (ZeRO-Offload; pair it with `fzero.cpu_adamw`), the compute copy written in the same pass.
 """
@@ -32,6 +38,7 @@ from .accumulate import accumulate as accumulate_
 from .base import Transform, chain, identity
 from .clipping import clip_by_global_norm
 from .collective import all_reduce, gather, reduce_scatter
+from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import scale_loss
 from .update import shard_update
 
@@ -47,17 +54,29 @@ def _preset(
     clip: float | None,
     skip_nonfinite: bool,
     offload: str | None,
+    hybrid: bool | tuple[str, str] = False,
+    qgz: bool = False,
+    qwz: bool = False,
 ) -> Transform:
     policy = get_policy(precision)
+    axis, replicate = _hybrid_axes(hybrid)
+    if qwz and stage == 3:
+        raise ValueError("zero3(qwz=True): qwZ gathers the compute parameters at the end of the step, but stage 3 "
+                         "keeps them sharded and gathers each unit in the forward; use zero1 or zero2")  # fmt: skip
+    rs = (
+        quantized_reduce_scatter(axis=axis, replicate=replicate)
+        if qgz
+        else reduce_scatter(policy.reduce_dtype, axis, replicate)
+    )
     if loss_scale is None:
         loss_scale = "dynamic" if policy.half else "none"
     acc = accumulate_(accumulate, dtype=policy.accum_dtype)
     if stage == 0:
         reduce = [acc, all_reduce(policy.reduce_dtype)]
     elif stage == 1:
-        reduce = [acc, reduce_scatter(policy.reduce_dtype)]
+        reduce = [acc, rs]
     else:
-        reduce = [reduce_scatter(policy.reduce_dtype), acc]
+        reduce = [rs, acc]
     return chain(
         *reduce,
         scale_loss(loss_scale, skip_nonfinite=skip_nonfinite),
@@ -68,8 +87,21 @@ def _preset(
             offload=offload,
             compute_dtype=policy.compute_dtype,
         ),
-        gather(policy.compute_dtype, lazy=stage > 0, keep=stage in (1, 2)),
+        quantized_gather(dtype=policy.compute_dtype)
+        if qwz
+        else gather(policy.compute_dtype, lazy=stage > 0, keep=stage in (1, 2)),
     )
+
+
+def _hybrid_axes(hybrid: bool | tuple[str, str]) -> tuple[str | None, str | None]:
+    """`(shard axis, replicate axis)` of a preset's `hybrid` argument."""
+    if hybrid is False:
+        return None, None
+    if hybrid is True:
+        return "shard", "replicate"
+    if isinstance(hybrid, tuple) and len(hybrid) == 2 and all(isinstance(a, str) for a in hybrid):
+        return hybrid[1], hybrid[0]
+    raise ValueError(f"hybrid must be False, True or a pair (replicate_axis, shard_axis) of names, got {hybrid!r}")
 
 
 def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
@@ -85,7 +117,8 @@ def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
 
     Example:
@@ -93,11 +126,12 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero1(fzero.adamw(), accumulate=4).children][:2]
         ['accumulate', 'reduce_scatter']
     """
-    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
+    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
 
     Example:
@@ -105,11 +139,12 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero2(fzero.adamw(), accumulate=4).children][:2]
         ['reduce_scatter', 'accumulate']
     """
-    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
+    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
     the backward (`fzero.GatherPolicy`).
 
@@ -118,4 +153,4 @@ def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> fzero.zero3(fzero.adamw(), precision="bf16").children[-1][0]  # gather(bfloat16, lazy=True)
         'gather'
     """
-    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
+    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)

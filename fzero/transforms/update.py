@@ -169,7 +169,11 @@ def group_segments(optimizer: Optimizer, ctx: Context, params: Tensor, sharded: 
         return None
     defaults = tuple(sorted(optimizer.defaults.items()))
     resolved = _resolve(optimizer.groups, ctx.layout, defaults, optimizer.check)
-    ranks = range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
+    if ctx.layout.axis is not None:  # the shard a rank holds is its coordinate along the sharding axis
+        index = ctx.mesh.index(ctx.layout.axis)
+        ranks = tuple(int(i) for i in index) if params.ndim == 2 else (int(index),)
+    else:
+        ranks = range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
     return segments(ctx.layout, resolved, full=not sharded, ranks=ranks)
 
 
