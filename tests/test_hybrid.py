@@ -234,3 +234,21 @@ def test_checkpoint_mid_window_is_refused_naming_the_leaf(tmp_path):
     )
     with pytest.raises(ValueError, match="differs between the replicas of this hybrid state .* step's boundary"):
         fzero.save(state, tmp_path)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sharded_construction_from_meta(stage):
+    """A meta-device model is constructed unit by unit into each rank's chunk along `shard` (fzero.construct)."""
+    from fzero.examples.gpt import GPT
+    from tests.test_zero3 import copy_initializer
+
+    source = tiny_gpt(5)
+    with torch.device("meta"):
+        meta = GPT(source.cfg)
+    init = copy_initializer(source)
+    init.target = meta
+    mesh = fzero.SimMesh(shape={"replicate": 2, "shard": 3})
+    tx = getattr(fzero, f"zero{stage}")(fzero.adamw(), hybrid=True)
+    built = fzero.init(meta, tx, mesh, initializer=init)
+    plain = fzero.init(source, tx, mesh)
+    assert all(torch.equal(x, y) for x, y in zip(leaves(built), leaves(plain), strict=True))

@@ -14,9 +14,9 @@ Both act on the mesh's `axis` (None: every rank); both are lossy, and their erro
 
 Example:
     >>> import torch, fzero
-    >>> q, s = quantize(torch.tensor([[1.0, -2.0, 0.5, 0.0]]), block=2)
-    >>> q.dtype, dequantize(q, s, 2)
-    (torch.int8, tensor([[ 1.0000, -2.0000,  0.5000,  0.0000]]))
+    >>> q, s = quantize(torch.tensor([[1.0, -2.0, 0.5, 0.0]]), block=2)   # blocks [1, -2] and [0.5, 0]
+    >>> q, dequantize(q, s, 2)      # 1.0 is off by 2 / 254: half a step of its block's scale, 2 / 127
+    (tensor([[  64, -127,  127,    0]], dtype=torch.int8), tensor([[ 1.0079, -2.0000,  0.5000,  0.0000]]))
 """
 
 from __future__ import annotations
