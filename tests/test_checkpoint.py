@@ -249,7 +249,7 @@ def test_the_directory_a_save_leaves(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step0"]  # no temporaries left
     assert (tmp_path / "latest").read_text() == "step0\n"
     m = json.loads((path / "manifest.json").read_text())
-    assert (m["format"], m["version"], m["world"], m["step"], m["data_position"]) == ("fzero-checkpoint", 2, 4, 0, 5)
+    assert (m["format"], m["version"], m["world"], m["step"], m["data_position"]) == ("fzero-checkpoint", 3, 4, 0, 5)
     assert m["precision"] == {"master": "float32", "compute": "bfloat16"}
     assert m["user_state"] == {"epoch": 1} and m["config"] == {"zero_optimization": 3}
     names = sorted(p.name for p in path.iterdir())

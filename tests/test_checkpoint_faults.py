@@ -21,6 +21,7 @@ import torch
 
 import fzero
 from fzero.checkpoint import (
+    VERSION,
     CheckpointNotFoundError,
     CheckpointVersionError,
     CorruptCheckpointError,
@@ -120,10 +121,11 @@ def test_missing_or_unreadable_manifest(saved):
 def test_newer_format_version(saved):
     root, path, _, _, like = saved
     m = json.loads((path / "manifest.json").read_text())
-    m["version"], m["fzero_version"] = 3, "9.0"
+    m["version"], m["fzero_version"] = VERSION + 1, "9.0"
     rewrite_manifest(path, m)
-    expect_nothing_loaded(root, like, CheckpointVersionError, r"manifest.json: written in checkpoint format version 3 "
-                          r"\(by fzero 9.0\); this fzero \(.*\) reads versions up to 2. Upgrade fzero")  # fmt: skip
+    expect_nothing_loaded(root, like, CheckpointVersionError, rf"manifest.json: written in checkpoint format version "
+                          rf"{VERSION + 1} \(by fzero 9.0\); this fzero \(.*\) reads versions up to {VERSION}. Upgrade "
+                          "fzero")  # fmt: skip
 
 
 def test_checkpoint_of_another_model(saved, tmp_path_factory):

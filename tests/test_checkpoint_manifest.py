@@ -286,7 +286,7 @@ def test_format_1_without_digest_loads_with_a_warning(saved):
             state, _ = fzero.load(root, like)
         assert _same(state, loaded)
         write(path, text, digest=False)
-        with pytest.raises(CorruptCheckpointError, match=r"manifest.json.sha256: missing; a format-2 manifest is "
+        with pytest.raises(CorruptCheckpointError, match=r"manifest.json.sha256: missing; a format-3 manifest is "
                            "always written with its digest"):  # fmt: skip
             fzero.load(root, like)
         (path / "manifest.json.sha256").write_text("not a digest")

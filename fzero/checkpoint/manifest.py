@@ -59,8 +59,8 @@ __all__ = [
 ]
 
 FORMAT = "fzero-checkpoint"
-VERSION = 2  # 2: the manifest's digest; leaves carry a space (the frozen parameters' flat buffer); chain states
-# are named by transform
+VERSION = 3  # 2: the manifest's digest; leaves carry a space (the frozen parameters' flat buffer); chain states
+# are named by transform. 3: the mesh (null for a 1-D mesh), so an fzero that predates it refuses a newer format
 DIGEST = "manifest.json.sha256"
 STORAGES = ("split", "rank0", "per_rank")
 _FILE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
