@@ -5,7 +5,7 @@ reduction's receive and sum buffers, the assembled gradient shard). glibc serves
 a `mmap` of its own and unmaps it on `free`, so every step maps them again and each 4 KiB page faults in again,
 zero-filled by the kernel, on first touch: a fresh 27.3M-element fp32 buffer took 70 ms to fill on this project's
 reference machine (26,664 page faults) against 14 ms on huge pages (93 faults), and fzero's sharded steps ran
-1.3x slower than DDP's (which keeps its gradient buckets) for that alone (`docs/performance.md`).
+1.3x slower than DDP's (which keeps its gradient buckets) for that alone (docs/performance.md).
 
 torch's CPU allocator puts every block of 2 MiB or more on transparent huge pages (2 MiB aligned, `madvise(...,
 MADV_HUGEPAGE)`) when the environment says `THP_MEM_ALLOC_ENABLE=1`. It reads that variable once, at the process's

@@ -515,17 +515,20 @@ class Gatherer:
                 self._prefetch(j, 1)
                 self.reshard(j)
 
-    def _catch_up_backward(self, after: int | None = None) -> None:
+    def _catch_up_backward(self, after: int | None = None, abandoned: bool = False) -> None:
         """Pass every on-demand unit after `after` in forward order (all of them: None), last first, whose
         gradient is not reduced and whose forward did not run here (with `after`; all with None: the backward is
-        over): gather it as its backward would, reduce a zero gradient for it, free it."""
+        over): reduce a zero gradient for it, first gathering it as the backward of the ranks that ran it does (a
+        unit that ran here without a backward is not gathered, on any rank; after an `abandoned` forward, every
+        unit is, as on the ranks whose backward runs)."""
         start = 0 if after is None else self.sequence.index(after) + 1
         for j in reversed(self.sequence[start:]):
             rec = self.units[j]
             if rec.phase is Phase.DONE or (after is not None and (rec.ran or rec.phase is Phase.BACKWARD)):
                 continue
-            self.unshard(j)
-            self._prefetch(j, -1)
+            if abandoned or not rec.ran:
+                self.unshard(j)
+                self._prefetch(j, -1)
             self._reduce_zeros(rec)
 
     def _reduce_zeros(self, rec: _UnitRecord) -> None:
@@ -535,22 +538,23 @@ class Gatherer:
             self.reduction.add(rec.index, self.rank, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
         self.reshard(rec.index)
 
-    def finish(self) -> None:
+    def finish(self, abandoned: bool = False) -> None:
         """The backward is over (or was abandoned): pass the units no forward or gradient reached, in the order
         the others' forward and backward took (on-demand units last first, then those gathered for the whole step,
         last first: autograd completes the latter last, in reverse order of creation), reducing zeros for them;
         free everything."""
         self.catch_up_forward()
-        self._catch_up_backward()
+        self._catch_up_backward(abandoned=abandoned)
         for rec in reversed(self.units):
             if rec.phase is not Phase.DONE:
                 self._reduce_zeros(rec)
             self.reshard(rec.index)
 
-    def complete(self) -> None:
-        """The forward (and with a reduction, the backward) is over: issue what this rank has not (`finish`)."""
+    def complete(self, abandoned: bool = False) -> None:
+        """The forward (and with a reduction, the backward) is over, or was `abandoned` (an exception): issue what
+        this rank has not (`finish`)."""
         if self.reduction is not None:
-            self.finish()
+            self.finish(abandoned)
         else:
             self.catch_up_forward()
 
@@ -660,7 +664,7 @@ def _run_rank(g: Gatherer, run: Callable[[dict[str, Tensor], int], Any], rank: i
     except Exception as e:
         if isinstance(g.ranks, SimRanks) or isinstance(e, CollectiveError):
             raise  # one process runs every rank (nothing to complete) / the collectives themselves failed
-        g.complete()
+        g.complete(abandoned=True)
         raise Abandoned(e) from e
     g.complete()
     return out
