@@ -592,8 +592,8 @@ class DistMesh(_LedgerMixin):
         self._rank = dist.get_rank(group)
         self._timeout = delta
         self._ledgers: list[Ledger] = []
-        # gloo's reduce-scatter runs 2-4x slower than an all-to-all of the chunks summed here (summing in rank order
-        # also makes the result SimMesh's, bitwise, at any world size), and its all-gather 1.3-3.7x slower than one
+        # gloo's reduce-scatter runs 1.4-2.8x slower than an all-to-all of the chunks summed here (summing in rank order
+        # also makes the result SimMesh's, bitwise, at any world size), and its all-gather 1.6-6x slower than one
         # broadcast per rank (benchmarks/collectives.py): on gloo the mesh runs those exchanges instead
         self._exchange = dist.get_backend(group) == "gloo"
         self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
