@@ -54,7 +54,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -613,8 +613,7 @@ class DistMesh(_LedgerMixin):
         for k, name in enumerate(self.shape):
             lines = grid.movedim(k, -1).reshape(-1, self.shape[name])
             for line in lines.tolist():
-                kw = {} if timeout is None else {"timeout": timeout}
-                g = dist.new_group([self._global[r] for r in line], **kw)
+                g = dist.new_group([self._global[r] for r in line], timeout=timeout)
                 if self._rank in line:
                     subs[name] = DistMesh(g)
         return subs
@@ -623,6 +622,7 @@ class DistMesh(_LedgerMixin):
         sub = self._sub.get(axis)
         if sub is None:
             self.size(axis)  # raises, naming the axes
+            raise AssertionError(axis)  # (unreachable: size raised)
         return sub
 
     def index(self, axis: str | None = None) -> int:
@@ -757,10 +757,10 @@ class DistMesh(_LedgerMixin):
                 for r in range(self.world)
             ]  # fmt: skip
             chunks[self._rank].copy_(x)
-            work: Work = _All(works)
+            work: Work = _All(cast(list[Work], works))
         else:
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            work = self._run("all_gather", x, fn, out, x, group=self.group, async_op=True)
+            work = cast(Work, self._run("all_gather", x, fn, out, x, group=self.group, async_op=True))
         guarded = self._guard(work, "all_gather", x)
         if not async_op:
             guarded.wait()

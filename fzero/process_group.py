@@ -49,7 +49,10 @@ def set_timeout(timeout: Timeout, group: dist.ProcessGroup | None = None) -> dat
     A collective that waits longer than this for another rank fails on the ranks still waiting (gloo raises; NCCL
     aborts per its own `TORCH_NCCL_*` settings)."""
     delta = as_timedelta(timeout)
-    (group if group is not None else dist.group.WORLD).set_timeout(delta)
+    target = group if group is not None else dist.group.WORLD
+    if target is None:
+        raise RuntimeError("set_timeout: torch.distributed is not initialised (no process group)")
+    target.set_timeout(delta)
     return delta
 
 

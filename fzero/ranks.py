@@ -29,14 +29,14 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import optree
 import torch
 from torch import Tensor
 
 from .layout import Layout
-from .mesh import Mesh, SimMesh, Work, done
+from .mesh import DistMesh, Mesh, SimMesh, Work, done
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
@@ -110,13 +110,13 @@ class _DistReduction:
     def _land(self) -> None:
         """Wait for the oldest reduction in flight."""
         pieces, i, n = self.flight.popleft()
-        pieces[i] = pieces[i].wait()  # type: ignore[union-attr]
+        pieces[i] = _value(pieces[i])
         self.elements -= n
 
     def result(self) -> Tensor:
         while self.flight:
             self._land()
-        summed = {u: functools.reduce(torch.add, ps) for u, ps in self.pieces.items()}  # in arrival order
+        summed = {u: functools.reduce(torch.add, map(_value, ps)) for u, ps in self.pieces.items()}  # arrival order
         return _assemble(self.layout, [summed.get(i) for i in range(len(self.layout.units))])
 
 
@@ -191,7 +191,8 @@ class DistRanks:
         self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
     ) -> Work:
         if axis is not None:
-            return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, axis=axis)
+            mesh = cast(DistMesh, self.mesh)  # (a mesh with named axes)
+            return mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, axis=axis)
         return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op)
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:

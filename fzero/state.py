@@ -52,12 +52,13 @@ class TrainState:
     frozen: Tensor | None
     buffers: dict[str, Tensor]
     seed: Tensor
-    layout: Layout = optree.dataclasses.field(pytree_node=False)
-    frozen_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)
+    # (optree's `field` takes `pytree_node`; its stubs are dataclasses')
+    layout: Layout = optree.dataclasses.field(pytree_node=False)  # type: ignore[call-overload]
+    frozen_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)  # type: ignore[call-overload]
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields replaced (the state itself is frozen)."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]  # (an optree dataclass)
 
     @property
     def simulated(self) -> bool:

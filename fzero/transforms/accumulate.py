@@ -22,7 +22,7 @@ __all__ = ["AccumulateState", "accumulate"]
 class AccumulateState(NamedTuple):
     """`count`: micro-steps held since the last boundary (0-d int64); `acc`: the sum of their gradients."""
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # (the saved name; shadows tuple.count)
     acc: Tensor
 
 
@@ -51,13 +51,14 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
         return flow, AccumulateState(count(0), acc)
 
     def update(flow: Flow, state: AccumulateState, ctx: Context) -> tuple[Flow, AccumulateState]:
-        if flow.grads.shape != state.acc.shape:
+        grads = flow.gradients("accumulate")
+        if grads.shape != state.acc.shape:
             raise ValueError(
-                f"accumulate: gradients of shape {tuple(flow.grads.shape)} do not match the accumulator's "
+                f"accumulate: gradients of shape {tuple(grads.shape)} do not match the accumulator's "
                 f"{tuple(state.acc.shape)}; was the chain changed after init?"
             )
         n = int(state.count) + 1
-        g = flow.grads.to(state.acc.dtype)
+        g = grads.to(state.acc.dtype)
         if n == 1:
             acc = state.acc.copy_(g) if ctx.donate else g
         else:

@@ -122,6 +122,12 @@ class Flow(NamedTuple):
     def with_metrics(self, **values: Any) -> Flow:
         return self.with_facts(metrics={**self.facts.metrics, **values})
 
+    def gradients(self, what: str) -> Tensor:
+        """`grads`, which an update always carries (None only at init: `what` names the transform asking)."""
+        if self.grads is None:
+            raise ValueError(f"{what}: the flow carries no gradients (an update called with an init-time flow?)")
+        return self.grads
+
     def unscaled(self) -> Flow:
         """The flow with the factor the gradients owe paid now (for a transform that must see their true scale,
         e.g. one that adds noise); costs one pass over them."""
@@ -156,7 +162,7 @@ class UnitFn(Protocol):
     reduction returns this rank's part of the averaged unit (`[unit size / world]`), or, when `ctx.overlap`, may
     return a handle whose `wait()` returns it (`mesh.reduce_scatter_start`): the backward goes on meanwhile."""
 
-    def __call__(self, grads: Tensor, unit: int, ctx: Context) -> Tensor | Work: ...
+    def __call__(self, grads: Tensor, unit: int, ctx: Context, /) -> Tensor | Work: ...
 
 
 class EmptyState(NamedTuple):
@@ -221,8 +227,9 @@ def _compose_units(pairs: tuple[tuple[str, Transform], ...]) -> tuple[UnitFn | N
     upto = next((i for i, (_, t) in enumerate(pairs) if t.reduces), None)
     if upto is None:
         return None, False
-    prefix = [t.unit for _, t in pairs[: upto + 1]]
-    if any(u is None for u in prefix):
+    maybe = [t.unit for _, t in pairs[: upto + 1]]
+    prefix = [u for u in maybe if u is not None]
+    if len(prefix) < len(maybe):
         return None, True
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
@@ -349,7 +356,8 @@ def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
         return flow, flow.facts.stats
     if not flow.facts.reduced:
         raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
-    local = native.sumsq(flow.grads)  # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
+    # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
+    local = native.sumsq(flow.gradients(what))
     if not flow.sharded:
         total = local
     elif ctx.layout.axis is None:

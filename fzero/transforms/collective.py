@@ -56,7 +56,7 @@ def all_reduce(dtype: torch.dtype | None = None) -> Transform:
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "all_reduce")
-        grads = ctx.mesh.all_reduce(_cast(flow.grads, dtype), "mean")
+        grads = ctx.mesh.all_reduce(_cast(flow.gradients("all_reduce"), dtype), "mean")
         return flow._replace(grads=grads).with_facts(reduced=True), state
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
@@ -115,7 +115,7 @@ def reduce_scatter(
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "reduce_scatter")
-        grads = reduce(to_rank_major(ctx.layout, _cast(flow.grads, dtype)), ctx)
+        grads = reduce(to_rank_major(ctx.layout, _cast(flow.gradients("reduce_scatter"), dtype)), ctx)
         return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
@@ -132,7 +132,7 @@ def sharding_world(mesh: Mesh, axis: str | None) -> int:
     if axis is None:
         return mesh.world
     check_axes(mesh, axis)
-    return mesh.size(axis)
+    return mesh.size(axis)  # type: ignore[attr-defined]  # (check_axes: a mesh with named axes has `size`)
 
 
 def check_axes(mesh: Mesh, axis: str | None, replicate: str | None = None) -> None:
@@ -175,7 +175,7 @@ class GatherState:
         forward and gather it again for its backward (ZeRO-3).
     """
 
-    keep: bool = optree.dataclasses.field(default=False, pytree_node=False)
+    keep: bool = optree.dataclasses.field(default=False, pytree_node=False)  # type: ignore[call-overload]
 
 
 register_torch_pytree(GatherState)
@@ -204,6 +204,6 @@ def gather(dtype: torch.dtype | None = None, lazy: bool = False, keep: bool = Fa
 
     if keep and not lazy:
         raise ValueError("gather(keep=True) keeps lazily gathered units: it needs lazy=True")
-    state = GatherState(keep) if lazy else EmptyState()
+    state = GatherState(keep) if lazy else EmptyState()  # type: ignore[call-arg]  # (optree's field)
     return Transform(lambda flow, ctx: (apply(flow, ctx), state),
                      lambda flow, state, ctx: (apply(flow, ctx), state), "gather")  # fmt: skip
