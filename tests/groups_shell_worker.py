@@ -12,7 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fzero
+from fzero import process_group
 from tests.real_models import gpt2, max_difference, token_batches
+from tests.spawn import init_worker
 
 WORLD = 2
 STEPS = 3
@@ -102,8 +104,8 @@ def shell(case: str, stage: int, rank: int, batches) -> dict:
 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the shell reads
+    init_worker(rank, world, f"{out_dir}/store")
     try:
         from transformers.trainer_pt_utils import get_parameter_names
 
@@ -125,4 +127,4 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 json.dump(results, f)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        process_group.shutdown()

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 import fzero
+from fzero import process_group
 from tests.real_models import frozen_embeddings, gpt2, lm_loss, lora, max_difference, reference, token_batches
+from tests.spawn import init_worker
 
 WORLD = 2
 STEPS = 3
@@ -84,8 +86,8 @@ def _shell_case(stage: int, precision: str, rank: int | None) -> dict:
 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the shell reads
+    init_worker(rank, world, f"{out_dir}/store")
     try:
         mesh = fzero.DistMesh()
         results: dict = {"core": {}, "shell": {}}
@@ -104,4 +106,4 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 json.dump(results, f)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        process_group.shutdown()

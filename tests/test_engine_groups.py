@@ -19,7 +19,6 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +26,7 @@ import fzero
 from fzero.config import ConfigError, UnsupportedConfigError
 from fzero.metrics import read_jsonl
 from tests import groups_shell_worker
+from tests.spawn import spawn
 from tests.support import mlp
 from tests.test_schedules import deepspeed_values
 
@@ -422,7 +422,7 @@ def test_hf_trainer_grouping_on_two_gloo_processes(tmp_path):
     groups on the full batch within docs/equivalence.md's float32 tolerance (1e-4: the reduction order differs, per
     rank then over ranks), stage 3 equals stage 2 bitwise, and the ranks agree."""
     pytest.importorskip("transformers")
-    mp.start_processes(groups_shell_worker.run, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(groups_shell_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["decay_names_agree"]  # transformers 5's patterns == the classic [nn.LayerNorm] minus biases
     for case in ("config", "client"):

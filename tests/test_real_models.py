@@ -18,7 +18,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fzero
 from tests import real_models_worker
@@ -37,6 +36,7 @@ from tests.real_models import (
     token_batches,
     train,
 )
+from tests.spawn import spawn
 
 pytest.importorskip("transformers")
 
@@ -310,7 +310,7 @@ def test_two_gloo_processes(tmp_path):
     """On 2 gloo processes: SimMesh equals DistMesh bitwise with dropout on (functional core, stages 2 and 3, LoRA,
     checkpointing); the shell trains GPT-2 with frozen embeddings, checkpointing and evaluation passes between
     steps, stage 3 equal to stage 2 bitwise and to plain AdamW within tolerance."""
-    mp.start_processes(real_models_worker.run, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(real_models_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     for case, differ in results["core"].items():
         assert differ == [], case  # the tensors where DistMesh differs from SimMesh

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,7 @@ import fzero
 from fzero.transforms import Context, EmptyState, Facts, Flow, unit_reducer
 from tests import transforms_worker
 from tests.chains import REDUCES, train
+from tests.spawn import spawn
 from tests.support import lm_batches, tiny_gpt
 
 SPECS = st.fixed_dictionaries(
@@ -55,7 +55,7 @@ def test_a_user_reduction_is_honoured_at_stage_3():
 @pytest.mark.timeout(300)
 def test_two_gloo_processes(tmp_path):
     """On 2 gloo processes, stage 3 equals stage 2 bitwise for the user reductions, and DistMesh equals SimMesh."""
-    mp.start_processes(transforms_worker.run, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(transforms_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results and all(r == {"stage3_vs_stage2": [], "dist_vs_sim": []} for r in results.values()), results
 

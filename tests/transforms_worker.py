@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 import fzero
+from fzero import process_group
 from tests.chains import train
+from tests.spawn import init_worker
 from tests.support import lm_batches, tiny_gpt
 
 SPECS = {
@@ -26,8 +28,7 @@ def _differ(a: dict, b: dict) -> list[str]:
 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    init_worker(rank, world, f"{out_dir}/store")
     try:
         mesh = fzero.DistMesh()
         results = {}
@@ -42,4 +43,4 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 json.dump(results, f)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        process_group.shutdown()
