@@ -143,6 +143,23 @@ def _alias(store: Tensor) -> Tensor:
     return store.new_empty(0).set_(store.untyped_storage(), store.storage_offset(), store.shape, store.stride())
 
 
+def _hook_targets(outputs: list[Tensor]) -> list[Tensor]:
+    """The tensors whose gradient hooks fire before the backward of the ops that made `outputs`, whatever the
+    caller does to them in place afterwards: each output, and the base of each output that is a view.
+
+    A hook on a tensor fires with the gradient of the value it had when the hook was registered, by sitting on the
+    autograd node that made it, so an in-place op on a plain output keeps it. But an in-place op on a *view* (a
+    `Linear` on a 3-D input returns a view of its 2-D product) replaces the view's node by one that differentiates
+    through the base (`CopySlices`), and the view's hooks never fire; the base's node stays in the graph.
+    """
+    targets = list(outputs)
+    for x in outputs:
+        base = x._base
+        if base is not None and base.requires_grad and not any(base is t for t in targets):
+            targets.append(base)
+    return targets
+
+
 class _Unit(torch.autograd.Function):
     """shard slice -> the unit's full trainable buffer (an alias of the gatherer's storage for the unit, which the
     gatherer fills and frees); backward: hand the unit's complete gradient to the gatherer."""
@@ -450,7 +467,7 @@ class Gatherer:
         if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
         self.reshard(i)
-        for x in hooked:  # a tensor hook, not an autograd Function: in-place ops on the outputs stay legal
+        for x in _hook_targets(hooked):  # tensor hooks, not an autograd Function: in-place ops stay legal
             x.register_hook(lambda g, i=i: self.pre_backward(i))
         return output
 

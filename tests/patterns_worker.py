@@ -1,0 +1,56 @@
+"""The 2-process gloo half of tests/test_unit_patterns.py: each pattern at stage 3 on a `DistMesh`, core and shell,
+against stage 2 (core: on a `SimMesh`, computed here too; shell: the same engine at stage 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import fzero
+from fzero import process_group
+from tests import patterns
+from tests.spawn import init_worker
+
+WORLD, STEPS = 2, 3
+
+
+def _shell(p: patterns.Pattern, stage: int, rank: int) -> dict[str, torch.Tensor]:
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
+    model = patterns.make(p)
+    engine, *_ = fzero.initialize(
+        model=model, model_parameters=model.parameters(), config=config, printer=lambda line: None
+    )
+    for batch in patterns.batches(p, WORLD, 1, STEPS):
+        x = batch["x"][rank]
+        engine.backward(patterns.loss_of(engine(x), x))
+        engine.step()
+    return engine.module_state_dict()
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
+def run(rank: int, world: int, out_dir: str, cases: list[dict]) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the shell reads
+    init_worker(rank, world, f"{out_dir}/store")
+    try:
+        mesh = fzero.DistMesh()
+        results = {}
+        for i, case in enumerate(cases):
+            p = patterns.Pattern(**case)
+            data = patterns.batches(p, WORLD, 1, STEPS)
+            want = patterns.train(p, "zero2", fzero.SimMesh(WORLD), data)
+            core = patterns.train(p, "zero3", mesh, data, rank=rank)
+            results[i] = {"core": _differ(core, want), "shell": _differ(_shell(p, 3, rank), _shell(p, 2, rank))}
+        if rank == 0:
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+    finally:
+        process_group.shutdown()
