@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -12,3 +13,54 @@ settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# set by pytest itself, and by torch's inductor on its first compile (a cache location, no effect on arithmetic)
+_OWN_VARIABLES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+@pytest.fixture
+def keep_threads():
+    """For tests that run a command's `main` in this process: the command sets torch's thread count for its run
+    (`--threads`, default cores / ranks), as a program should; the test gives the suite's back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _global_state() -> dict:
+    """What a test may change that would change a later test's arithmetic or behaviour: torch's threads and numeric
+    switches, the native kernel's instruction-set path, the environment, a default process group, the directory."""
+    import torch.distributed as dist
+
+    from fzero import native
+
+    return {
+        "threads": torch.get_num_threads(),
+        "interop threads": torch.get_num_interop_threads(),
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul precision": torch.get_float32_matmul_precision(),
+        "mkldnn": torch.backends.mkldnn.enabled,
+        "cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "native isa": native.isa(),
+        "process group": dist.is_available() and dist.is_initialized(),
+        "environment": {k: v for k, v in os.environ.items() if k not in _OWN_VARIABLES},
+        "cwd": os.getcwd(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _restores_global_state():
+    """Every test leaves the process as it found it, so a test's result never depends on the tests before it."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    if "environment" in changed:
+        old, new = changed["environment"]
+        changed["environment"] = {
+            k: (old.get(k), new.get(k)) for k in old.keys() | new.keys() if old.get(k) != new.get(k)
+        }
+    assert not changed, f"the test changed global state (before, after): {changed}"

@@ -37,12 +37,20 @@ def tree(root: Path) -> list[str]:
 
 
 def free_blocks(path: Path) -> int:
+    """Free blocks of the file system at `path`: only for a file system this worker owns (its private tmpfs)."""
     return os.statvfs(path).f_bavail
 
 
-def attempt(root: Path, state) -> dict:
-    """Save `state` as tag b; what happened and what is left."""
-    before, free = tree(root), free_blocks(root)
+def used_blocks(root: Path) -> int:
+    """512-byte blocks allocated to `root` and everything under it: what this worker's saves own, whatever the rest of
+    a shared disk is doing."""
+    return sum(p.lstat().st_blocks for p in [root, *root.rglob("*")])
+
+
+def attempt(root: Path, state, space=used_blocks) -> dict:
+    """Save `state` as tag b; what happened and what is left (`space(root)`: the blocks to compare before and
+    after)."""
+    before, free = tree(root), space(root)
     try:
         fzero.save(state, root, tag="b", fsync=True)
         outcome = "saved"
@@ -55,7 +63,7 @@ def attempt(root: Path, state) -> dict:
         "outcome": outcome,
         "unchanged": tree(root) == before,
         "tree": tree(root),
-        "space_back": free_blocks(root) == free,
+        "space_back": space(root) == free,
         "latest": (root / "latest").read_text(),
         "loaded_tag": extra["tag"],
         "loaded_value": float(loaded.params.flatten()[0]),
@@ -76,11 +84,11 @@ def on_tmpfs(base: Path) -> dict:
     shutil.rmtree(mnt / "dry")
     with open(mnt / "filler", "wb") as f:  # leave exactly `need` blocks free
         f.write(bytes((free_blocks(mnt) - need) * os.statvfs(mnt).f_frsize))
-    full = attempt(root, make(2.0))
+    full = attempt(root, make(2.0), free_blocks)  # the tmpfs is ours: also catches unlinked-but-open files
     os.unlink(mnt / "filler")
     (root / ".latest.tmp99999").write_text("b\n")  # leftovers of other interrupted saves
     (root / ".c.tmp").mkdir()
-    after = attempt(root, make(3.0))
+    after = attempt(root, make(3.0), free_blocks)
     return {"full": full, "after": after}
 
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import fzero
 from tests import dist_worker
+from tests.bounds import assert_adam_close
 from tests.spawn import spawn
 from tests.support import tiny_gpt
 
@@ -49,11 +50,12 @@ def test_dist_matches_sim(world, tmp_path):
         # the same collectives, the same volumes; an inf on the last rank only skips the step on every rank
         assert ledgers[case] == record
         assert any(record["skipped"]) == poison
+        if world == 3 and preset == "zero0":
+            # stage 0 all-reduces with gloo's ring, which adds three ranks' chunks in a chunk-dependent order
+            # (SimMesh: rank order): float32 rounding of the mean gradient, through Adam (tests/bounds.py, kind 3)
+            assert_adam_close(got, {k: want[k] for k in got}, tiny_gpt(0).state_dict(), 1e-2, dist_worker.STEPS)
+            continue
         for name, value in got.items():
-            if world == 2:
-                # a + b == b + a: gloo's two-rank sum is the rank-ordered sum, so every stage is bitwise equal
-                assert torch.equal(value, want[name]), (case, name)
-            else:
-                # gloo's ring adds three ranks' chunks in a rank-dependent order, SimMesh in rank order: float32
-                # rounding of the mean gradient (<= 2 ulp), through 3 Adam steps at lr 1e-2 (see test_stages)
-                torch.testing.assert_close(value, want[name], rtol=0, atol=1e-4)
+            # bitwise at 2 ranks (a + b == b + a) and for the reduce-scatter stages at 3: on gloo DistMesh reduces
+            # with an all-to-all and a rank-ordered sum (fzero/mesh.py), the very additions SimMesh makes
+            assert torch.equal(value, want[name]), (case, name)

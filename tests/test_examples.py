@@ -11,6 +11,8 @@ import pytest
 
 from fzero.examples import train_gpt
 
+pytestmark = pytest.mark.usefixtures("keep_threads")  # they run commands in this process
+
 SMALL = ["--steps", "4", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "2",
          "--log-every", "2"]  # fmt: skip
 

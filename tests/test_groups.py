@@ -19,6 +19,7 @@ import fzero
 from fzero.checkpoint import named_leaves, reshard
 from fzero.layout import make_layout
 from fzero.optim.groups import segments
+from tests.bounds import assert_adam_close, reorder_bound
 from tests.support import lm_batches, lm_loss, mlp, regression_batches, regression_loss, tiny_gpt
 from tests.test_checkpoint import assert_same
 from tests.test_stages import ATOL64, PRESETS, equal, max_diff
@@ -120,6 +121,7 @@ def test_groups_on_the_c_kernel(preset, offload):
     """`cpu_adamw` with groups (and with offload, whose pipelined pieces slice the table) against torch's AdamW with
     the same groups: within the kernel's float32 bound of tests/test_native.py after 3 steps."""
     model = tiny_gpt(3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
     rules = {"*.bias|*ln*": {"weight_decay": 0.0}, "head.*|wte.*": {"lr": 3e-3, "betas": (0.8, 0.99)}}
     groups = fzero.param_groups(rules)
     names = [n for n, _ in model.named_parameters()]
@@ -130,15 +132,16 @@ def test_groups_on_the_c_kernel(preset, offload):
     ref = reference(model, lm_loss, batches, 1, explicit, lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.1))
     opt = fzero.cpu_adamw(1e-2, weight_decay=0.1, groups=groups)
     got = fzero.state_dict(run(model, lm_loss, batches, 2, 1, preset, opt, offload=offload))
-    # float32 against the full-batch reference: docs/equivalence.md's empirical float32 tolerance (the rank-by-rank
-    # reduction and the kernel's fused multiply-adds each move a few ulp per step; Adam amplifies where v is small)
-    assert max_diff(got, ref) < 1e-4  # measured up to 1.0e-5
+    # float32 against the full-batch reference: the rank-by-rank reduction and the kernel's fused multiply-adds each
+    # move a few ulp per step, which Adam amplifies where v is small: tests/bounds.py's kind 3
+    assert_adam_close(got, ref, start, 1e-2, 3, betas=(0.8, 0.99))
 
 
 def test_groups_survive_resharding():
     """A state with groups saved at world 2 and loaded at world 3 continues bitwise like a world-3 run that was
-    resharded in memory at the same point: groups come from names, never from the saved offsets."""
-    model = tiny_gpt(5)
+    resharded in memory at the same point: groups come from names, never from the saved offsets; and like the same
+    continuation at world 1 within the float64 reordering bound (the ranks' gradients summed in another order)."""
+    model = tiny_gpt(5, torch.float64)
     groups = fzero.param_groups({"*.bias": {"weight_decay": 0.0, "lr": 3e-2}})
     opt = fzero.adamw(1e-2, weight_decay=0.1, groups=groups)
     tx = fzero.zero2(opt)
@@ -151,13 +154,15 @@ def test_groups_survive_resharding():
     step3 = fzero.train_step(model, lm_loss(model), tx, fzero.SimMesh(3))
     for batch in b3:
         moved, _ = step3(moved, batch)
-    # the same continuation computed at world 1 from the world-2 state: per element the same arithmetic
     like1 = fzero.init(model, tx, fzero.SimMesh(1))
     one = reshard(state, like1)
     step1 = fzero.train_step(model, lm_loss(model), tx, fzero.SimMesh(1))
     for batch in b3:
         one, _ = step1(one, {k: v.flatten(0, 1).unsqueeze(0) for k, v in batch.items()})
-    assert max_diff(fzero.state_dict(moved), fzero.state_dict(one)) < 1e-5  # float32 reduction order only
+    # each gradient element sums 3 ranks x 2 sequences x 8 tokens = 48 terms, in another order at world 1;
+    # 2 steps at the groups' largest lr, 3e-2
+    bound = reorder_bound(3e-2, 48, 2)
+    assert max_diff(fzero.state_dict(moved), fzero.state_dict(one)) <= bound
 
 
 def test_segment_tables():

@@ -17,6 +17,8 @@ from fzero.commands import train as train_command
 from fzero.examples.gpt import GPT, GPTConfig
 from fzero.metrics import Monitor, Throughput, format_line, plot_loss_curve, read_jsonl, transformer_flops
 
+pytestmark = pytest.mark.usefixtures("keep_threads")  # they run commands in this process
+
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "2", "--threads", "1",
         "--no-progress"]  # fmt: skip
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
