@@ -25,6 +25,7 @@ from fzero.checkpoint import (
 )
 from fzero.cli import main as cli
 from fzero.optim.schedules import warmup_lr
+from tests.bounds import adam_drift, max_diff
 from tests.support import lm_batches, lm_loss, mlp, tiny_gpt
 
 PRESETS = [fzero.zero0, fzero.zero1, fzero.zero2, fzero.zero3]
@@ -126,9 +127,9 @@ def test_round_trip_any_world_any_stage(widths, stages, worlds, micro, steps, pr
             torch.testing.assert_close(there[k], here[k], rtol=0, atol=3.9e-8)
     else:
         # bf16/fp16: a gradient below the compute dtype's noise can flip sign and Adam turns it into a full lr step
-        # (docs/equivalence.md): at most 2 * lr per step
-        for k in here:
-            torch.testing.assert_close(there[k], here[k], rtol=0, atol=2e-2)
+        # (docs/equivalence.md): Adam's step bound over the steps after the checkpoint (tests/bounds.py)
+        scale = max(v.abs().max().item() for v in here.values())
+        assert max_diff(there, here) <= adam_drift(1e-2, len(rest) // micro, scale=scale)
 
 
 def noisy_lm(model):
