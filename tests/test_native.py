@@ -671,10 +671,12 @@ def test_grouped_custom_op_compiles_into_one_graph():
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter at the repository root (so `tests.support` imports)."""
+    """Run `code` in a fresh interpreter at the repository root (so `tests.support` imports), with `env` and
+    without the caller's `FZERO_ISA` (scripts/isa-matrix sets it; these tests choose the path themselves)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if k != "FZERO_ISA"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=root, timeout=300)  # fmt: skip
+                          env={**base, **env}, cwd=root, timeout=300)  # fmt: skip
 
 
 def test_environment_variable_forces_the_path(monkeypatch):
