@@ -40,10 +40,10 @@ def adam_ratio(step: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
 
         |m_hat| / sqrt(v_hat) <= (1-b1)/(1-b1^t) * sqrt((1-b2^t)/(1-b2)) * sqrt(sum_{k<t} (b1^2/b2)^k)
 
-    (1 at t = 1, 1.0016 at t = 2, 1.0035 at t = 3 for the default betas).
+    (1 at t = 1, 1.0014 at t = 2, 1.0036 at t = 3 for the default betas).
 
         >>> round(adam_ratio(1), 6), round(adam_ratio(3), 4)
-        (1.0, 1.0035)
+        (1.0, 1.0036)
     """
     b1, b2 = betas
     q = b1 * b1 / b2
