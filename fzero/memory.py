@@ -28,12 +28,21 @@ from __future__ import annotations
 import optree
 from torch import Tensor
 
+from .optim import AdamState
+from .optim.sgd import SGDState
 from .state import TrainState
+from .transforms import AccumulateState
 
 __all__ = ["state_bytes"]
 
-# a transform's state counts by the transform's name in the chain (its counters, 0-d, count as "other")
-_CATEGORIES = {"shard_update": "optimizer", "accumulate": "accumulator"}
+# a transform's state counts by its type (whatever the transform is called in the chain), or, for an optimizer of
+# the user's own whose state type fzero cannot know, by the name `shard_update` gives it; counters (0-d) are "other"
+_KINDS: tuple[tuple[type, str], ...] = (
+    (AccumulateState, "accumulator"),
+    (AdamState, "optimizer"),
+    (SGDState, "optimizer"),
+)
+_CATEGORIES = {"shard_update": "optimizer"}
 
 
 def state_bytes(state: TrainState) -> dict[str, int]:
@@ -69,7 +78,9 @@ def state_bytes(state: TrainState) -> dict[str, int]:
             walk(tx_state, "other")
             return
         for name, sub in tx_state.items():
-            category = _CATEGORIES.get(name.split("#")[0])
+            category = next((c for kind, c in _KINDS if isinstance(sub, kind)), None) or _CATEGORIES.get(
+                name.split("#")[0]
+            )
             walk(sub, category) if category else walk_chain(sub)
 
     walk_chain(state.tx_state)

@@ -49,7 +49,7 @@ from .mesh import Ledger, Mesh, SimMesh
 from .ranks import ranks_of
 from .stage3 import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
-from .transforms import Context, Facts, Flow, Transform, gather_params, lookup, unit_reducer
+from .transforms import Context, Facts, Flow, GatherState, Transform, find, gather_params, unit_reducer
 from .transforms.collective import sharding_world
 from .transforms.scaling import current_loss_scale
 
@@ -112,7 +112,7 @@ def init(
     sharded_at_rest = flow.compute is not None and not layout.is_full(flow.compute)
     if frozen is not None:
         frozen = _frozen_at_rest(mesh, flay, frozen, sharded_at_rest)
-    if sharded_at_rest and not getattr(lookup(tx_state, "gather"), "keep", False):  # stage 3
+    if sharded_at_rest and not getattr(find(tx_state, GatherState), "keep", False):  # stage 3
         unit_reducer(tx)  # it reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
     cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
@@ -310,8 +310,7 @@ def _gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy:
 def keeps_gathered(state: TrainState) -> bool:
     """Whether the chain keeps lazily gathered units through the backward and an accumulation window (stages 1-2:
     `gather(lazy=True, keep=True)`)."""
-    gather = lookup(state.tx_state, "gather")
-    return bool(getattr(gather, "keep", False))
+    return bool(getattr(find(state.tx_state, GatherState), "keep", False))
 
 
 def _check_step_args(mesh: Any, loss_fn: Any, tx: Any, autodiff: Any) -> None:

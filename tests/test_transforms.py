@@ -17,6 +17,7 @@ from tests import transforms_worker
 from tests.chains import REDUCES, train
 from tests.spawn import spawn
 from tests.support import lm_batches, tiny_gpt
+from tests.test_stages import equal
 
 SPECS = st.fixed_dictionaries(
     {
@@ -148,3 +149,43 @@ def test_two_optimizers_in_one_chain_is_an_error():
     step = fzero.train_step(model, lambda p, b: torch.func.functional_call(model, p, (b,)).sum(), tx, mesh)
     with pytest.raises(ValueError, match="applied already"):
         step(fzero.init(model, tx, mesh), torch.ones(1, 1, 2))
+
+
+def _renamed(tx: fzero.Transform, nested: bool) -> fzero.Transform:
+    """A preset spelled out as a researcher would: every step under a name of their own, optionally in two nested
+    chains."""
+    pairs = [(f"my-{i}", t) for i, (_, t) in enumerate(tx.children)]
+    if not nested:
+        return fzero.named_chain(*pairs)
+    return fzero.named_chain(("head", fzero.named_chain(*pairs[:3])), ("tail", fzero.named_chain(*pairs[3:])))
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_chain_is_the_stage_its_transforms_make_whatever_their_names(stage, nested):
+    """What a chain does is read from its transforms' types, not their names: a preset renamed (or nested) trains
+    bitwise as the preset and moves the same collectives at every micro-step (stage 2 gathers nothing inside an
+    accumulation window; stage 1 is not mistaken for stage 3)."""
+    model = torch.manual_seed(0) and torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    mesh = fzero.SimMesh(2)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(2, 3, 16, generator=g)} for _ in range(4)]
+
+    def loss(params, batch):
+        return torch.func.functional_call(model, params, (batch["x"],)).square().mean()
+
+    runs = []
+    preset = getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2), accumulate=2)
+    for tx in (preset, _renamed(preset, nested)):
+        state = fzero.init(model, tx, mesh)
+        step = fzero.train_step(model, loss, tx, mesh)
+        ledgers = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            ledgers.append(metrics["comm"])
+        runs.append((fzero.state_dict(state), ledgers, fzero.state_bytes(state)))
+    (want, want_comm, want_bytes), (got, got_comm, got_bytes) = runs
+    assert equal(got, want)
+    assert got_comm == want_comm and got_bytes == want_bytes
+    if stage in (1, 2):
+        assert "all_gather" not in got_comm[1]  # the second micro-step of the window keeps the gathered units

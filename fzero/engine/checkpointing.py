@@ -33,7 +33,7 @@ from ..checkpoint import load as fzero_load
 from ..checkpoint import save as fzero_save
 from ..checkpoint.coord import Coordinator
 from ..mesh import SimMesh
-from ..transforms import lookup
+from ..transforms import AccumulateState, find
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -186,7 +186,7 @@ def _is_optimizer(key: str) -> bool:
 
 def _accumulated(state: Any) -> int | None:
     """The chain's micro-steps held since the last boundary (None without accumulation)."""
-    acc = lookup(state.tx_state, "accumulate")
+    acc = find(state.tx_state, AccumulateState)
     return None if acc is None or not hasattr(acc, "count") else int(acc.count)
 
 

@@ -12,6 +12,7 @@ from .base import (
     UnitFn,
     UpdateFn,
     chain,
+    find,
     grad_stats,
     identity,
     lookup,
@@ -20,7 +21,7 @@ from .base import (
     unit_reducer,
 )
 from .clipping import clip_by_global_norm
-from .collective import all_reduce, gather, gather_params, reduce_scatter
+from .collective import GatherState, all_reduce, gather, gather_params, reduce_scatter
 from .presets import zero0, zero1, zero2, zero3
 from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import current_loss_scale, scale_loss
@@ -32,6 +33,7 @@ __all__ = [
     "EmptyState",
     "Facts",
     "Flow",
+    "GatherState",
     "GradStats",
     "InitFn",
     "Transform",
@@ -42,6 +44,7 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "current_loss_scale",
+    "find",
     "gather",
     "gather_params",
     "grad_stats",

@@ -51,6 +51,7 @@ __all__ = [
     "UnitFn",
     "UpdateFn",
     "chain",
+    "find",
     "grad_stats",
     "identity",
     "lookup",
@@ -260,7 +261,9 @@ def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
     unit, reduces = _compose_units(pairs)
-    first_after = next((i + 1 for i, (_, t) in enumerate(pairs) if t.reduces), 0)
+    # where gradients that arrive reduced resume: after the reducing transform, or at it when it is a chain itself
+    # (it skips to after its own reduction, and runs what follows the reduction inside it)
+    first_after = next((i + (not t.children) for i, (_, t) in enumerate(pairs) if t.reduces), 0)
 
     def init(flow: Flow, ctx: Context) -> tuple[Flow, dict[str, Any]]:
         states = {}
@@ -346,6 +349,30 @@ def lookup(tx_state: Any, name: str) -> Any:
         found = lookup(sub, name)
         if found is not None:
             return found
+    return None
+
+
+def find(tx_state: Any, kind: type) -> Any:
+    """The first state of type `kind` in a chain's state (searching nested chains in order), or None.
+
+    What a transform *is* shows in the type of the state it keeps (`GatherState`, `AccumulateState`), which a
+    user's name for it in `named_chain` does not change; use this, not `lookup`, to ask what a chain does.
+
+    Example:
+      >>> import torch, fzero
+      >>> from fzero.transforms.collective import GatherState
+      >>> tx = fzero.named_chain(("r", fzero.reduce_scatter()), ("u", fzero.shard_update(fzero.adamw())),
+      ...                        ("g", fzero.gather(lazy=True, keep=True)))
+      >>> find(fzero.init(torch.nn.Linear(2, 2), tx, fzero.SimMesh(2)).tx_state, GatherState).keep
+      True
+    """
+    if isinstance(tx_state, kind):
+        return tx_state
+    if isinstance(tx_state, dict):
+        for sub in tx_state.values():
+            found = find(sub, kind)
+            if found is not None:
+                return found
     return None
 
 
