@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-from tests.bounds import assert_adam_close
+from tests.bounds import assert_adam_close, max_diff
 from tests.support import lm_batches, lm_loss, mlp, reference_run, regression_batches, regression_loss, tiny_gpt
 
 PRESETS = {"zero0": fzero.zero0, "zero1": fzero.zero1, "zero2": fzero.zero2, "zero3": fzero.zero3}
@@ -30,10 +30,6 @@ def run(model, loss_of, batches, world, micro, preset, opt=None, donate=False, a
     for batch in batches:
         state, _ = step(state, batch)
     return fzero.state_dict(state)
-
-
-def max_diff(a, b):
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
 
 
 def equal(a, b):
