@@ -4,7 +4,6 @@ tests and the 2-process gloo worker (`run`)."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 import fzero
 from fzero import process_group
-from tests.spawn import init_worker
+from tests.spawn import init_worker, report
 from tests.support import lm_batches, mlp, regression_batches, tiny_gpt
 
 
@@ -137,10 +136,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
     mesh = fzero.DistMesh()
     for stage, precision, kind in DIST_CASES:
         results["cases"][f"{stage}-{precision}-{kind}"] = compare_with_train_step(stage, precision, 2, kind, mesh)
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    report(rank, out_dir, results)
     process_group.shutdown()
 
 

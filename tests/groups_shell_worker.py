@@ -4,7 +4,6 @@ DeepSpeed-style shell on a tiny GPT-2, at stages 2 and 3, against plain `torch.o
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import torch
@@ -15,7 +14,7 @@ import fzero
 from fzero import process_group
 from tests.bounds import adam_check
 from tests.real_models import gpt2, token_batches
-from tests.spawn import init_worker
+from tests.spawn import init_worker, report
 
 WORLD = 2
 STEPS = 3
@@ -122,9 +121,6 @@ def run(rank: int, world: int, out_dir: str) -> None:
                     r["vs_reference"] = adam_check(params, want, gpt2().state_dict(), 1e-2, STEPS)  # lr: the largest
                     r["reference_lrs"] = want_lrs
                 results[f"{case}-{stage}"] = r
-        if rank == 0:
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(results, f)
-        dist.barrier()
+        report(rank, out_dir, results)
     finally:
         process_group.shutdown()

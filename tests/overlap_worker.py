@@ -3,16 +3,12 @@ backward (in-flight budgets from one element to all), against the same run waiti
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
-import torch.distributed as dist
 
 import fzero
 from fzero import process_group
-from tests.spawn import init_worker
-from tests.support import lm_batches, lm_loss, tiny_gpt
+from tests.spawn import init_worker, report
+from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 
 BUDGETS = {"wait": None, "one unit": 1, "all": 10**9}  # None: no overlap; 1: each waits for the one before
 CASES = [(preset, micro, reduce) for preset in ("zero0", "zero1", "zero2", "zero3") for micro in (1, 2)
@@ -42,12 +38,9 @@ def run(rank: int, world: int, out_dir: str) -> None:
         runs = {k: _train(preset, micro, reduce, b, mesh, rank) for k, b in BUDGETS.items()}
         base, comm, _ = runs["wait"]
         results[f"{preset}-{micro}-{reduce}"] = {
-            k: {"differ": [n for n in base if not torch.equal(base[n], got[n])], "same_comm": c == comm,
+            k: {"differ": differing(base, got), "same_comm": c == comm,
                 "peaks": peaks}
             for k, (got, c, peaks) in runs.items()
         }  # fmt: skip
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    report(rank, out_dir, results)
     process_group.shutdown()

@@ -3,16 +3,15 @@ against stage 2 (core: on a `SimMesh`, computed here too; shell: the same engine
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-import torch.distributed as dist
 
 import fzero
 from fzero import process_group
 from tests import patterns
-from tests.spawn import init_worker
+from tests.spawn import init_worker, report
+from tests.support import differing
 
 WORLD, STEPS = 2, 3
 
@@ -31,10 +30,6 @@ def _shell(p: patterns.Pattern, stage: int, rank: int) -> dict[str, torch.Tensor
     return engine.module_state_dict()
 
 
-def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(k for k in a if not torch.equal(a[k], b[k]))
-
-
 def run(rank: int, world: int, out_dir: str, cases: list[dict]) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the shell reads
@@ -47,10 +42,7 @@ def run(rank: int, world: int, out_dir: str, cases: list[dict]) -> None:
             data = patterns.batches(p, WORLD, 1, STEPS)
             want = patterns.train(p, "zero2", fzero.SimMesh(WORLD), data)
             core = patterns.train(p, "zero3", mesh, data, rank=rank)
-            results[i] = {"core": _differ(core, want), "shell": _differ(_shell(p, 3, rank), _shell(p, 2, rank))}
-        if rank == 0:
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(results, f)
-        dist.barrier()
+            results[i] = {"core": differing(core, want), "shell": differing(_shell(p, 3, rank), _shell(p, 2, rank))}
+        report(rank, out_dir, results)
     finally:
         process_group.shutdown()

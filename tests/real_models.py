@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
+from tests.support import differing
 
 warnings.filterwarnings("ignore", message=".*loss_type=None.*")
 
@@ -197,12 +198,7 @@ def reference(model: nn.Module, batches, lr: float = 1e-2) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a)
-
-
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    differ = differing(a, b)
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"

@@ -4,17 +4,16 @@ on a SimMesh (dropout on), and the DeepSpeed-style shell on Hugging Face models 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import torch
-import torch.distributed as dist
 
 import fzero
 from fzero import process_group
 from tests.bounds import adam_check
 from tests.real_models import frozen_embeddings, gpt2, lm_loss, lora, reference, token_batches
-from tests.spawn import init_worker
+from tests.spawn import init_worker, report
+from tests.support import differing
 
 WORLD = 2
 STEPS = 3
@@ -33,7 +32,7 @@ def _core_case(mesh, make, preset: str, checkpointing: bool) -> list[str]:
         for batch in token_batches(WORLD, STEPS, seed=11):
             state, _ = step(state, batch if m is not mesh else {k: v[mesh.rank] for k, v in batch.items()})
         out[m is mesh] = fzero.state_dict(state, m)
-    return [k for k in out[True] if not torch.equal(out[True][k], out[False][k])]
+    return differing(out[True], out[False])
 
 
 def _digest(tensors) -> str:
@@ -103,9 +102,6 @@ def run(rank: int, world: int, out_dir: str) -> None:
         for stage in (2, 3):
             for precision in ("fp32", "bf16"):
                 results["shell"][f"{stage}-{precision}"] = _shell_case(stage, precision, rank)
-        if rank == 0:
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(results, f)
-        dist.barrier()
+        report(rank, out_dir, results)
     finally:
         process_group.shutdown()

@@ -8,14 +8,17 @@ Workers end with `fzero.process_group.shutdown()`, so their gloo group is freed 
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fzero import process_group
 
-__all__ = ["WORKER_TIMEOUT", "init_worker", "spawn"]
+__all__ = ["WORKER_TIMEOUT", "init_worker", "report", "spawn"]
 
 WORKER_TIMEOUT = 180.0  # seconds; far above any collective's wait in these tests, even on a loaded 2-core machine
 
@@ -25,6 +28,14 @@ def init_worker(rank: int, world: int, store: str, timeout: float = WORKER_TIMEO
     process_group.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout
     )
+
+
+def report(rank: int, out_dir: str, results: Any) -> None:
+    """Rank 0 writes `results` as `out_dir/results.json` (what the test reads back); every rank waits until it has."""
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    dist.barrier()
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int) -> None:

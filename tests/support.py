@@ -66,6 +66,11 @@ def lm_batches(model: GPT, world: int, micro: int, per_rank: int, steps: int, se
     return out
 
 
+def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names of `a`'s tensors that are not bitwise those of `b`."""
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
 def reference_run(model: nn.Module, loss_of, batches, micro: int, make_opt) -> dict[str, torch.Tensor]:
     """Plain single-process training on the full batch: every rank's and micro-step's examples of one step
     concatenated, `loss.backward()`, `opt.step()`."""

@@ -3,27 +3,19 @@ against each other and against the same run on a SimMesh."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
-import torch.distributed as dist
 
 import fzero
 from fzero import process_group
 from tests.chains import train
-from tests.spawn import init_worker
-from tests.support import lm_batches, tiny_gpt
+from tests.spawn import init_worker, report
+from tests.support import differing, lm_batches, tiny_gpt
 
 SPECS = {
     "bf16": {"reduce": "bf16", "micro": 2, "scale": None, "clip": 0.5, "opt": "adamw"},
     "topk": {"reduce": "topk", "micro": 1, "scale": 64.0, "clip": None, "opt": "sgd"},
     "nested-cpu": {"reduce": "nested", "micro": 1, "scale": "none", "clip": None, "opt": "cpu_adamw"},
 }
-
-
-def _differ(a: dict, b: dict) -> list[str]:
-    return [k for k in a if not torch.equal(a[k], b[k])]
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
@@ -37,10 +29,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
             mine = [{k: v[rank] for k, v in b.items()} for b in batches]
             two, three = train(spec, 2, mesh, mine), train(spec, 3, mesh, mine)
             sim = train(spec, 3, fzero.SimMesh(world), batches)
-            results[name] = {"stage3_vs_stage2": _differ(three, two), "dist_vs_sim": _differ(three, sim)}
-        if rank == 0:
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(results, f)
-        dist.barrier()
+            results[name] = {"stage3_vs_stage2": differing(three, two), "dist_vs_sim": differing(three, sim)}
+        report(rank, out_dir, results)
     finally:
         process_group.shutdown()
