@@ -19,7 +19,7 @@ from .memory import state_bytes
 from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, param_groups, sgd
 from .precision import Policy, get_policy
-from .stage3 import GatherPolicy
+from .units import GatherPolicy
 from .state import TrainState, pytree
 from .step import eval_step, init, state_dict, train_step
 from .transforms import (

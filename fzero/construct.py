@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .layout import Layout, dtype_of
-from .mesh import Mesh, SimMesh
+from .mesh import Mesh
 
 __all__ = ["sharded_parameters"]
 
@@ -176,7 +176,7 @@ def sharded_parameters(
                 pieces[space].append(mesh.local_shard(flat, axis=lay.axis))
                 continue
             rows = flat.view(*flat.shape[:-1], layout.world, -1)  # [(world,) world, unit shard]
-            if isinstance(mesh, SimMesh):
+            if mesh.stacked:
                 pieces[space].append(torch.stack([rows[r, r] for r in range(layout.world)]))
             else:
                 pieces[space].append(rows[mesh.rank].clone())

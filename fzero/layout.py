@@ -1,5 +1,8 @@
 """How a parameter pytree maps into one padded flat buffer and its per-rank shards.
 
+(Over 500 lines: offsets, padding, units, the unit- and rank-major orders and the hybrid axis are one set of
+invariants that every other module and every checkpoint relies on; they are kept and tested together.)
+
 A `Layout` is static, pure and serialisable: names, shapes, dtypes and offsets, never values.
 
 Trainable parameters are grouped into **units** (by default one per child of each `nn.ModuleList`, plus one for

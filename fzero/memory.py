@@ -28,21 +28,14 @@ from __future__ import annotations
 import optree
 from torch import Tensor
 
-from .optim import AdamState
-from .optim.sgd import SGDState
+from .plan import Role
 from .state import TrainState
-from .transforms import AccumulateState
 
 __all__ = ["state_bytes"]
 
-# a transform's state counts by its type (whatever the transform is called in the chain), or, for an optimizer of
-# the user's own whose state type fzero cannot know, by the name `shard_update` gives it; counters (0-d) are "other"
-_KINDS: tuple[tuple[type, str], ...] = (
-    (AccumulateState, "accumulator"),
-    (AdamState, "optimizer"),
-    (SGDState, "optimizer"),
-)
-_CATEGORIES = {"shard_update": "optimizer"}
+# a role's state counts under its category (the plan says which transform plays it, whatever its name or type);
+# counters (0-d) are "other"
+_CATEGORIES: dict[Role, str] = {"update": "optimizer", "accumulate": "accumulator"}
 
 
 def state_bytes(state: TrainState) -> dict[str, int]:
@@ -73,17 +66,9 @@ def state_bytes(state: TrainState) -> dict[str, int]:
             if isinstance(leaf, Tensor):  # a leaf that is no tensor (a number in a custom state) holds no memory
                 add(category if leaf.ndim else "other", leaf)
 
-    def walk_chain(tx_state: object) -> None:
-        if not isinstance(tx_state, dict):
-            walk(tx_state, "other")
-            return
-        for name, sub in tx_state.items():
-            category = next((c for kind, c in _KINDS if isinstance(sub, kind)), None) or _CATEGORIES.get(
-                name.split("#")[0]
-            )
-            walk(sub, category) if category else walk_chain(sub)
-
-    walk_chain(state.tx_state)
+    for role, category in _CATEGORIES.items():
+        walk(state.plan.state_of(state.tx_state, role), category)
+    walk(state.tx_state, "other")  # the rest (seen tensors are not counted twice)
     if state.frozen is not None:
         add("frozen", state.frozen)
     for rest in (state.buffers, state.step, state.seed):

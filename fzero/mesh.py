@@ -1,5 +1,8 @@
 """Who am I, how many are we, and the collectives, with a ledger of what they move.
 
+(Over 500 lines: the two implementations of one protocol, `SimMesh` and `DistMesh`, sit side by side so that their
+arithmetic, rank-ordered sums divided by `world`, reads the same: the suite holds them bitwise equal.)
+
 Every collective fzero issues goes through a `Mesh`. Values are *per-rank*:
 
 - on `DistMesh` a per-rank value is this process's tensor;
@@ -146,9 +149,21 @@ class Mesh(Protocol):
     it)."""
 
     world: int
+    # per-rank values carry a leading `[world, ...]` axis (all ranks in this process, `SimMesh`), or are this
+    # process's own tensors (`DistMesh`): what a caller shapes batches, states and per-rank loops by
+    stacked: bool
 
     @property
     def rank(self) -> int | Tensor: ...
+
+    @property
+    def axes(self) -> tuple[str, ...]: ...
+
+    def size(self, axis: str | None = None) -> int: ...
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None: ...
+
+    def exchange(self, x: Tensor) -> Tensor: ...
 
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
 
@@ -281,6 +296,7 @@ class SimMesh(_LedgerMixin):
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ValueError(f"SimMesh(world=...) needs an int >= 1, got {world!r}")
         self.world = world
+        self.stacked = True
         self._ledgers: list[Ledger] = []
         # one 1-D mesh per axis does each group's arithmetic: the same code, so the same bits, as SimMesh(size)
         self._sub = {name: SimMesh(n) for name, n in self.shape.items()}
@@ -289,6 +305,13 @@ class SimMesh(_LedgerMixin):
         if self.shape:
             return f"SimMesh(shape={self.shape})"
         return f"SimMesh(world={self.world})"
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        """Nothing to do: the simulated ranks run in one process and cannot wait for one another."""
+
+    def exchange(self, x: Tensor) -> Tensor:
+        """Every rank's `x` (`[world, ...]`), as `DistMesh.exchange` gives each rank: here, `x` itself."""
+        return x
 
     @property
     def rank(self) -> Tensor:
@@ -588,6 +611,7 @@ class DistMesh(_LedgerMixin):
             process_group.set_timeout(delta, group)
         process_group.shutdown_at_exit()
         self.group = group
+        self.stacked = False
         self.world = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
         self._timeout = delta

@@ -201,4 +201,4 @@ class DistRanks:
 
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:
     """The strategy for `mesh` (see the module docstring)."""
-    return SimRanks(mesh) if isinstance(mesh, SimMesh) else DistRanks(mesh)
+    return SimRanks(mesh) if mesh.stacked else DistRanks(mesh)

@@ -17,6 +17,7 @@ import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
 from .layout import Layout
+from .plan import Plan
 
 __all__ = ["TrainState", "pytree"]
 
@@ -43,6 +44,8 @@ class TrainState:
       layout: the static map from names to flat offsets and shards.
       frozen_dtype: the dtype frozen parameters are computed in (static; None: their own). Set from the compute
         dtype the chain casts trainable parameters to, so that a mixed-precision forward sees one dtype.
+      plan: what the chain does to a step (`fzero.Plan`, static), derived at `init`; every run-time decision
+        reads it.
     """
 
     step: Tensor
@@ -55,6 +58,7 @@ class TrainState:
     # (optree's `field` takes `pytree_node`; its stubs are dataclasses')
     layout: Layout = optree.dataclasses.field(pytree_node=False)  # type: ignore[call-overload]
     frozen_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)  # type: ignore[call-overload]
+    plan: Plan | None = optree.dataclasses.field(default=None, pytree_node=False)  # type: ignore[call-overload]
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields replaced (the state itself is frozen)."""
@@ -62,14 +66,14 @@ class TrainState:
 
     @property
     def simulated(self) -> bool:
-        """Whether the state belongs to a `SimMesh` (per-rank values on a leading world axis)."""
-        return self.params.ndim == 2
+        """Whether the state belongs to a `SimMesh` (per-rank values on a leading world axis): `plan.stacked`."""
+        return self.plan.stacked if self.plan is not None else self.params.ndim == 2
 
     @property
     def sharded_at_rest(self) -> bool:
-        """Whether the compute parameters are kept as this rank's shard between steps (stage 3): the step then
-        gathers them, and the frozen parameters, one unit at a time."""
-        return self.compute is not None and not self.layout.is_full(self.compute)
+        """Whether the compute parameters are kept as this rank's shard between steps (stages 1-3): the step then
+        gathers them, and the frozen parameters, one unit at a time (`plan.sharded_at_rest`)."""
+        return self.plan is not None and self.plan.sharded_at_rest
 
 
 def register_torch_pytree(cls: type) -> type:

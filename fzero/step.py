@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,21 +38,21 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from . import rng
-from .agreement import agree
 from .bind import bound
 from .construct import sharded_parameters
 from .layout import Layout, flatten, from_module, to_rank_major, unflatten, unshard
-from .mesh import Ledger, Mesh, SimMesh
+from .mesh import Mesh
+from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
 from .ranks import ranks_of
-from .stage3 import Abandoned, GatherPolicy, frozen_shard, sharded_backward
+from .units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
-from .transforms import Context, Facts, Flow, GatherState, Transform, find, gather_params, unit_reducer
+from .transforms import Context, Flow, Transform, gather_params, plan_of, unit_reducer
 from .transforms.collective import sharding_world
-from .transforms.scaling import current_loss_scale
 
-__all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "state_dict", "train_step"]
+__all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "named_tensors", "state_dict", "train_step"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
@@ -109,16 +108,17 @@ def init(
     if meta and not flow.sharded:
         raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
                          "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
-    sharded_at_rest = flow.compute is not None and not layout.is_full(flow.compute)
+    compute_dtype = flow.compute.dtype if flow.compute is not None else flow.params.dtype
+    plan = plan_of(tx, sharded=flow.sharded, world=layout.world, stacked=mesh.stacked, compute_dtype=compute_dtype)
     if frozen is not None:
-        frozen = _frozen_at_rest(mesh, flay, frozen, sharded_at_rest)
-    if sharded_at_rest and not getattr(find(tx_state, GatherState), "keep", False):  # stage 3
+        frozen = _frozen_at_rest(mesh, flay, frozen, plan.sharded_at_rest, meta)
+    if plan.sharded_at_rest and plan.gather == "lazy":  # stage 3
         unit_reducer(tx)  # it reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
     cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
     frozen_dtype = flow.compute.dtype if cast and flay is not None and flay.torch_dtype != flow.compute.dtype else None
     return TrainState(
-        count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype
+        count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype, plan
     )
 
 
@@ -144,10 +144,10 @@ def _seed(mesh: Mesh, seed: int | None) -> Tensor:
     return mesh.unreplicate(mesh.broadcast(mesh.replicate(torch.tensor(rng.fold(start), dtype=torch.int64)), 0))
 
 
-def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool) -> Tensor:
+def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool, presharded: bool) -> Tensor:
     """The frozen buffer as the stage keeps it: this rank's shard where compute parameters are sharded at rest,
     else full (`frozen` is full, or a shard when constructed sharded from `meta`)."""
-    full = flay.is_full(frozen)
+    full = not presharded or flay.world == 1
     if sharded and full and flay.world > 1:
         if flay.axis is not None:
             return mesh.local_shard(to_rank_major(flay, frozen), axis=flay.axis)
@@ -178,7 +178,7 @@ def _warn_single_unit(layout: Layout) -> None:
 
 
 def _check_batch(batch: Any, mesh: Mesh) -> None:
-    if not isinstance(mesh, SimMesh):
+    if not mesh.stacked:
         return
     for path, leaf in zip(*optree.tree_flatten_with_path(batch)[:2], strict=False):
         where = "batch" + "".join(f"[{p!r}]" for p in path)
@@ -217,18 +217,6 @@ def rank_seeds(state: TrainState, mesh: Mesh, *tags: int) -> Tensor:
     """Each rank's seed for the state's current micro-step (`fzero.rng`), per rank (int64)."""
     base, step, ranks = int(state.seed), int(state.step), ranks_of(mesh)
     return ranks.stack([torch.tensor(rng.fold(base, step, r, *tags), dtype=torch.int64) for r in ranks.indices])
-
-
-def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffers: dict[str, Tensor]) -> dict:
-    """Every name `loss_fn` (or `functional_call`) expects: views of the full compute and frozen buffers, tied
-    names included, and the buffers."""
-    out = unflatten(layout, compute)
-    if frozen is not None:
-        out.update(unflatten(layout.frozen_layout, frozen))
-    for alias, name in layout.aliases:
-        out[alias] = out[name]
-    out.update(buffers)
-    return out
 
 
 def train_step(
@@ -274,16 +262,23 @@ def train_step(
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, mesh)
         _check_batch(batch, mesh)
-        with mesh.record() as ledger:
-            grads, loss, aux, buffers, info = _gradients(run, state, batch, mesh, policy, tx, autodiff, ledger)
-            gathered = info.pop("gathered")
-            new, metrics = apply_gradients(
-                state.replace(buffers=buffers), grads, loss, tx, mesh, donate=donate, reduced=info.pop("reduced")
-            )
-            if not (metrics["applied"] or metrics["skipped"]) and keeps_gathered(state) and gathered is not None:
-                new = new.replace(compute=gathered)  # an accumulation window: the parameters did not change
-            metrics.update(info)
-        metrics["comm"] = ledger.as_dict()
+        micro = MicroStep(state, tx, mesh, policy, autodiff)
+        failure, out = None, (None, None, None, None, {})
+        try:
+            with record_function("fzero.forward_backward"):
+                if micro.per_unit:  # reduce each unit as it completes
+                    out = _unit_gradients(run, state, batch, mesh, policy, micro)
+                else:
+                    out = _whole_gradients(run, state, batch, mesh, autodiff)
+        except Abandoned as e:  # this rank failed; the step's collectives were completed: the ranks still agree
+            failure = e.error
+        except BaseException:
+            micro.abandon()
+            raise
+        grads, loss, aux, buffers, info = out
+        new, metrics = micro.close(grads, loss, reduced=info.pop("reduced", False), buffers=buffers,
+                                   gathered=info.pop("gathered", None), donate=donate, failure=failure)  # fmt: skip
+        metrics.update(info)
         if has_aux:
             metrics["aux"] = aux
         return new, metrics
@@ -291,26 +286,10 @@ def train_step(
     return step
 
 
-def _gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy, tx: Transform,
-               autodiff: str, ledger: Ledger) -> tuple:  # fmt: skip
-    """The step's gradients (reduced unit by unit where the chain can), once every rank agrees it ran this step
-    (`fzero.agreement`: else `DesyncError` on every rank)."""
-    failure = None
-    try:
-        if autodiff == "autograd" and tx.reduces and tx.unit is not None:  # reduce each unit as it completes
-            out = _unit_gradients(run, state, batch, mesh, policy, tx)
-        else:
-            out = _whole_gradients(run, state, batch, mesh, autodiff)
-    except Abandoned as e:
-        failure = e.error
-    agree(mesh, int(state.step), ledger.total("calls"), failure)
-    return out
-
-
 def keeps_gathered(state: TrainState) -> bool:
     """Whether the chain keeps lazily gathered units through the backward and an accumulation window (stages 1-2:
-    `gather(lazy=True, keep=True)`)."""
-    return bool(getattr(find(state.tx_state, GatherState), "keep", False))
+    `gather(lazy=True, keep=True)`): `state.plan.keep_gathered`."""
+    return state.plan.keep_gathered
 
 
 def _check_step_args(mesh: Any, loss_fn: Any, tx: Any, autodiff: Any) -> None:
@@ -334,7 +313,7 @@ class _Forward:
         out = self.loss_fn(named, batch)
         loss, aux = out if self.has_aux else (out, None)
         _check_loss(loss)
-        return _scaled(state, loss), loss.detach(), aux
+        return scaled(state, loss), loss.detach(), aux
 
     def backward(self, state: TrainState, named: dict[str, Tensor], batch: Any, seed: Tensor) -> tuple[Tensor, Any]:
         """Forward and backward with `named` bound into the model and the rank's random stream; the loss and aux.
@@ -369,7 +348,7 @@ def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, a
     try:
         grads, loss, aux, buffers = mesh.map(local, compute, frozen, state.buffers, batch, rank_seeds(state, mesh))
     except Exception as e:
-        if isinstance(mesh, SimMesh):
+        if mesh.stacked:  # every rank failed together: nothing to complete
             raise
         raise Abandoned(e) from e  # a local forward and backward: no collective of the step is left to pair
     peak = layout.numel + (layout.frozen_layout.numel if frozen is not None else 0)
@@ -397,12 +376,11 @@ def _func_grads(run: _Forward, state, compute, frozen, buffers, batch, seed) -> 
     return grads, (out if run.has_aux else (out[0], None))
 
 
-def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy, tx: Transform):
+def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, policy: GatherPolicy,
+                    micro: MicroStep) -> tuple:  # fmt: skip
     """Gradients with one unit gathered at a time (stage 3), reduced unit by unit during the backward by the
-    chain's own reduction (`unit_reducer`)."""
+    chain's own reduction (`MicroStep.reducer`)."""
     ranks, seeds = ranks_of(mesh), rank_seeds(state, mesh)
-    unit = unit_reducer(tx)
-    ctx = Context(mesh, state.layout, overlap=policy.overlap_reduce)
 
     def rank_run(params: dict[str, Tensor], rank: int):
         buffers = {k: v.clone() for k, v in ranks.pick(state.buffers, rank).items()}
@@ -412,8 +390,8 @@ def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, po
     frozen = frozen_shard(state.frozen, state.frozen_dtype)  # cast once: gathers then move the compute dtype
     compute = state.compute if state.compute is not None else state.params
     grads, outs, info = sharded_backward(
-        mesh, state.layout, run.model, (compute, frozen), policy, lambda g, i: unit(g, i, ctx), rank_run,
-        keeps_gathered(state),
+        mesh, state.layout, run.model, (compute, frozen), policy, micro.reducer(), rank_run,
+        state.plan.keep_gathered,
     )  # fmt: skip
     loss, aux, buffers = (ranks.stack([o[k] for o in outs]) for k in range(3))
     return grads, loss, aux, buffers, {"reduced": True, **info}
@@ -450,7 +428,8 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
                 return fn(named, ranks.pick(batch, rank))
 
         if state.sharded_at_rest:
-            shards = (state.compute, frozen_shard(state.frozen, state.frozen_dtype))
+            compute = state.compute if state.compute is not None else state.params
+            shards = (compute, frozen_shard(state.frozen, state.frozen_dtype))
             return ranks.stack(sharded_backward(mesh, state.layout, model, shards, policy, None, rank_run)[1])
         compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
         outs = []
@@ -462,80 +441,6 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
     return evaluate
 
 
-def _scale_of(state: TrainState) -> float:
-    scale = current_loss_scale(state.tx_state)
-    return 1.0 if scale is None else scale.loss_scale
-
-
-def _scaled(state: TrainState, loss: Tensor) -> Tensor:
-    """The loss the backward differentiates: times the loss scale (unscaled later: `Facts.grad_factor`)."""
-    scale = current_loss_scale(state.tx_state)
-    return loss if scale is None else scale.scale(loss)
-
-
-def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
-    """The full compute parameters per rank for the next forward: `state.compute`, all-gathered where the stage
-    keeps them sharded at rest (the first half of a step; `apply_gradients` is the second)."""
-    compute = state.compute
-    if compute is None:  # a chain without gather(): the master parameters are the compute parameters
-        compute = state.params
-    if not state.layout.is_full(compute):  # sharded at rest (stage 3)
-        compute = gather_params(mesh, state.layout, compute)
-    return compute
-
-
-def frozen_params(state: TrainState, mesh: Mesh) -> Tensor | None:
-    """The full frozen parameters per rank, in the dtype the forward computes in (None without any)."""
-    frozen = state.frozen
-    if frozen is None:
-        return None
-    flay = state.layout.frozen_layout
-    dtype = state.frozen_dtype
-    return gather_params(mesh, flay, frozen, dtype) if not flay.is_full(frozen) else frozen.to(dtype or frozen.dtype)
-
-
-def apply_gradients(
-    state: TrainState,
-    grads: Tensor,
-    loss: Tensor,
-    tx: Transform,
-    mesh: Mesh,
-    *,
-    donate: bool = False,
-    reduced: bool = False,
-) -> tuple[TrainState, dict[str, Any]]:
-    """The second half of a step: run per-rank gradients through the transform chain.
-
-    Args:
-      state: the state the gradients were computed from (its `buffers` already the forward's updated ones).
-      grads: per rank, the gradient of `loss` times the loss scale with respect to `compute_params(state, mesh)`.
-      loss: per rank, the unscaled loss (reported as its mean over ranks).
-      tx, mesh, donate: as for `train_step`.
-      reduced: the gradients are already this rank's shard of the mean over ranks (stage 3's unit-by-unit
-        reduction during the backward).
-
-    Returns:
-      The new state and the metrics (all of `train_step`'s but `comm` and `aux`).
-    """
-    layout = state.layout
-    scale = _scale_of(state)
-    facts = Facts(grad_factor=1.0 / scale, reduced=reduced)
-    flow = Flow(grads, state.params, state.compute, sharded=not layout.is_full(grads), facts=facts)
-    flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
-    loss = mesh.all_reduce(loss.detach().float(), "mean")
-    new = state.replace(step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state)
-    metrics: dict[str, Any] = {
-        "loss": mesh.unreplicate(loss),
-        "applied": not flow.facts.deferred,
-        "skipped": False,
-        "loss_scale": scale,
-    }
-    if flow.facts.stats is not None:
-        metrics["grad_norm"] = math.sqrt(flow.facts.stats.sumsq) / scale
-    metrics.update(flow.facts.metrics)
-    return new, metrics
-
-
 def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]:
     """The consolidated parameters (master dtype), frozen parameters (their own dtype) and persistent buffers, by
     name: exactly the keys of the model's `state_dict()` (tied parameters under every name), what
@@ -545,13 +450,15 @@ def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]
       state: a `TrainState`.
       mesh: needed for a `DistMesh` state with sharded parameters (it all-gathers them: call it on every rank).
     """
-    layout = state.layout
+    layout, plan = state.layout, state.plan
     first = (lambda t: t[0]) if state.simulated else (lambda t: t)
     tensors = {}
-    for lay, flat in ((layout, state.params), (layout.frozen_layout, state.frozen)):
+    spaces = ((layout, state.params, plan.sharded and layout.world > 1), (layout.frozen_layout, state.frozen,
+              plan.sharded_at_rest))  # fmt: skip
+    for lay, flat, sharded in spaces:
         if flat is None:
             continue
-        if lay.is_full(flat):
+        if not sharded:
             full = first(flat)
         elif state.simulated:  # (hybrid: the first shard group's rows, the sharding axis being innermost)
             full = unshard(lay, flat if lay.axis is None else flat[: lay.world])

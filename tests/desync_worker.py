@@ -102,3 +102,32 @@ def run(rank: int, world: int, out_dir: str) -> None:
         json.dump(results, f)
     dist.barrier()
     process_group.shutdown()
+
+
+def shell(rank: int, world: int, out_dir: str) -> None:
+    """The shell's half: `fzero.initialize` engines whose ranks are at different micro-steps (as after resuming
+    from different checkpoints) at stages 0-3; per stage and step, the `DesyncError` raised (in_step, text)."""
+    torch.set_num_threads(1)
+    init_worker(rank, world, f"{out_dir}/store")
+    results = {}
+    for stage in (0, 1, 2, 3):
+        model = Drop()
+        config = {"train_batch_size": 3 * world, "train_micro_batch_size_per_gpu": 3,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}  # fmt: skip
+        engine, *_ = fzero.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine.state = engine.state.replace(step=engine.state.step + rank)
+        data = batches(world, [[[], []]] * 2)
+        errors = []
+        for batch in data:
+            try:
+                engine.backward(engine(batch["x"][rank], batch["skip"][rank]).square().mean())
+                engine.step()
+                errors.append(None)
+            except fzero.DesyncError as e:
+                engine.zero_grad()
+                errors.append([e.in_step, str(e)])
+        results[str(stage)] = {"errors": errors, "micro_steps": engine.micro_steps}
+    with open(os.path.join(out_dir, f"shell-{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    process_group.shutdown()

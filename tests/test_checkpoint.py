@@ -3,6 +3,7 @@ consolidate to a plain state_dict (function and command), and the directory a sa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import tempfile
@@ -316,7 +317,8 @@ def test_structure_mismatch_strict_and_select(tmp_path):
 def test_load_into_dist_state_without_mesh_is_explained(tmp_path):
     model = mlp([3, 2], 0)
     state = fzero.init(model, fzero.zero2(fzero.sgd(0.1)), fzero.SimMesh(2))
-    fake = state.replace(params=state.params[0], compute=state.compute[0])  # the form of one DistMesh rank
+    plan = dataclasses.replace(state.plan, stacked=False)
+    fake = state.replace(params=state.params[0], compute=state.compute[0], plan=plan)  # one DistMesh rank's form
     with pytest.raises(TypeError, match="needs its mesh"):
         fzero.save(fake, tmp_path)
     with pytest.raises(TypeError, match="needs its mesh"):

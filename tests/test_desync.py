@@ -69,3 +69,23 @@ def test_ranks_at_different_steps_raise_on_every_rank(runs):
         _, errors = runs[rank]["out of step"]
         assert errors[0] is not None and errors[0][1] is False, errors
         assert "out of step (rank 0: micro-step 0" in errors[0][2] and "rank 1: micro-step 1" in errors[0][2]
+
+
+@pytest.fixture(scope="module")
+def shell_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shell-desync")
+    spawn(w.shell, (2, str(tmp)), 2)
+    return [json.loads((tmp / f"shell-{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_shell_checks_the_ranks_agree_as_the_core_does(shell_runs, stage):
+    """`engine.step()` closes its micro-step with the core's own `MicroStep.close`: engines at different steps
+    raise `DesyncError` on every rank, in the first step, before any update (and keep raising: nothing applied)."""
+    for rank in (0, 1):
+        run = shell_runs[rank][str(stage)]
+        assert run["micro_steps"] == 0, run  # no step was taken on either rank
+        for in_step, text in run["errors"]:
+            assert in_step is False
+            assert "out of step (rank 0: micro-step 0" in text and "rank 1: micro-step 1" in text

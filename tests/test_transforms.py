@@ -4,6 +4,7 @@ reduce wrappers give bitwise the same parameters at stage 3 as at stage 2 (SimMe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -145,10 +146,10 @@ def test_state_shapes(stage):
 def test_two_optimizers_in_one_chain_is_an_error():
     tx = fzero.chain(fzero.all_reduce(), fzero.shard_update(fzero.sgd(0.1)), fzero.shard_update(fzero.sgd(0.1)))
     model = torch.nn.Linear(2, 1)
-    mesh = fzero.SimMesh(1)
-    step = fzero.train_step(model, lambda p, b: torch.func.functional_call(model, p, (b,)).sum(), tx, mesh)
-    with pytest.raises(ValueError, match="applied already"):
-        step(fzero.init(model, tx, mesh), torch.ones(1, 1, 2))
+    with pytest.raises(
+        ValueError, match="two transforms that update the parameters: 'shard_update' and 'shard_update#1'"
+    ):  # refused at init, before any step
+        fzero.init(model, tx, fzero.SimMesh(1))
 
 
 def _renamed(tx: fzero.Transform, nested: bool) -> fzero.Transform:
@@ -183,9 +184,44 @@ def test_a_chain_is_the_stage_its_transforms_make_whatever_their_names(stage, ne
         for batch in batches:
             state, metrics = step(state, batch)
             ledgers.append(metrics["comm"])
-        runs.append((fzero.state_dict(state), ledgers, fzero.state_bytes(state)))
-    (want, want_comm, want_bytes), (got, got_comm, got_bytes) = runs
+        runs.append((fzero.state_dict(state), ledgers, fzero.state_bytes(state), state.plan))
+    (want, want_comm, want_bytes, want_plan), (got, got_comm, got_bytes, got_plan) = runs
     assert equal(got, want)
     assert got_comm == want_comm and got_bytes == want_bytes
+    assert got_plan.stage == want_plan.stage == stage
+    assert dataclasses.replace(got_plan, paths=()) == dataclasses.replace(want_plan, paths=())
+    assert [role for role, _ in got_plan.paths] == [role for role, _ in want_plan.paths]
     if stage in (1, 2):
         assert "all_gather" not in got_comm[1]  # the second micro-step of the window keeps the gathered units
+
+
+PLANS = {  # stage: (sharded, accumulate_before_reduce, gather, sharded_at_rest, keep_gathered)
+    0: (False, True, "now", False, False),
+    1: (True, True, "keep", True, True),
+    2: (True, False, "keep", True, True),
+    3: (True, False, "lazy", True, False),
+}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_each_stage_has_its_plan_and_holds_the_zero_memory(stage, precision):
+    """The plan each preset makes, and the model-state memory a rank holds under it (fzero.memory's table): N
+    padded parameters, W ranks, fp32 master and Adam (12 N, over W where sharded), the compute copy (2 N
+    in bf16, none in fp32: it is the master tensor), an fp32 accumulator of full (stages 0-1) or sharded gradients."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    world = 4
+    state = fzero.init(model, getattr(fzero, f"zero{stage}")(fzero.adamw(), accumulate=2, precision=precision),
+                       fzero.SimMesh(world))  # fmt: skip
+    plan = state.plan
+    assert (plan.sharded, plan.accumulate_before_reduce, plan.gather, plan.sharded_at_rest, plan.keep_gathered) == (
+        PLANS[stage]
+    )
+    assert (plan.stage, plan.accumulate, plan.world, plan.stacked, plan.per_unit) == (stage, 2, world, True, stage >= 2)
+    assert plan.compute_dtype == (torch.bfloat16 if precision else torch.float32)
+    n = state.layout.numel
+    shard = n // world if stage else n
+    got = fzero.state_bytes(state)
+    assert got["master"] == 4 * shard and got["optimizer"] == 8 * shard
+    assert got["compute"] == (2 * shard if precision else 0)
+    assert got["accumulator"] == 4 * (n if stage < 2 else n // world)

@@ -30,7 +30,7 @@ from .. import optim
 from ..loss_scale import DynamicLossScale
 from ..optim import Hyper, Optimizer, hyper_value
 from ..precision import Policy, get_policy
-from ..stage3 import GatherPolicy
+from ..units import GatherPolicy
 from ..transforms import (
     Transform,
     zero0,

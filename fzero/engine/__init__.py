@@ -174,7 +174,7 @@ def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:
         return None
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-    if isinstance(mesh, SimMesh):
+    if mesh.stacked:
         sampler = RandomSampler(data)
     else:
         sampler = DistributedSampler(data, num_replicas=mesh.world, rank=int(mesh.rank))
@@ -242,7 +242,7 @@ def initialize(
     mesh = mesh if mesh is not None else default_mesh()
     cfg = parse_config(source, world=mesh.world)
     timeout = cfg["comms_config"]["timeout"]
-    if timeout is not None and isinstance(mesh, DistMesh):
+    if timeout is not None:
         mesh.set_timeout(timeout)
     model.to(device)
     spec, view, groups = _optimizer(model, cfg, optimizer, model_parameters)

@@ -24,7 +24,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -32,11 +32,7 @@ from ..checkpoint import CheckpointError, CheckpointNotFoundError, IncompatibleC
 from ..checkpoint import load as fzero_load
 from ..checkpoint import save as fzero_save
 from ..checkpoint.coord import Coordinator
-from ..mesh import SimMesh
-from ..transforms import AccumulateState, find
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .counters import Checkpointable, EngineCounters
 
 __all__ = ["ENGINE_FORMAT", "check_json", "load_checkpoint", "save_checkpoint"]
 
@@ -81,7 +77,7 @@ def check_json(value: Any, where: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ save
-def _hypers(engine: Engine) -> list[dict[str, Any]]:
+def _hypers(engine: Checkpointable) -> list[dict[str, Any]]:
     """The hyper-parameters a client scheduler moves (lr, betas), per param group, as JSON."""
     groups = []
     for group in engine.optimizer.param_groups:
@@ -94,37 +90,29 @@ def _hypers(engine: Engine) -> list[dict[str, Any]]:
     return groups
 
 
-def _record(engine: Engine) -> dict[str, Any]:
+def _record(engine: Checkpointable) -> dict[str, Any]:
     """What the engine knows beyond the `TrainState`: DeepSpeed's counters and the open window's losses."""
     scheduler = None
     if engine.client_scheduler is not None and hasattr(engine.client_scheduler, "state_dict"):
         scheduler = engine.client_scheduler.state_dict()
         check_json(scheduler, "lr_scheduler.state_dict()")
-    norm = engine._global_grad_norm
     return {
         "format": ENGINE_FORMAT,
         "version": ENGINE_VERSION,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
-        "applied_updates": engine._applied_fallback,
+        **engine.counters.to_json(),
         "gradient_accumulation_steps": engine.config.gas,
         "train_batch_size": engine.config.train_batch_size,
         "world": engine.mesh.world,
         "stage": engine.config.stage,
-        # exact floats (hex), NaN and infinity included: the open window's losses make the next step's mean
-        "step_losses": [float(x).hex() for x in engine._step_losses],
-        "global_grad_norm": None if norm is None else float(norm).hex(),
         "overflow": bool(engine.optimizer.overflow),
         "param_groups": _hypers(engine),
         "lr_scheduler": scheduler,
     }
 
 
-def _agree_on_tag(engine: Engine, tag: str) -> None:
+def _agree_on_tag(engine: Checkpointable, tag: str) -> None:
     """DeepSpeed validates the tag across ranks; different tags would make the ranks write different directories."""
-    if isinstance(engine.mesh, SimMesh) or engine.mesh.world == 1:
+    if engine.mesh.stacked or engine.mesh.world == 1:
         return
     coord = Coordinator(engine.mesh, distributed=True, world=engine.mesh.world, device=engine.state.params.device)
     tags = coord.exchange(tag)
@@ -136,7 +124,7 @@ def _agree_on_tag(engine: Engine, tag: str) -> None:
 
 
 def save_checkpoint(
-    engine: Engine,
+    engine: Checkpointable,
     save_dir: str | os.PathLike[str],
     tag: Any = None,
     client_state: Mapping[str, Any] | None = None,
@@ -151,21 +139,21 @@ def save_checkpoint(
             "save_checkpoint(exclude_frozen_parameters=True) is not supported: fzero checkpoints hold the whole "
             "training state (frozen parameters are small leaves; consolidate() gives a state_dict to filter)"
         )
-    engine._check_between_steps("save_checkpoint")
+    engine.check_between_steps("save_checkpoint")
     client_state = {} if client_state is None else client_state
     if not isinstance(client_state, Mapping):
         raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
     check_json(client_state, "client_state")
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # DeepSpeed's default, and str(tag)
+    tag = f"global_step{engine.counters.global_steps}" if tag is None else str(tag)  # DeepSpeed's default, and str(tag)
     _agree_on_tag(engine, tag)
     user_state = {"client_state": dict(client_state), "engine": _record(engine)}
     check_json(engine.config.values, "config")
     return fzero_save(
         engine.state,
         save_dir,
-        mesh=None if isinstance(engine.mesh, SimMesh) else engine.mesh,
+        mesh=None if engine.mesh.stacked else engine.mesh,
         tag=tag,
-        data_position=engine.micro_steps,
+        data_position=engine.counters.micro_steps,
         user_state=user_state,
         config=engine.config.values,
         latest=save_latest,
@@ -178,19 +166,20 @@ def _is_module(key: str) -> bool:
     return key.split("/", 1)[0] in _MODULE_ROOTS
 
 
-def _is_optimizer(key: str) -> bool:
-    """Whether a checkpoint key is the optimizer's state (`shard_update`'s, under its name in the chain)."""
-    parts = key.split("/")
-    return parts[0] == "tx_state" and any(p.split("#")[0] == "shard_update" for p in parts[1:])
+def _optimizer_keys(state: Any) -> Any:
+    """Whether a checkpoint key is the optimizer's state (the plan's `update` role, whatever its name)."""
+    path = state.plan.path_of("update")
+    prefix = None if path is None else "/".join(("tx_state", *path)) + "/"
+    return lambda key: prefix is not None and key.startswith(prefix)
 
 
 def _accumulated(state: Any) -> int | None:
     """The chain's micro-steps held since the last boundary (None without accumulation)."""
-    acc = find(state.tx_state, AccumulateState)
+    acc = state.plan.state_of(state.tx_state, "accumulate")
     return None if acc is None or not hasattr(acc, "count") else int(acc.count)
 
 
-def _counters(engine: Engine, record: dict[str, Any] | None, step: int, tag: str) -> dict[str, int]:
+def _counters(engine: Checkpointable, record: dict[str, Any] | None, step: int, tag: str) -> dict[str, int]:
     """The engine's counters after the load: the saved ones (re-based when the accumulation steps changed)."""
     gas = engine.config.gas
     if record is None:  # a plain fzero.save checkpoint: the state's micro-step count is all there is
@@ -232,7 +221,7 @@ def _engine_record(user_state: Any, where: str) -> tuple[dict[str, Any] | None, 
 
 
 def load_checkpoint(
-    engine: Engine,
+    engine: Checkpointable,
     load_dir: str | os.PathLike[str],
     tag: Any = None,
     load_module_strict: bool = True,
@@ -252,7 +241,7 @@ def load_checkpoint(
             "load_checkpoint(load_module_strict=False) is not supported: the checkpoint must be of the same model "
             "(fzero.load(..., strict=False, select=...) loads parts of a state)"
         )
-    engine._check_between_steps("load_checkpoint")
+    engine.check_between_steps("load_checkpoint")
     configured = engine.client_scheduler is None and engine.config["scheduler"] is not None
     if configured and not load_module_only and load_optimizer_states and not load_lr_scheduler_states:
         raise ValueError(
@@ -271,13 +260,14 @@ def load_checkpoint(
     if load_module_only:
         select = _is_module
     elif not load_optimizer_states:
-        select = lambda key: not _is_optimizer(key)  # noqa: E731
+        optimizer = _optimizer_keys(engine.state)
+        select = lambda key: not optimizer(key)  # noqa: E731
     else:
         select = None
     tag = None if tag is None else str(tag)
     try:
         state, extra = fzero_load(
-            load_dir, engine.state, None if isinstance(engine.mesh, SimMesh) else engine.mesh,
+            load_dir, engine.state, None if engine.mesh.stacked else engine.mesh,
             tag=tag, select=select, verify=verify,
         )  # fmt: skip
     except CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None) when there is nothing to load
@@ -301,29 +291,15 @@ def load_checkpoint(
                 f"the engine at micro-step {counters['micro_steps'] % engine.config.gas} of {engine.config.gas}"
             )
     # everything checked: apply
-    engine._discard_micro_step()
-    engine.state = state
-    engine._gathered = None  # a gathered copy of the old state's compute parameters
-    if counters is not None:
-        engine.global_steps = counters["global_steps"]
-        engine.global_samples = counters["global_samples"]
-        engine.micro_steps = counters["micro_steps"]
-        engine.skipped_steps = counters["skipped_steps"]
-        engine._applied_fallback = counters["applied_updates"]
-        if record is not None:
-            engine._step_losses = [torch.tensor(float.fromhex(h)) for h in record["step_losses"]]
-            norm = record["global_grad_norm"]
-            engine._global_grad_norm = None if norm is None else float.fromhex(norm)
-            engine.optimizer.overflow = bool(record["overflow"])
+    if counters is not None and record is not None:
+        engine.optimizer.overflow = bool(record["overflow"])
     client_scheduled = engine.client_scheduler is not None and not load_module_only and load_lr_scheduler_states
     if record is not None and (client_scheduled or (load_optimizer_states and not load_module_only)):
         for group, saved in zip(engine.optimizer.param_groups, record["param_groups"], strict=False):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     if client_scheduled and record is not None and record.get("lr_scheduler") is not None:
         engine.client_scheduler.load_state_dict(record["lr_scheduler"])
-    engine._t_step = None
-    engine._sync_module()
-    engine._sync_view()
+    engine.restore(state, None if counters is None else EngineCounters.from_json(counters, record))
     if restore_rng if restore_rng is not None else not load_module_only:
         rng.restore(extra["rng"])
     return where, client_state

@@ -1,13 +1,20 @@
 """`Engine`: DeepSpeed's `engine(batch)`, `engine.backward(loss)`, `engine.step()` over fzero's functional core.
 
-The engine holds a `TrainState` and rebinds it; every number comes from the core:
+(Over 500 lines: about half of it is DeepSpeed's public surface, each method a name its users call, with its
+docstring; the training itself is `fzero.microstep.MicroStep`'s, the counters `EngineCounters`, the configuration
+accessors `ConfigAccessors`, the checkpoints `fzero.engine.checkpointing`.)
 
-    engine(*args)          functional_call(model, views of leaf, ...) where leaf = compute_params(state).detach(),
-                           requires grad (one leaf per micro-step, shared by every forward until step())
+The engine holds a `TrainState` and rebinds it; a micro-step is the core's own `fzero.microstep.MicroStep`, driven
+in two halves:
+
+    engine(*args)          the first forward opens the micro-step (MicroStep.open_shell): functional_call(model,
+                           views of leaf, ...), leaf = the full compute parameters, or the unit gathering's shard
+                           (each unit's gradient reduced in the backward, where the plan says so)
     engine.backward(loss)  g += gradient of loss * S at leaf        S: the state's loss scale (1 unless fp16)
-    engine.step()          state, metrics = apply_gradients(state, g, loss, tx, mesh)   on every micro-step
+    engine.step()          state, metrics = micro.close(g, loss)    the ranks' agreement, then the chain
 
-so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset. From the first
+so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset, through the
+same code: the desync check (`fzero.DesyncError`), the loss scale and the per-unit path included. From the first
 forward of a micro-step to its `step()` the views stay bound into the model (`fzero.bind`), so that an
 activation-checkpoint recompute in the backward computes with them. A forward under `torch.no_grad()` (or
 `inference_mode`), e.g. an evaluation between steps, starts no micro-step: it computes with the current parameters
@@ -28,7 +35,6 @@ optimizer's update count and hence the LR schedule advance only on applied updat
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -38,26 +44,32 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..bind import bound
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
-from ..mesh import Mesh, SimMesh
+from ..mesh import Mesh
 from ..metrics import Monitor, transformer_flops
+from ..microstep import MicroStep, compute_params, frozen_params, loss_scale, named_tensors, scaled
 from ..optim import Hyper, hyper_value
-from ..stage3 import UnitGathering
 from ..state import TrainState
-from ..step import apply_gradients, compute_params, frozen_params, init, keeps_gathered, named_tensors
+from ..step import init
 from ..step import state_dict as consolidated
-from ..transforms import Context, Transform, lookup, unit_reducer
+from ..transforms import Transform
 from ..transforms.scaling import current_loss_scale
+from ..units import UnitGathering
 from . import checkpointing
+from .accessors import ConfigAccessors
 from .client import OptimizerView
+from .counters import EngineCounters
 
 __all__ = ["Engine"]
 
 
-class Engine(nn.Module):
+def _counter(name: str) -> property:
+    return property(lambda self: getattr(self.counters, name), lambda self, v: setattr(self.counters, name, v))
+
+
+class Engine(ConfigAccessors, nn.Module):
     """The DeepSpeed-compatible training engine (built by `fzero.initialize`).
 
     Attributes:
@@ -105,26 +117,20 @@ class Engine(nn.Module):
         self._device = device or next(model.parameters()).device
         self._policy = build_policy(config)
         self._gather_policy = build_gather_policy(config)
-        self._sim = isinstance(mesh, SimMesh)
+        self._sim = mesh.stacked
         if self._sim and mesh.world != 1:
             raise ValueError(f"the engine runs one rank per process: SimMesh(world={mesh.world}) is not one")
         self.state: TrainState = init(model, tx, mesh)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
-        self._micro: _MicroStep | None = None
+        self.counters = EngineCounters()
+        self._micro: MicroStep | None = None
         # stages 1-2: (the state's compute shard, its all-gather), valid until the next update (a donated update
         # changes the shard in place)
         self._gathered: tuple[Tensor, Tensor] | None = None
         self._gas_factor = 1.0
         self._grad: Tensor | None = None
         self._loss: Tensor | None = None
-        self._step_losses: list[Tensor] = []
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._t_step: float | None = None
-        self._applied_fallback = 0
         self.last_record: dict[str, Any] | None = None
         self._step_applied = False
         self.monitor = self._make_monitor(printer)
@@ -132,6 +138,12 @@ class Engine(nn.Module):
         self._sync_view()
 
     # ------------------------------------------------------------------------------------------ DeepSpeed accessors
+    # DeepSpeed's counters, read and set as attributes (they live in `self.counters`)
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    micro_steps = _counter("micro_steps")
+    skipped_steps = _counter("skipped_steps")
+
     @property
     def module(self) -> nn.Module:
         """The user's model. Its parameters are views of the engine's current compute parameters (stages 0-2,
@@ -152,56 +164,10 @@ class Engine(nn.Module):
     def global_rank(self) -> int:
         return 0 if self._sim else int(self.mesh.rank)
 
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.micro_batch
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gas
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.stage
-
-    def zero_optimization(self) -> bool:
-        return self.config.stage > 0
-
-    def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
-
-    bf16_enabled = bfloat16_enabled
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def steps_per_print(self) -> int | None:
-        return self.config.steps_per_print
-
-    def wall_clock_breakdown(self) -> bool:
-        return self.config.wall_clock_breakdown
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next `step()` updates the parameters: `(micro_steps + 1) % GAS == 0`."""
-        return (self.micro_steps + 1) % self.config.gas == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        raise NotImplementedError(
-            "set_gradient_accumulation_boundary: fzero's accumulation counts micro-steps in the transform chain "
-            "(accumulate(gradient_accumulation_steps)); call step() after every micro-batch"
-        )
-
     def applied_updates(self) -> int:
         """Updates the optimizer applied (skipped steps excluded): what the LR schedule is a function of."""
-        opt = lookup(self.state.tx_state, "shard_update")
-        return int(opt.count) if opt is not None and hasattr(opt, "count") else self._applied_fallback
+        opt = self.state.plan.state_of(self.state.tx_state, "update")
+        return int(opt.count) if opt is not None and hasattr(opt, "count") else self.counters.applied
 
     def get_lr(self) -> list[float]:
         """The learning rate of the next update, one per param group (DeepSpeed's `engine.get_lr()`: its groups
@@ -222,13 +188,12 @@ class Engine(nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (unscaled, before clipping) of the last boundary step; None before the first."""
-        return self._global_grad_norm
+        return self.counters.global_grad_norm
 
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1 unless fp16)."""
-        scale = current_loss_scale(self.state.tx_state)
-        return 1.0 if scale is None else scale.loss_scale
+        return loss_scale(self.state)
 
     # ------------------------------------------------------------------------------------- forward, backward, step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -241,7 +206,8 @@ class Engine(nn.Module):
         if self._t_step is None:
             self._t_step = t0
         if self._micro is None:
-            self._micro = _MicroStep(self)
+            self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
+            self._micro.open_shell(self._modules["module"], self._compute(), self._local)
         out = torch.func.functional_call(self._modules["module"], self._micro.named, args, kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
@@ -252,18 +218,13 @@ class Engine(nn.Module):
         its step), so that `engine.module` holds them, and kept for the micro-steps of the accumulation window."""
         state = self.state
         compute = state.compute if state.compute is not None else state.params
-        if state.layout.is_full(compute):
+        if not state.plan.sharded_at_rest:
             return self._local(compute)
-        if not keeps_gathered(state):
+        if not state.plan.keep_gathered:
             return None
         if self._gathered is None or self._gathered[0] is not compute:  # dropped by every update (see step)
             self._gathered = (compute, self._local(compute_params(state, self.mesh)))
         return self._gathered[1]
-
-    def _per_unit(self) -> bool:
-        """Whether the forward and backward run unit by unit, each unit's gradient reduced as soon as it is complete
-        (the chain's own reduction; a chain that reduces after accumulating, stage 1's, cannot)."""
-        return not self._sim and self.tx.reduces and self.tx.unit is not None
 
     def _forward_without_grad(self, args: Any, kwargs: Any) -> Any:
         """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
@@ -299,8 +260,7 @@ class Engine(nn.Module):
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the current loss scale, for a manual `scale(loss).backward()` (fp16); `step()` then uses
         the gradients the backward left."""
-        scale = current_loss_scale(self.state.tx_state)
-        return loss if scale is None else scale.scale(loss)
+        return scaled(self.state, loss)
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Gradients of `loss` (times the loss scale) for this micro-step, added to any from an earlier `backward`
@@ -333,7 +293,7 @@ class Engine(nn.Module):
         self.scale(loss).backward(retain_graph=retain_graph)  # not autograd.grad: reentrant checkpointing refuses it
         grad, micro.leaf.grad = micro.leaf.grad, earlier
         gas = self.config.gas
-        if micro.gathering is not None:  # the units' gradients were reduced into the gathering during the backward
+        if micro.per_unit:  # the units' gradients were reduced into the gathering during the backward
             self._gas_factor = gas if not scale_wrt_gas and gas > 1 else 1.0
         else:
             if grad is None:
@@ -358,20 +318,20 @@ class Engine(nn.Module):
         micro = self._micro
         if micro is None:
             raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
-        reduced = micro.gathering is not None
+        self._micro = None
         try:
             grads = self._take_grads(micro)
-        finally:
-            micro.close()
-            self._micro = None
+        except BaseException:
+            micro.abandon()
+            raise
         loss = self._loss if self._loss is not None else torch.tensor(math.nan)
-        state = self.state.replace(buffers={k: self._per_rank(v) for k, v in micro.buffers.items()})
         self._grad = self._loss = None
-        new, metrics = apply_gradients(  # the engine owns its state: donated, updated in place
-            state, self._per_rank(grads), self._per_rank(loss), self.tx, self.mesh, donate=True, reduced=reduced
-        )
+        new, metrics = micro.close(  # the engine owns its state: donated, updated in place
+            self._per_rank(grads), self._per_rank(loss), reduced=micro.per_unit, donate=True,
+            buffers={k: self._per_rank(v) for k, v in micro.buffers.items()},
+        )  # fmt: skip
         self.state = new
-        self._step_losses.append(metrics["loss"])
+        self.counters.step_losses.append(metrics["loss"])
         applied, skipped = bool(metrics["applied"]), bool(metrics["skipped"])
         self._step_applied = applied
         if applied:
@@ -387,11 +347,11 @@ class Engine(nn.Module):
         self._sync_module()
         self.micro_steps += 1
 
-    def _take_grads(self, micro: _MicroStep) -> Tensor:
-        if micro.gathering is not None:
-            if not micro.gathering.received:
+    def _take_grads(self, micro: MicroStep) -> Tensor:
+        if micro.per_unit:
+            if not micro.received:
                 raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
-            grads = micro.gathering.finish()
+            grads = micro.reduced_gradients()
             return grads * self._gas_factor if self._gas_factor != 1.0 else grads
         grads = self._grad
         direct = micro.leaf.grad
@@ -403,14 +363,14 @@ class Engine(nn.Module):
 
     def _end_global_step(self, metrics: dict[str, Any], applied: bool, skipped: bool, lr_kwargs: Any) -> None:
         lr_used = self._lrs_at(self.applied_updates() - applied)
-        self._global_grad_norm = metrics.get("grad_norm")
+        self.counters.global_grad_norm = metrics.get("grad_norm")
         self.optimizer.overflow = skipped
         if skipped:
             self.skipped_steps += 1
             if self.global_rank == 0:
                 self.monitor.printer(self._overflow_message(float(metrics["loss_scale"])))
         else:
-            self._applied_fallback += 1
+            self.counters.applied += 1
             if self.client_scheduler is not None:
                 self._step_scheduler(lr_kwargs)
             elif lr_kwargs:
@@ -426,7 +386,7 @@ class Engine(nn.Module):
     def _overflow_message(self, attempted: float) -> str:
         """DeepSpeed's overflow line, so that logs read the same."""
         head = f"fzero: OVERFLOW! Skipping step {self.global_steps + 1} (inf/nan gradients)."
-        ls = current_loss_scale(self.state.tx_state)
+        ls = current_loss_scale(self.state)
         if self.loss_scale != attempted:
             return f"{head} Attempted loss scale: {attempted:g}, reducing to {self.loss_scale:g}"
         if hasattr(ls, "cur_hysteresis"):
@@ -519,7 +479,7 @@ class Engine(nn.Module):
             load_module_only, custom_load_fn, restore_rng=restore_rng, verify=verify,
         )  # fmt: skip
 
-    def _check_between_steps(self, what: str) -> None:
+    def check_between_steps(self, what: str) -> None:
         """Checkpoints hold the state between micro-steps: gradients of a micro-step not yet stepped are not in it."""
         pending = self._loss is not None or self._grad is not None
         if self._micro is not None and self._micro.leaf.grad is not None:
@@ -531,10 +491,22 @@ class Engine(nn.Module):
                 "(inside a gradient accumulation window is fine)"
             )
 
+    def restore(self, state: TrainState, counters: EngineCounters | None) -> None:
+        """Take `state` (and `counters`, unless None) as the engine's, from a checkpoint: any micro-step in flight
+        is dropped and the module and optimizer view show the new state."""
+        self._discard_micro_step()
+        self.state = state
+        self._gathered = None  # a gathered copy of the old state's compute parameters
+        if counters is not None:
+            self.counters = counters
+        self._t_step = None
+        self._sync_module()
+        self._sync_view()
+
     def _discard_micro_step(self) -> None:
         """Drop a forward in flight (no gradients yet): its parameters are the old state's."""
         if self._micro is not None:
-            self._micro.close()
+            self._micro.abandon()
             self._micro = None
 
     # --------------------------------------------------------------------------------------------------- reporting
@@ -562,8 +534,8 @@ class Engine(nn.Module):
         now = time.perf_counter()
         step_time = now - (self._t_step or now)
         self._t_step = now
-        losses = self._step_losses
-        self._step_losses = []
+        losses = self.counters.step_losses
+        self.counters.step_losses = []
         values: dict[str, Any] = {
             "loss": float(sum(float(x) for x in losses) / len(losses)),
             "lr": lr[0],  # DeepSpeed's monitors log get_lr()[0]
@@ -585,11 +557,12 @@ class Engine(nn.Module):
         state = self.state
         named = dict(self._modules["module"].named_parameters())
         with torch.no_grad():
-            frozen = None if state.frozen is None else self._local(state.frozen)
+            # the frozen parameters show where they are whole (not sharded at rest)
+            frozen = None if state.frozen is None or state.plan.sharded_at_rest else self._local(state.frozen)
             for lay, flat in ((state.layout, self._compute()), (state.layout.frozen_layout, frozen)):
                 if lay is None:
                     continue
-                full = flat is not None and lay.is_full(flat)
+                full = flat is not None
                 views = unflatten(lay, flat) if full else {}
                 for leaf in lay.leaves:
                     p = named[leaf.name]
@@ -629,37 +602,3 @@ class Engine(nn.Module):
             f"fzero.Engine(ZeRO-{c.stage}, {c.precision}, {self.mesh!r}, micro batch {c.micro_batch}, "
             f"accumulate {c.gas}, {self.state.layout.real_numel:,} parameters)"
         )
-
-
-class _MicroStep:
-    """What lives from a micro-step's first forward with gradients to its `step()`: the leaf the gradients are
-    taken at (stage 3: the gathering's shard), the named tensors bound into the model, the forward's buffers."""
-
-    def __init__(self, engine: Engine) -> None:
-        state, module = engine.state, engine.module
-        # the forward may update buffers in place (BatchNorm): the state's own stay untouched until step()
-        self.buffers = {k: engine._local(v).clone() for k, v in state.buffers.items()}
-        self.gathering: UnitGathering | None = None
-        compute = engine._compute()
-        if engine._per_unit():  # unit by unit, each unit's gradient reduced as soon as it is complete (fzero.stage3)
-            policy = engine._gather_policy
-            unit, ctx = unit_reducer(engine.tx), Context(engine.mesh, state.layout, overlap=policy.overlap_reduce)
-            self.gathering = UnitGathering(
-                engine.mesh, state.layout, module, compute if compute is not None else state.compute, state.frozen,
-                policy, lambda g, i: unit(g, i, ctx), state.frozen_dtype, keeps_gathered(state),
-            )  # fmt: skip
-            self.leaf = self.gathering.shard
-            named = self.gathering.params()
-        else:
-            self.leaf = (compute if compute is not None else compute_params(state, engine.mesh)).detach()
-            self.leaf.requires_grad_()
-            frozen = frozen_params(state, engine.mesh)
-            named = named_tensors(state.layout, self.leaf, None if frozen is None else engine._local(frozen), {})
-        self.named = {**named, **self.buffers}
-        self._binding = contextlib.ExitStack()
-        self._binding.enter_context(bound(module, self.named))
-
-    def close(self) -> None:
-        self._binding.close()
-        if self.gathering is not None:
-            self.gathering.close()

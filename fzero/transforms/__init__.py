@@ -3,6 +3,7 @@
 from .accumulate import AccumulateState, accumulate
 from .base import (
     Context,
+    Does,
     EmptyState,
     Facts,
     Flow,
@@ -22,6 +23,7 @@ from .base import (
 )
 from .clipping import clip_by_global_norm
 from .collective import GatherState, all_reduce, gather, gather_params, reduce_scatter
+from .planning import plan_of
 from .presets import zero0, zero1, zero2, zero3
 from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import current_loss_scale, scale_loss
@@ -30,6 +32,7 @@ from .update import shard_update
 __all__ = [
     "AccumulateState",
     "Context",
+    "Does",
     "EmptyState",
     "Facts",
     "Flow",
@@ -51,6 +54,7 @@ __all__ = [
     "identity",
     "lookup",
     "named_chain",
+    "plan_of",
     "quantized_gather",
     "quantized_reduce_scatter",
     "reduce_scatter",

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..state import count
-from .base import Context, Flow, Transform, identity
+from .base import Context, Does, Flow, Transform, identity
 
 __all__ = ["AccumulateState", "accumulate"]
 
@@ -69,4 +69,4 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
         fresh = acc.zero_() if ctx.donate else torch.zeros_like(acc)
         return flow._replace(grads=mean), AccumulateState(count(0), fresh)
 
-    return Transform(init, update, "accumulate")
+    return Transform(init, update, "accumulate", does=Does(accumulates=k))

@@ -42,6 +42,7 @@ from ..mesh import Mesh, Work
 
 __all__ = [
     "Context",
+    "Does",
     "EmptyState",
     "Facts",
     "Flow",
@@ -170,6 +171,25 @@ class EmptyState(NamedTuple):
     """The state of a transform that keeps none."""
 
 
+class Does(NamedTuple):
+    """What a transform does for the step, declared by the transform itself (`fzero.Plan` is derived from these
+    and from `Transform.reduces`, never from names).
+
+    Attributes:
+      accumulates: micro-steps it averages before the rest of the chain runs (0: it does not accumulate).
+      scales_loss: its state is the loss scale the step multiplies the loss by (it has `scale(loss)` and
+        `loss_scale`).
+      updates: it applies the optimizer (its state is the optimizer's: what the engine counts updates with).
+      gathers: how it makes the compute parameters from the master ones: `"now"`, `"lazy"` or `"keep"` (see
+        `fzero.gather`); None: it does not.
+    """
+
+    accumulates: int = 0
+    scales_loss: bool = False
+    updates: bool = False
+    gathers: str | None = None
+
+
 class Transform(NamedTuple):
     """A transform (see the module docstring).
 
@@ -183,6 +203,7 @@ class Transform(NamedTuple):
       children: for a chain, its `(name, transform)` pairs.
       axis: the mesh axis its reduction shards over (`reduce_scatter(axis=...)`; a chain's is its first child's):
         `fzero.init` lays the parameters out over that axis's ranks; None: every rank.
+      does: what it does for the step (`Does`); a chain's own is empty (its children declare).
     """
 
     init: InitFn
@@ -192,6 +213,7 @@ class Transform(NamedTuple):
     reduces: bool = False
     children: tuple[tuple[str, Transform], ...] = ()
     axis: str | None = None
+    does: Does = Does()
 
 
 def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | None = None) -> Transform:
@@ -352,7 +374,7 @@ def lookup(tx_state: Any, name: str) -> Any:
     return None
 
 
-def find(tx_state: Any, kind: type) -> Any:
+def find(tx_state: Any, kind: type | tuple[type, ...]) -> Any:
     """The first state of type `kind` in a chain's state (searching nested chains in order), or None.
 
     What a transform *is* shows in the type of the state it keeps (`GatherState`, `AccumulateState`), which a

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..layout import Layout, to_rank_major, to_unit_major
 from ..mesh import Mesh, Work
 from ..state import pytree, register_torch_pytree
-from .base import Context, EmptyState, Flow, Transform
+from .base import Context, Does, EmptyState, Flow, Transform
 
 __all__ = ["GatherState", "all_reduce", "check_axes", "gather", "gather_params", "reduce_scatter", "sharding_world"]
 
@@ -205,5 +205,6 @@ def gather(dtype: torch.dtype | None = None, lazy: bool = False, keep: bool = Fa
     if keep and not lazy:
         raise ValueError("gather(keep=True) keeps lazily gathered units: it needs lazy=True")
     state = GatherState(keep) if lazy else EmptyState()  # type: ignore[call-arg]  # (optree's field)
-    return Transform(lambda flow, ctx: (apply(flow, ctx), state),
-                     lambda flow, state, ctx: (apply(flow, ctx), state), "gather")  # fmt: skip
+    mode = ("keep" if keep else "lazy") if lazy else "now"
+    return Transform(lambda flow, ctx: (apply(flow, ctx), state), lambda flow, state, ctx: (apply(flow, ctx), state),
+                     "gather", does=Does(gathers=mode))  # fmt: skip

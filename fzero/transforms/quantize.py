@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..layout import to_rank_major, to_unit_major
 from ..mesh import Mesh
-from .base import Context, EmptyState, Flow, Transform
+from .base import Context, Does, EmptyState, Flow, Transform
 from .collective import _require_full
 
 __all__ = ["dequantize", "quantize", "quantized_gather", "quantized_reduce_scatter"]
@@ -154,7 +154,7 @@ def quantized_gather(block: int | None = None, dtype: torch.dtype | None = None)
         params, layout = flow.params, ctx.layout
         size = block or layout.align
         out_dtype = dtype or params.dtype
-        if layout.is_full(params):  # nothing to gather (world 1, or stage 0)
+        if not flow.sharded or layout.world == 1:  # nothing to gather (stage 0, or world 1)
             return flow._replace(compute=params.to(out_dtype))
         s = params.shape[-1]
         q, scales = quantize(params, size)
@@ -165,4 +165,5 @@ def quantized_gather(block: int | None = None, dtype: torch.dtype | None = None)
         return flow._replace(compute=to_unit_major(layout, full).to(out_dtype))
 
     return Transform(lambda flow, ctx: (apply(flow, ctx), EmptyState()),
-                     lambda flow, state, ctx: (apply(flow, ctx), state), "quantized_gather")  # fmt: skip
+                     lambda flow, state, ctx: (apply(flow, ctx), state), "quantized_gather",
+                     does=Does(gathers="now"))  # fmt: skip

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..loss_scale import make_loss_scale
-from .base import Context, Flow, Transform, grad_stats, lookup
+from ..loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, make_loss_scale
+from .base import Context, Does, Flow, Transform, find, grad_stats
 
 __all__ = ["current_loss_scale", "scale_loss"]
 
@@ -46,10 +46,17 @@ def scale_loss(loss_scale: Any = "dynamic", *, skip_nonfinite: bool = True, **dy
         flow = flow.with_metrics(loss_scale=state.loss_scale, skipped=skipped)
         return (flow.with_facts(deferred=True) if skipped else flow), state.adjust(stats.finite)
 
-    return Transform(lambda flow, ctx: (flow, initial), update, "scale_loss")
+    return Transform(lambda flow, ctx: (flow, initial), update, "scale_loss", does=Does(scales_loss=True))
 
 
-def current_loss_scale(tx_state: Any) -> Any:
+def current_loss_scale(state: Any) -> Any:
     """The loss scale a chain's `scale_loss` holds (None without one): the step multiplies the loss by it before
-    the backward, and the gradients owe its inverse (`Facts.grad_factor`)."""
-    return lookup(tx_state, "scale_loss")
+    the backward, and the gradients owe its inverse (`Facts.grad_factor`).
+
+    Args:
+      state: a `TrainState` (its plan says where the scale is), or a chain's state (found by type).
+    """
+    plan = getattr(state, "plan", None)
+    if plan is not None:
+        return plan.state_of(state.tx_state, "scale_loss")
+    return find(state, (NoOpLossScale, StaticLossScale, DynamicLossScale))

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..layout import Layout
 from ..optim import Optimizer
 from ..optim.groups import ParamGroups, Resolved, Segments, segments
-from .base import Context, Flow, Transform
+from .base import Context, Does, Flow, Transform
 
 __all__ = ["shard_update"]
 
@@ -84,7 +84,7 @@ def shard_update(
     """
     _check(optimizer, offload, compute_dtype, chunk)
     u = _ShardUpdate(optimizer, dtype, None if offload == "none" else offload, compute_dtype, chunk)
-    return Transform(u.init, u.update, "shard_update")
+    return Transform(u.init, u.update, "shard_update", does=Does(updates=True))
 
 
 def _check(optimizer: Any, offload: Any, compute_dtype: Any, chunk: Any) -> None:

@@ -1,4 +1,11 @@
-"""ZeRO-3's unit-at-a-time gathering inside the forward and the backward.
+"""Unit-at-a-time gathering inside the forward and the backward: the machinery every stage's per-unit path uses
+(stages 1-2 keep the gathered units to the end of the backward, stage 3 frees each after its forward; stage 0 and
+a window's kept buffer are given whole).
+
+(Over 500 lines: one rank's unit state machine (`Gatherer`: gather, swap, prefetch, reshard, pre- and
+post-backward, the abandoned-step completion) is one set of invariants over the same records; split across modules
+its hooks would reach into each other's fields. The per-rank loops (`sharded_backward`) and the one-rank handle
+(`UnitGathering`) sit beside it.)
 
 Stage 3 keeps each rank's compute parameters, trainable and frozen, as shards. Within a step a unit's full buffers
 exist only while the unit computes:
@@ -51,7 +58,7 @@ from torch import Tensor, nn
 
 from .bind import Unavailable
 from .layout import ROOT_UNIT, Layout, unit_views
-from .mesh import CollectiveError, Mesh, SimMesh, Work
+from .mesh import CollectiveError, Mesh, Work
 from .ranks import Ranks, Reduction, SimRanks, ranks_of
 
 __all__ = ["Abandoned", "GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
@@ -628,7 +635,7 @@ class UnitGathering:
         frozen_dtype: torch.dtype | None = None,
         keep: bool = False,
     ) -> None:
-        if isinstance(mesh, SimMesh):
+        if mesh.stacked:
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
         ranks = ranks_of(mesh)
         self.shard = compute.detach().requires_grad_(reducer is not None)

@@ -1,0 +1,260 @@
+"""One micro-step, the same code whether `fzero.train_step` or the engine's `backward` / `step` drives it.
+
+A micro-step is two halves around the forwards and backwards, and `MicroStep` is both:
+
+    open    MicroStep(state, tx, mesh)        start counting the step's collectives; decide, from the plan, whether
+                                              gradients are reduced unit by unit in the backward (`per_unit`)
+    (the core: every rank's forward and backward, `fzero.step`; the shell: `open_shell` for this rank, then the
+     user's `engine(...)` and `engine.backward(loss)`, each backward's loss times `scaled`)
+    close   micro.close(grads, loss, ...)     the ranks agree they ran the same step (`fzero.agreement`: else
+                                              `DesyncError` on every rank, before any update), then the chain runs
+                                              on the gradients (`apply_gradients`), and, where the plan keeps the
+                                              gathered compute parameters through an accumulation window, the
+                                              state keeps them
+
+so the desync check, the loss scale, the per-unit path and the window's gathered parameters are written once. The
+phases show in a profile as `fzero.gather`, `fzero.forward_backward`, `fzero.reduce`, `fzero.update` and
+`fzero.agree` (`torch.profiler.record_function`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from .agreement import agree
+from .bind import bound
+from .layout import Layout, unflatten
+from .mesh import Mesh
+from .units import GatherPolicy, UnitGathering
+from .state import TrainState
+from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
+from .transforms.scaling import current_loss_scale
+
+__all__ = [
+    "MicroStep",
+    "apply_gradients",
+    "compute_params",
+    "frozen_params",
+    "loss_scale",
+    "named_tensors",
+    "scaled",
+]
+
+
+def loss_scale(state: TrainState) -> float:
+    """The loss scale the state's next backward multiplies the loss by (1 without `scale_loss`)."""
+    scale = current_loss_scale(state)
+    return 1.0 if scale is None else float(scale.loss_scale)
+
+
+def scaled(state: TrainState, loss: Tensor) -> Tensor:
+    """The loss the backward differentiates: times the loss scale (unscaled later: `Facts.grad_factor`)."""
+    scale = current_loss_scale(state)
+    return loss if scale is None else scale.scale(loss)
+
+
+def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffers: dict[str, Tensor]) -> dict:
+    """Every name `loss_fn` (or `functional_call`) expects: views of the full compute and frozen buffers, tied
+    names included, and the buffers."""
+    out = unflatten(layout, compute)
+    if frozen is not None:
+        out.update(unflatten(layout.frozen_layout, frozen))
+    for alias, name in layout.aliases:
+        out[alias] = out[name]
+    out.update(buffers)
+    return out
+
+
+def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
+    """The full compute parameters per rank for the next forward: `state.compute`, all-gathered where the plan
+    keeps them sharded at rest (the first half of a step; `apply_gradients` is the second)."""
+    compute = state.compute
+    if compute is None:  # a chain without gather(): the master parameters are the compute parameters
+        compute = state.params
+    if state.plan.sharded_at_rest:
+        with record_function("fzero.gather"):
+            compute = gather_params(mesh, state.layout, compute)
+    return compute
+
+
+def frozen_params(state: TrainState, mesh: Mesh) -> Tensor | None:
+    """The full frozen parameters per rank, in the dtype the forward computes in (None without any)."""
+    frozen = state.frozen
+    if frozen is None:
+        return None
+    dtype = state.frozen_dtype
+    if state.plan.sharded_at_rest:
+        with record_function("fzero.gather"):
+            return gather_params(mesh, state.layout.frozen_layout, frozen, dtype)
+    return frozen.to(dtype or frozen.dtype)
+
+
+def apply_gradients(
+    state: TrainState,
+    grads: Tensor,
+    loss: Tensor,
+    tx: Transform,
+    mesh: Mesh,
+    *,
+    donate: bool = False,
+    reduced: bool = False,
+) -> tuple[TrainState, dict[str, Any]]:
+    """The chain on per-rank gradients: the second half of a step, without the ranks' agreement (`MicroStep.close`
+    adds it).
+
+    Args:
+      state: the state the gradients were computed from (its `buffers` already the forward's updated ones).
+      grads: per rank, the gradient of `loss` times the loss scale with respect to `compute_params(state, mesh)`.
+      loss: per rank, the unscaled loss (reported as its mean over ranks).
+      tx, mesh, donate: as for `train_step`.
+      reduced: the gradients are already this rank's part of the mean over ranks (reduced unit by unit in the
+        backward).
+
+    Returns:
+      The new state and the metrics (all of `train_step`'s but `comm` and `aux`).
+    """
+    layout = state.layout
+    scale = loss_scale(state)
+    facts = Facts(grad_factor=1.0 / scale, reduced=reduced)
+    # gradients reduced in the backward are this rank's shard where the chain shards
+    sharded = reduced and state.plan.sharded and layout.world > 1
+    flow = Flow(grads, state.params, state.compute, sharded=sharded, facts=facts)
+    with record_function("fzero.update"):
+        flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
+    loss = mesh.all_reduce(loss.detach().float(), "mean")
+    new = state.replace(step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state)
+    metrics: dict[str, Any] = {
+        "loss": mesh.unreplicate(loss),
+        "applied": not flow.facts.deferred,
+        "skipped": False,
+        "loss_scale": scale,
+    }
+    if flow.facts.stats is not None:
+        metrics["grad_norm"] = math.sqrt(flow.facts.stats.sumsq) / scale
+    metrics.update(flow.facts.metrics)
+    return new, metrics
+
+
+class MicroStep:
+    """One micro-step of `state` under `tx` on `mesh` (see the module docstring): open at construction, `close`d
+    once with the step's gradients; `abandon` ends it without an update.
+
+    Args:
+      state: the state the micro-step starts from.
+      tx, mesh: the chain and mesh the state belongs to.
+      policy: prefetch, persistence and overlap of the unit-by-unit gathering and reduction.
+      autodiff: `"autograd"` (unit-by-unit reduction possible) or `"func"` (every unit gathered at the start).
+
+    Attributes:
+      per_unit: the backward reduces each unit's gradient as soon as it is complete, with the chain's own reduction
+        (the plan's `per_unit`, under autograd).
+      ledger: the collectives issued since the micro-step opened.
+    """
+
+    def __init__(self, state: TrainState, tx: Transform, mesh: Mesh, policy: GatherPolicy | None = None,
+                 autodiff: str = "autograd") -> None:  # fmt: skip
+        self.state, self.tx, self.mesh = state, tx, mesh
+        self.policy = policy or GatherPolicy()
+        self.per_unit = autodiff == "autograd" and state.plan.per_unit
+        self._stack = contextlib.ExitStack()
+        self.ledger = self._stack.enter_context(mesh.record())
+        self._gathering: UnitGathering | None = None
+
+    def reducer(self) -> Any:
+        """The chain's per-unit reduction as `reducer(grads, unit)`, for the gathering."""
+        unit = unit_reducer(self.tx)
+        ctx = Context(self.mesh, self.state.layout, overlap=self.policy.overlap_reduce)
+
+        def reduce(grads: Tensor, index: int) -> Any:
+            with record_function("fzero.reduce"):
+                return unit(grads, index, ctx)
+
+        return reduce
+
+    # ------------------------------------------------------------------------------- the shell's half (one rank)
+    def open_shell(self, module: nn.Module, compute: Tensor | None, local: Any) -> None:
+        """Prepare this rank's forwards (the shell's): `leaf` (what gradients are taken at: the full compute
+        parameters, or the gathering's shard), `buffers` (copies the forwards may update in place) and `named` (the
+        tensors the forwards compute with), bound into `module` until `close` or `abandon`.
+
+        Args:
+          module: the user's model.
+          compute: this rank's full compute parameters where the engine has them (kept through an accumulation
+            window), else None (gathered here: at once, or unit by unit).
+          local: this rank's value of a per-rank tensor (the single row of a one-rank `SimMesh`).
+        """
+        state = self.state
+        self.buffers = {k: local(v).clone() for k, v in state.buffers.items()}
+        if self.per_unit and not self.mesh.stacked:  # unit by unit, each unit's gradient reduced when complete
+            shard = compute if compute is not None else state.compute if state.compute is not None else state.params
+            self._gathering = UnitGathering(
+                self.mesh, state.layout, module, shard, state.frozen, self.policy, self.reducer(),
+                state.frozen_dtype, state.plan.keep_gathered,
+            )  # fmt: skip
+            leaf, named = self._gathering.shard, self._gathering.params()
+        else:
+            self.per_unit = False
+            leaf = (compute if compute is not None else local(compute_params(state, self.mesh))).detach()
+            leaf.requires_grad_()
+            frozen = frozen_params(state, self.mesh)
+            named = named_tensors(state.layout, leaf, None if frozen is None else local(frozen), {})
+        self.leaf, self.named = leaf, {**named, **self.buffers}
+        # bound until the micro-step ends: an activation-checkpoint recompute in the backward computes with them
+        self._stack.enter_context(bound(module, self.named))
+
+    @property
+    def received(self) -> bool:
+        """Whether a backward reached the gathering (the shell's per-unit path)."""
+        return self._gathering is not None and self._gathering.received
+
+    def reduced_gradients(self) -> Tensor:
+        """The shell's per-unit path: this rank's reduced gradients (units no backward reached reduced as zeros)."""
+        assert self._gathering is not None
+        with record_function("fzero.reduce"):
+            grads = self._gathering.finish()
+        self._gathering = None
+        return grads
+
+    # ------------------------------------------------------------------------------------------- the close half
+    def close(self, grads: Tensor | None, loss: Tensor | None, *, reduced: bool, buffers: dict | None = None,
+              gathered: Tensor | None = None, donate: bool = False,
+              failure: BaseException | None = None) -> tuple[TrainState, dict[str, Any]]:  # fmt: skip
+        """End the micro-step: agree with the other ranks, then update.
+
+        Args:
+          grads, loss: per rank, the step's gradients (reduced unit by unit when `reduced`) and unscaled loss; None
+            with a `failure`.
+          buffers: the module buffers as the forward left them (default: the state's).
+          gathered: the full compute parameters the forward used, kept through an accumulation window where the
+            plan keeps them.
+          donate: the chain may overwrite the state's buffers.
+          failure: what this rank's forward or backward raised (the step's collectives completed).
+
+        Raises:
+          DesyncError: on every rank, when the ranks did not run the same step or one failed.
+        """
+        try:
+            with record_function("fzero.agree"):
+                agree(self.mesh, int(self.state.step), self.ledger.total("calls"), failure)
+            assert grads is not None and loss is not None
+            state = self.state if buffers is None else self.state.replace(buffers=buffers)
+            new, metrics = apply_gradients(state, grads, loss, self.tx, self.mesh, donate=donate, reduced=reduced)
+        finally:
+            self.abandon()
+        if not (metrics["applied"] or metrics["skipped"]) and self.state.plan.keep_gathered and gathered is not None:
+            # an accumulation window: the parameters did not change (detached: at world 1 it is the backward's leaf)
+            new = new.replace(compute=gathered.detach())
+        metrics["comm"] = self.ledger.as_dict()
+        return new, metrics
+
+    def abandon(self) -> None:
+        """End the micro-step without an update: unbind, stop counting, free what is gathered."""
+        if self._gathering is not None:
+            self._gathering.close()
+            self._gathering = None
+        self._stack.close()

@@ -1,0 +1,103 @@
+"""`plan_of`: a chain's `fzero.Plan`, from what its transforms declare, at `fzero.init`.
+
+A transform declares its part (`Transform.does`, `reduces`, `unit`); the plan reads the declarations in chain order
+(nested chains flattened) and the one fact only `init` knows, whether the master parameters came out sharded. A
+chain whose declarations are ambiguous is refused here, naming the transforms: two transforms in one role (two
+gathers, two accumulations, two loss scales, two optimizers), or an accumulation after the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..plan import GatherMode, Plan, Role
+from .base import Transform
+
+__all__ = ["plan_of"]
+
+
+def _leaves(tx: Transform, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Transform]]:
+    """The chain's transforms in order, with their state's keys (a lone transform's state is its own)."""
+    if not tx.children:
+        yield path, tx
+        return
+    for name, child in tx.children:
+        yield from _leaves(child, (*path, name))
+
+
+def _role(tx: Transform) -> Role | None:
+    does = tx.does
+    if does.accumulates:
+        return "accumulate"
+    if does.scales_loss:
+        return "scale_loss"
+    if does.updates:
+        return "update"
+    if does.gathers is not None:
+        return "gather"
+    return None
+
+
+def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_dtype: torch.dtype) -> Plan:
+    """The plan of chain `tx`, given what its `init` did.
+
+    Args:
+      tx: the transform (a chain, or a lone transform).
+      sharded: `init` left the master parameters as this rank's shard.
+      world: the ranks they are sharded over (the layout's world).
+      stacked: the mesh holds per-rank values on a leading world axis.
+      compute_dtype: the dtype of the compute parameters `init` made.
+
+    Raises:
+      ValueError: two transforms declare the same role, or the chain accumulates after its update.
+    """
+    paths: dict[Role, tuple[str, ...]] = {}
+    order: list[Role] = []
+    reduced_at = None
+    accumulate, accumulate_at, gather = 1, None, None
+    for i, (path, t) in enumerate(_leaves(tx)):
+        if t.reduces and reduced_at is None:
+            reduced_at = i
+        role = _role(t)
+        if role is None:
+            continue
+        if role in paths:
+            raise ValueError(f"the chain has two transforms that {_VERB[role]}: {'/'.join(paths[role])!r} and "
+                             f"{'/'.join(path)!r}; a step can only do that once")  # fmt: skip
+        if role == "accumulate" and "update" in paths:
+            raise ValueError(f"the chain accumulates ({'/'.join(path)!r}) after its update "
+                             f"({'/'.join(paths['update'])!r}): put accumulate() before the update")  # fmt: skip
+        paths[role] = path
+        order.append(role)
+        if role == "accumulate":
+            accumulate, accumulate_at = t.does.accumulates, i
+        elif role == "gather":
+            gather = t.does.gathers
+    mode: GatherMode | None = gather  # type: ignore[assignment]  # (declared as str: checked below)
+    if mode not in (None, "now", "lazy", "keep"):
+        raise ValueError(f"a transform declares gathers={mode!r}; expected 'now', 'lazy' or 'keep'")
+    at_rest = sharded and world > 1 and mode != "now"
+    return Plan(
+        stacked=stacked,
+        world=world,
+        sharded=sharded,
+        reduces=tx.reduces,
+        per_unit=tx.reduces and tx.unit is not None,
+        accumulate=accumulate,
+        accumulate_before_reduce=accumulate_at is not None and (reduced_at is None or accumulate_at < reduced_at),
+        gather=mode,
+        sharded_at_rest=at_rest,
+        keep_gathered=mode == "keep",
+        compute_dtype=compute_dtype,
+        paths=tuple((r, paths[r]) for r in order),
+    )
+
+
+_VERB: dict[Role, str] = {
+    "accumulate": "accumulate gradients",
+    "scale_loss": "scale the loss",
+    "update": "update the parameters",
+    "gather": "gather the compute parameters",
+}
