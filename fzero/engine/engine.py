@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
@@ -208,7 +209,8 @@ class Engine(ConfigAccessors, nn.Module):
         if self._micro is None:
             self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
             self._micro.open_shell(self._modules["module"], self._compute(), self._local)
-        out = torch.func.functional_call(self._modules["module"], self._micro.named, args, kwargs)
+        with record_function("fzero.forward"):
+            out = torch.func.functional_call(self._modules["module"], self._micro.named, args, kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
 
@@ -290,7 +292,8 @@ class Engine(ConfigAccessors, nn.Module):
                 "(computed under torch.no_grad(), or not from engine(...)'s outputs?)"
             )
         earlier, micro.leaf.grad = micro.leaf.grad, None  # a manual loss.backward() before this one
-        self.scale(loss).backward(retain_graph=retain_graph)  # not autograd.grad: reentrant checkpointing refuses it
+        with record_function("fzero.backward"):  # not autograd.grad: reentrant checkpointing refuses it
+            self.scale(loss).backward(retain_graph=retain_graph)
         grad, micro.leaf.grad = micro.leaf.grad, earlier
         gas = self.config.gas
         if micro.per_unit:  # the units' gradients were reduced into the gathering during the backward
