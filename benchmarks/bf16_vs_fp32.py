@@ -16,6 +16,8 @@ import torch
 import fzero
 from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, gpt_loss, sample_batch
 
+fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
+
 
 def train(precision: str, steps: int) -> list[float]:
     torch.manual_seed(0)

@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 import fzero
 from fzero import process_group
 
+fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
+
 
 def _median(fn: Callable[[], object], rounds: int) -> float:
     fn()

@@ -46,6 +46,8 @@ from torch import nn
 import fzero
 from fzero.examples.gpt import GPT, GPTConfig
 
+fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
+
 CFG = GPTConfig(vocab_size=8192, seq_len=64, n_layer=6, n_head=8, d_model=512)
 MICRO, LR, WD = 4, 1e-4, 0.01
 Step = Callable[[dict[str, torch.Tensor]], None]

@@ -21,6 +21,8 @@ import torch
 import fzero
 from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, gpt_loss, sample_batch
 
+fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
+
 VARIANTS = {"fp32": {}, "qgZ": {"qgz": True}, "qgZ+qwZ": {"qgz": True, "qwz": True}}
 
 

@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 import fzero
 from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, gpt_loss, sample_batch
 
+fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
+
 VARIANTS = {
     "stage 2": (fzero.zero2, None),
     "stage 3, prefetch 1": (fzero.zero3, fzero.GatherPolicy(prefetch=1)),

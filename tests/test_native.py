@@ -685,19 +685,19 @@ def test_environment_variable_forces_the_path(monkeypatch):
     assert r.stdout.split() == ["scalar"], r.stderr
     for value in [*COMPILED, "torch", f" {COMPILED[-1].upper()}", "auto"]:
         monkeypatch.setenv("FZERO_ISA", value)
-        monkeypatch.setattr(native, "_choice", None)
+        monkeypatch.setattr(native.binding, "_choice", None)
         assert native.isa() == (native.supported_isas()[-2] if value == "auto" else value.strip().lower())
     monkeypatch.setenv("FZERO_ISA", "fast")
-    monkeypatch.setattr(native, "_choice", None)
+    monkeypatch.setattr(native.binding, "_choice", None)
     with pytest.raises(ValueError, match="FZERO_ISA: unknown instruction-set path 'fast'"):
         native.isa()
     for isa in MISSING:
         monkeypatch.setenv("FZERO_ISA", isa)
-        monkeypatch.setattr(native, "_choice", None)
+        monkeypatch.setattr(native.binding, "_choice", None)
         with pytest.raises(ValueError, match=f"FZERO_ISA: this CPU cannot run the '{isa}' path"):
             native.isa()
     monkeypatch.delenv("FZERO_ISA")
-    monkeypatch.setattr(native, "_choice", None)
+    monkeypatch.setattr(native.binding, "_choice", None)
     native.isa()
 
 

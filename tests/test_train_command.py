@@ -15,9 +15,17 @@ import torch
 from fzero import cli
 from fzero.commands import train as train_command
 from fzero.examples.gpt import GPT, GPTConfig
+from fzero.hostmem import VARIABLE
 from fzero.metrics import Monitor, Throughput, format_line, plot_loss_curve, read_jsonl, transformer_flops
 
 pytestmark = pytest.mark.usefixtures("keep_threads")  # they run commands in this process
+
+
+@pytest.fixture(autouse=True)
+def _huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fzero train` asks for huge pages for its process (sets the variable): restore the environment after."""
+    monkeypatch.setenv(VARIABLE, os.environ.get(VARIABLE, "1"))
+
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "2", "--threads", "1",
         "--no-progress"]  # fmt: skip

@@ -211,8 +211,10 @@ def run(args: argparse.Namespace) -> int:
     this returns (`fzero.process_group.shutdown`), whatever happened."""
     from .. import process_group
     from ..config import ConfigError
+    from ..hostmem import enable_huge_pages
     from ..mesh import CollectiveError
 
+    enable_huge_pages()  # before the model's first tensor (and inherited by the ranks torchrun starts)
     nproc = _opt(args, "nproc")
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, nproc)
@@ -276,6 +278,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
         rec = engine.last_record
+        assert rec is not None  # (a step was just taken)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}", refresh=False)
         bar.update()
     bar.close()

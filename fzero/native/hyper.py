@@ -15,7 +15,7 @@ import math
 import struct
 from typing import NamedTuple
 
-__all__ = ["AdamHyper", "adam_hyper"]
+__all__ = ["AdamHyper", "Corrections", "adam_hyper", "corrections"]
 
 
 def _f32(x: float) -> float:
@@ -24,6 +24,38 @@ def _f32(x: float) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:  # beyond float32's range: the cast gives an infinity
         return math.copysign(math.inf, x)
+
+
+class Corrections(NamedTuple):
+    """A step's bias-corrected scalars in double, not rounded: what torch's Adam and the kernel's share."""
+
+    step_size: float
+    """`lr / (1 - beta1^t)`."""
+    bias_correction2: float
+    """`1 - beta2^t`; its square root divides the second moment's (each caller takes the root its own way)."""
+
+
+def corrections(step: int, lr: float, beta1: float, beta2: float, bias_correction: bool = True) -> Corrections:
+    """The step size and the second bias correction of step `step` (1-based), in double.
+
+    The one definition of Adam's bias corrections: `fzero.adamw` uses them as they are (torch's operation order),
+    `adam_hyper` rounds them to the kernel's float32 scalars.
+
+    Args:
+      step: the 1-based number of the update.
+      lr, beta1, beta2: the step's learning rate and moment coefficients (schedules already evaluated).
+      bias_correction: False turns both corrections into 1 (DeepSpeed's `bias_correction=False`).
+
+    Returns:
+      `Corrections(step_size, bias_correction2)`.
+
+    Example:
+      >>> corrections(1, 0.1, 0.9, 0.999)
+      Corrections(step_size=1.0000000000000002, bias_correction2=0.0010000000000000009)
+    """
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    return Corrections(lr / bc1, bc2)
 
 
 class AdamHyper(NamedTuple):
@@ -52,19 +84,32 @@ def adam_hyper(
     bias_correction: bool,
     grad_scale: float = 1.0,
 ) -> AdamHyper:
-    """The scalars of step `step` (1-based), each rounded once to float32."""
+    """The scalars of step `step` (1-based), each rounded once to float32.
+
+    Args:
+      step: the 1-based number of the update.
+      lr, beta1, beta2, eps, weight_decay: the step's hyper-parameters (schedules already evaluated).
+      decoupled: AdamW's decoupled decay (`decay = 1 - lr * weight_decay`) or Adam's L2 penalty (`l2`).
+      bias_correction: False turns both bias corrections into 1.
+      grad_scale: the factor the kernel multiplies into every gradient as it loads it.
+
+    Returns:
+      The `AdamHyper` the kernel receives.
+
+    Raises:
+      ValueError: `step` is not a positive integer.
+    """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"adam step must be a positive integer (1 for the first update), got {step!r}")
-    bc1 = 1 - beta1**step if bias_correction else 1.0
-    bc2 = 1 - beta2**step if bias_correction else 1.0
+    step_size, bc2 = corrections(step, lr, beta1, beta2, bias_correction)
     values = (
         beta1,
         1 - beta1,
         beta2,
         1 - beta2,
         eps,
-        lr / bc1,
-        1 / math.sqrt(bc2),
+        step_size,
+        1 / math.sqrt(bc2),  # the kernel multiplies by this inverse; torch's Adam divides by bc2 ** 0.5
         1 - lr * weight_decay if decoupled else 1.0,
         0.0 if decoupled else weight_decay,
         grad_scale,

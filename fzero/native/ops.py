@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels import adam_step
+
 __all__ = ["adam_step_", "adam_step_segments_"]
 
 
@@ -49,8 +51,6 @@ def adam_step_(
     grad_scale: float,
 ) -> None:
     """In-place `fzero.native.adam_step` (see there), with every hyper-parameter positional."""
-    from . import adam_step
-
     adam_step(params, grads, exp_avg, exp_avg_sq, step=step, lr=lr, betas=(beta1, beta2), eps=eps,
               weight_decay=weight_decay, decoupled=decoupled, bias_correction=bias_correction,
               grad_scale=grad_scale, out=out)  # fmt: skip
@@ -83,8 +83,6 @@ def adam_step_segments_(
 ) -> None:
     """In-place `fzero.native.adam_step(..., segments=(ends, group))`, every hyper-parameter a list with one float
     per group."""
-    from . import adam_step
-
     adam_step(params, grads, exp_avg, exp_avg_sq, step=step, lr=lr, betas=(beta1, beta2), eps=eps,
               weight_decay=weight_decay, decoupled=decoupled, bias_correction=bias_correction,
               grad_scale=grad_scale, out=out, segments=(ends, group))  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -40,8 +41,9 @@ def adam_step(
     construction (the same torch operations on the same views).
     """
     if segments is None:
-        _step(h, params, grads, exp_avg, exp_avg_sq, out, params_out, exp_avg_out, exp_avg_sq_out)
+        _step(cast(AdamHyper, h), params, grads, exp_avg, exp_avg_sq, out, params_out, exp_avg_out, exp_avg_sq_out)
         return
+    per_group = cast(Sequence[AdamHyper], h)  # (an AdamHyper is a sequence too: the segments say which h is)
     flat = [t.view(-1) for t in (params, grads, exp_avg, exp_avg_sq)]
     flat_outs = [t.view(-1) for t in (params_out, exp_avg_out, exp_avg_sq_out)]
     flat16 = out.view(-1) if out is not None else None
@@ -54,7 +56,7 @@ def adam_step(
             p, gr, m, v = (t[begin:end] for t in flat)
             p_out, m_out, v_out = (x if same else o[begin:end] for x, o, same in zip((p, m, v), flat_outs, in_place,
                                                                                       strict=True))  # fmt: skip
-            _step(h[g], p, gr, m, v, flat16[begin:end] if flat16 is not None else None, p_out, m_out, v_out)
+            _step(per_group[g], p, gr, m, v, flat16[begin:end] if flat16 is not None else None, p_out, m_out, v_out)
         begin = end
 
 

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import AdamState, Hyper, Optimizer, check_hyper, hyper_value
+from ..native.hyper import corrections
+from . import adam_core
+from .base import AdamState, Hyper, Optimizer
 from .cpu_adam import cpu_adam, cpu_adamw
 from .groups import ParamGroups, Segments
 
@@ -29,20 +31,7 @@ __all__ = ["AdamState", "adam", "adamw"]
 def _adam(
     lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool, groups: Any = None
 ) -> Optimizer:
-    def check(h: Mapping[str, Any]) -> None:
-        check_hyper("learning rate", h["lr"], 0.0)
-        if not isinstance(h["betas"], (tuple, list)) or len(h["betas"]) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {h['betas']!r}")
-        check_hyper("beta parameter at index 0", h["betas"][0], 0.0, 1.0)
-        check_hyper("beta parameter at index 1", h["betas"][1], 0.0, 1.0)
-        check_hyper("epsilon value", h["eps"], 0.0)
-        check_hyper("weight_decay value", h["weight_decay"], 0.0)
-
-    defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-    check(defaults)
-
-    def init(params: Tensor) -> AdamState:
-        return AdamState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params), torch.zeros_like(params))
+    defaults = adam_core.make_defaults(lr, betas, eps, weight_decay)
 
     def update(
         grads: Tensor, state: AdamState, params: Tensor, *, donate: bool = False, segments: Segments | None = None
@@ -51,26 +40,24 @@ def _adam(
         t = applied + 1
         if segments is not None:
             return _grouped(grads, state, params, donate, segments, defaults, decoupled)
-        lr_t = hyper_value(lr, applied)
-        b1, b2 = hyper_value(betas[0], applied), hyper_value(betas[1], applied)
+        h = adam_core.step_values(defaults, applied)
         p = params
-        if weight_decay != 0:
+        if h.weight_decay != 0:
             if decoupled:
-                p = torch.mul(p, 1 - lr_t * weight_decay, out=p if donate else None)
+                p = torch.mul(p, 1 - h.lr * h.weight_decay, out=p if donate else None)
             else:
-                grads = grads.add(p, alpha=weight_decay)
-        m = torch.lerp(state.exp_avg, grads, 1 - b1, out=state.exp_avg if donate else None)
-        v = torch.mul(state.exp_avg_sq, b2, out=state.exp_avg_sq if donate else None)
-        v.addcmul_(grads, grads, value=1 - b2)  # v is ours here: donated, or fresh from the mul
-        bias_correction1 = 1 - b1**t
-        bias_correction2 = 1 - b2**t
-        step_size = lr_t / bias_correction1
-        denom = v.sqrt().div_(bias_correction2**0.5).add_(eps)  # in place on the fresh sqrt: one allocation
+                grads = grads.add(p, alpha=h.weight_decay)
+        m = torch.lerp(state.exp_avg, grads, 1 - h.beta1, out=state.exp_avg if donate else None)
+        v = torch.mul(state.exp_avg_sq, h.beta2, out=state.exp_avg_sq if donate else None)
+        v.addcmul_(grads, grads, value=1 - h.beta2)  # v is ours here: donated, or fresh from the mul
+        step_size, bc2 = corrections(t, h.lr, h.beta1, h.beta2)
+        # torch divides by bc2 ** 0.5 (pow, not math.sqrt): kept for bitwise equality with torch.optim.AdamW
+        denom = v.sqrt().div_(bc2**0.5).add_(h.eps)  # in place on the fresh sqrt: one allocation
         own = donate or p is not params
         p = torch.addcdiv(p, m, denom, value=-step_size, out=p if own else None)
-        return p, AdamState(torch.tensor(t, dtype=torch.int64), m, v)
+        return p, adam_core.next_state(t, m, v)
 
-    return Optimizer(init, update, defaults=defaults, groups=groups, check=check)
+    return Optimizer(adam_core.init_state, update, defaults=defaults, groups=groups, check=adam_core.check)
 
 
 def _grouped(
@@ -92,24 +79,23 @@ def _grouped(
         p, m, v = params.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
     flat_p, flat_g, flat_m, flat_v = (x.reshape(-1) for x in (p, grads, m, v))
     for group, ranges in segments.pieces().items():
-        h = {**defaults, **segments.overrides[group]}
-        lr_t, eps, wd = hyper_value(h["lr"], applied), h["eps"], h["weight_decay"]
-        b1, b2 = hyper_value(h["betas"][0], applied), hyper_value(h["betas"][1], applied)
-        ps, gs, ms, vs = ([x[a:b] for a, b in ranges] for x in (flat_p, flat_g, flat_m, flat_v))
-        if wd != 0:
+        h = adam_core.step_values({**defaults, **segments.overrides[group]}, applied)
+        ps, ms, vs = ([x[a:b] for a, b in ranges] for x in (flat_p, flat_m, flat_v))
+        gs: list[Tensor] | tuple[Tensor, ...] = [flat_g[a:b] for a, b in ranges]
+        if h.weight_decay != 0:
             if decoupled:
-                torch._foreach_mul_(ps, 1 - lr_t * wd)
+                torch._foreach_mul_(ps, 1 - h.lr * h.weight_decay)
             else:
-                gs = torch._foreach_add(gs, ps, alpha=wd)
-        torch._foreach_lerp_(ms, gs, 1 - b1)
-        torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-        step_size = lr_t / (1 - b1**t)
+                gs = torch._foreach_add(gs, ps, alpha=h.weight_decay)
+        torch._foreach_lerp_(ms, gs, 1 - h.beta1)
+        torch._foreach_mul_(vs, h.beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - h.beta2)
+        step_size, bc2 = corrections(t, h.lr, h.beta1, h.beta2)
         denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, (1 - b2**t) ** 0.5)
-        torch._foreach_add_(denom, eps)
+        torch._foreach_div_(denom, bc2**0.5)
+        torch._foreach_add_(denom, h.eps)
         torch._foreach_addcdiv_(ps, ms, denom, value=-step_size)
-    return p, AdamState(torch.tensor(t, dtype=torch.int64), m, v)
+    return p, adam_core.next_state(t, m, v)
 
 
 def adamw(

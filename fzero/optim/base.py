@@ -74,6 +74,6 @@ def check_hyper(name: str, value: Hyper, low: float, high: float | None = None, 
 class AdamState(NamedTuple):
     """`count`: updates applied (0-d int64); `exp_avg`, `exp_avg_sq`: the first and second moments."""
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
     exp_avg: Tensor
     exp_avg_sq: Tensor

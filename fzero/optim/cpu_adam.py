@@ -17,19 +17,19 @@ and tested in `tests/test_native.py`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from .. import native
-from .base import AdamState, Hyper, Optimizer, check_hyper, hyper_value
+from . import adam_core
+from .base import AdamState, Hyper, Optimizer
 from .groups import ParamGroups, Segments
 
 __all__ = ["cpu_adam", "cpu_adamw"]
 
 FEATURES = frozenset({"grad_scale", "grad_dtype", "out"})
+
+_PerGroup = float | list[float]  # one value for the whole buffer, or one per parameter group
 
 
 def _cpu_adam(
@@ -41,17 +41,7 @@ def _cpu_adam(
     bias_correction: bool,
     groups: ParamGroups | None,
 ) -> Optimizer:
-    def check(h: Mapping[str, Any]) -> None:
-        check_hyper("learning rate", h["lr"], 0.0)
-        if not isinstance(h["betas"], (tuple, list)) or len(h["betas"]) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {h['betas']!r}")
-        check_hyper("beta parameter at index 0", h["betas"][0], 0.0, 1.0)
-        check_hyper("beta parameter at index 1", h["betas"][1], 0.0, 1.0)
-        check_hyper("epsilon value", h["eps"], 0.0)
-        check_hyper("weight_decay value", h["weight_decay"], 0.0)
-
-    defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-    check(defaults)
+    defaults = adam_core.make_defaults(lr, betas, eps, weight_decay)
     name = "cpu_adamw" if decoupled else "cpu_adam"
     native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
 
@@ -66,7 +56,7 @@ def _cpu_adam(
 
     def init(params: Tensor) -> AdamState:
         check_params(params)
-        return AdamState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params), torch.zeros_like(params))
+        return adam_core.init_state(params)
 
     def update(
         grads: Tensor,
@@ -80,45 +70,46 @@ def _cpu_adam(
     ) -> tuple[Tensor, AdamState]:
         check_params(params)
         applied = int(state.count)
-        hyper = {
-            "lr": hyper_value(lr, applied),
-            "betas": (hyper_value(betas[0], applied), hyper_value(betas[1], applied)),
-            "eps": eps,
-            "weight_decay": weight_decay,
-        }
-        table = None
-        if segments is not None:  # one value per group, each the group's own (schedules evaluated here)
-            per = [{**defaults, **o} for o in segments.overrides]
-            hyper = {
-                "lr": [hyper_value(h["lr"], applied) for h in per],
-                "betas": tuple([hyper_value(h["betas"][i], applied) for h in per] for i in (0, 1)),
-                "eps": [h["eps"] for h in per],
-                "weight_decay": [h["weight_decay"] for h in per],
-            }
+        if segments is None:
+            h = adam_core.step_values(defaults, applied)
+            lr_t: _PerGroup = h.lr
+            betas_t: tuple[_PerGroup, _PerGroup] = (h.beta1, h.beta2)
+            eps_t: _PerGroup = h.eps
+            wd_t: _PerGroup = h.weight_decay
+            table = None
+        else:  # one value per group, each the group's own (schedules evaluated here)
+            per = [adam_core.step_values({**defaults, **o}, applied) for o in segments.overrides]
+            lr_t, eps_t, wd_t = [h.lr for h in per], [h.eps for h in per], [h.weight_decay for h in per]
+            betas_t = ([h.beta1 for h in per], [h.beta2 for h in per])
             table = segments.tensors()
         if donate:
             p, m, v = params, state.exp_avg, state.exp_avg_sq
-            outs = {}
+            p_out = m_out = v_out = None
         else:  # pure: the kernel reads the inputs and writes fresh buffers, in the same single pass
             p, m, v = torch.empty_like(params), torch.empty_like(state.exp_avg), torch.empty_like(state.exp_avg_sq)
-            outs = {"params_out": p, "exp_avg_out": m, "exp_avg_sq_out": v}
+            p_out, m_out, v_out = p, m, v
         native.adam_step(
             params,
             grads.contiguous(),
             state.exp_avg,
             state.exp_avg_sq,
             step=applied + 1,
-            **hyper,
+            lr=lr_t,
+            betas=betas_t,
+            eps=eps_t,
+            weight_decay=wd_t,
             decoupled=decoupled,
             bias_correction=bias_correction,
             grad_scale=grad_scale,
             out=out,
             segments=table,
-            **outs,
+            params_out=p_out,
+            exp_avg_out=m_out,
+            exp_avg_sq_out=v_out,
         )
-        return p, AdamState(torch.tensor(applied + 1, dtype=torch.int64), m, v)
+        return p, adam_core.next_state(applied + 1, m, v)
 
-    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=check)
+    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=adam_core.check)
 
 
 def cpu_adamw(

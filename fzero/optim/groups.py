@@ -115,8 +115,9 @@ class ParamGroups:
         return out
 
     def _explicit(self, names: Sequence[str]) -> list[dict[str, Any]]:
+        explicit = self.explicit or ()  # (only called for explicit groups)
         owner: dict[str, int] = {}
-        for index, (members, _) in enumerate(self.explicit or ()):
+        for index, (members, _) in enumerate(explicit):
             for name in members:
                 if name in owner:
                     raise ValueError(
@@ -129,7 +130,7 @@ class ParamGroups:
             raise ValueError(
                 f"parameter {absent[0]!r} (and {len(absent) - 1} more) requires grad but is in no parameter group"
             )
-        return [dict(self.explicit[owner[n]][1]) if n in owner else {} for n in names]
+        return [dict(explicit[owner[n]][1]) if n in owner else {} for n in names]
 
 
 def _match(pattern: str, name: str) -> bool:
@@ -205,7 +206,9 @@ class Segments:
 
     def slice(self, start: int, stop: int) -> Segments:
         """The table of elements `[start, stop)`, offsets relative to `start`."""
-        ends, group, lo = [], [], 0
+        ends: list[int] = []
+        group: list[int] = []
+        lo = 0
         for end, g in zip(self.ends, self.group, strict=True):
             a, b = max(lo, start), min(end, stop)
             if b > a or (not ends and start == stop):

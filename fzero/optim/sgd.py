@@ -24,7 +24,7 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """`count`: updates applied (0-d int64); `momentum_buffer`: empty when `momentum == 0`."""
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
     momentum_buffer: Tensor
 
 
@@ -100,7 +100,8 @@ def _grouped(
     for group, ranges in segments.pieces().items():
         h = {**defaults, **segments.overrides[group]}
         lr_t, momentum, dampening = hyper_value(h["lr"], applied), h["momentum"], h["dampening"]
-        ps, gs = [flat_p[a:b] for a, b in ranges], [flat_g[a:b] for a, b in ranges]
+        ps = [flat_p[a:b] for a, b in ranges]
+        gs: list[Tensor] | tuple[Tensor, ...] = [flat_g[a:b] for a, b in ranges]
         if h["weight_decay"] != 0:
             gs = torch._foreach_add(gs, ps, alpha=h["weight_decay"])
         if momentum != 0:
