@@ -337,21 +337,28 @@ def unit_reducer(tx: Transform) -> UnitFn:
             f"{tx.name}: stage 3 reduces each unit's gradient in the backward with the chain's reduction, but the "
             "chain has none: put reduce_scatter() (or a transform wrapping it) in it"
         )
-    raise ValueError(f"stage 3 reduces each unit's gradient in the backward, but {_blocker(tx)} comes before the "
+    where, reduction = _blocker(tx)
+    if reduction:
+        raise ValueError(f"stage 3 reduces each unit's gradient in the backward, but {where} is the chain's "
+                         "reduction and has no unit form: give it one (fzero.Transform(..., unit=...)), or use it at "
+                         "stages 0-2, which reduce the whole gradient after the backward")  # fmt: skip
+    raise ValueError(f"stage 3 reduces each unit's gradient in the backward, but {where} comes before the "
                      "reduction and cannot run per unit: put it after reduce_scatter(), or give it a unit function "
                      "(fzero.Transform(..., unit=...))")  # fmt: skip
 
 
-def _blocker(tx: Transform) -> str:
-    """The first transform before the reduction without a per-unit form, named along its chains."""
+def _blocker(tx: Transform) -> tuple[str, bool]:
+    """The first transform up to the reduction without a per-unit form, named along its chains, and whether it is
+    the reduction itself."""
     for name, t in tx.children:
         if t.children and t.reduces and t.unit is None:
-            return f"{name}/{_blocker(t)}"
+            where, reduction = _blocker(t)
+            return f"{name}/{where}", reduction
         if t.unit is None:
-            return repr(name)
+            return repr(name), t.reduces
         if t.reduces:
             break
-    return repr(tx.name)
+    return repr(tx.name), tx.reduces and not tx.children
 
 
 def lookup(tx_state: Any, name: str) -> Any:
