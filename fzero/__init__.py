@@ -19,7 +19,6 @@ from .memory import state_bytes
 from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
 from .optim import Optimizer, adam, adamw, cpu_adam, cpu_adamw, param_groups, sgd
 from .precision import Policy, get_policy
-from .units import GatherPolicy
 from .state import TrainState, pytree
 from .step import eval_step, init, state_dict, train_step
 from .transforms import (
@@ -46,6 +45,7 @@ from .transforms import (
     zero2,
     zero3,
 )
+from .units import GatherPolicy
 
 __all__ = [
     "CollectiveError",

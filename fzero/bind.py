@@ -68,7 +68,12 @@ class Unavailable(Tensor):
     """A placeholder with a parameter's shape, dtype and device, and no data: any operation on it raises an error
     that names the parameter (stage 3 binds it where a unit's parameter is not gathered)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # (torch's stubs type Tensor.__torch_function__ as a classmethod and the disabled impl as a plain function; this
+    # is torch's documented way to turn torch-function wrapping off for a subclass)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # (see above)
+
+    param_name: str
+    unit_name: str
 
     @staticmethod
     def __new__(
@@ -78,11 +83,13 @@ class Unavailable(Tensor):
         t.param_name, t.unit_name = name, unit
         return t
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor's takes a keyword this class has no use for
         return f"Unavailable({self.param_name!r}, unit {self.unit_name!r}, shape {tuple(self.shape)})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # (torch's stubs type the base's as a plain attribute function)
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         found = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, Unavailable)), None)
         name, unit = (found.param_name, found.unit_name) if found is not None else ("?", "?")
         raise RuntimeError(

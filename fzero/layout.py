@@ -41,7 +41,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -234,8 +234,8 @@ class Layout:
 
 def _plain(value: object) -> object:
     """Dataclasses and tuples as JSON-ready dicts and lists."""
-    if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)  # type: ignore[call-overload]
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value

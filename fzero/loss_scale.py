@@ -24,7 +24,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .state import pytree, register_torch_pytree
+from .state import pytree_dataclass, register_torch_pytree, static_field
 
 __all__ = ["DynamicLossScale", "LossScale", "LossScaleError", "NoOpLossScale", "StaticLossScale", "make_loss_scale"]
 
@@ -41,7 +41,7 @@ def _i64(x: int) -> Tensor:
     return torch.tensor(int(x), dtype=torch.int64)
 
 
-@pytree.dataclasses.dataclass(frozen=True)
+@pytree_dataclass(frozen=True)
 class NoOpLossScale:
     """No scaling (bf16, fp32)."""
 
@@ -78,7 +78,7 @@ class _Scaling:
         return optree.tree_map(lambda g: g * inv, tree)
 
 
-@pytree.dataclasses.dataclass(frozen=True)
+@pytree_dataclass(frozen=True)
 class StaticLossScale(_Scaling):
     """A fixed scale `S`: the loss is multiplied by `S`, gradients by `1/S`."""
 
@@ -88,7 +88,7 @@ class StaticLossScale(_Scaling):
         return self
 
 
-@pytree.dataclasses.dataclass(frozen=True)
+@pytree_dataclass(frozen=True)
 class DynamicLossScale(_Scaling):
     """DeepSpeed's dynamic loss scaler as an immutable value (see the module docstring for the rule).
 
@@ -104,12 +104,12 @@ class DynamicLossScale(_Scaling):
     cur_iter: Tensor
     last_overflow_iter: Tensor
     cur_hysteresis: Tensor
-    scale_window: int = optree.dataclasses.field(default=1000, pytree_node=False)
-    hysteresis: int = optree.dataclasses.field(default=2, pytree_node=False)
-    consecutive_hysteresis: bool = optree.dataclasses.field(default=False, pytree_node=False)
-    min_loss_scale: float = optree.dataclasses.field(default=1.0, pytree_node=False)
-    scale_factor: float = optree.dataclasses.field(default=2.0, pytree_node=False)
-    raise_error_at_min_scale: bool = optree.dataclasses.field(default=True, pytree_node=False)
+    scale_window: int = static_field(default=1000)
+    hysteresis: int = static_field(default=2)
+    consecutive_hysteresis: bool = static_field(default=False)
+    min_loss_scale: float = static_field(default=1.0)
+    scale_factor: float = static_field(default=2.0)
+    raise_error_at_min_scale: bool = static_field(default=True)
 
     @staticmethod
     def create(

@@ -25,8 +25,10 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import optree
-from torch import Tensor
+from torch import SymInt, Tensor
 
 from .plan import Role
 from .state import TrainState
@@ -47,7 +49,7 @@ def state_bytes(state: TrainState) -> dict[str, int]:
       state: a `TrainState`; on a `SimMesh` the leading world axis is divided out.
     """
     per_rank = state.layout.world if state.simulated else 1
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int | SymInt]] = set()
     out = dict.fromkeys(("master", "compute", "optimizer", "accumulator", "frozen", "other"), 0)
 
     def add(category: str, t: Tensor) -> None:
@@ -61,7 +63,7 @@ def state_bytes(state: TrainState) -> dict[str, int]:
     if state.compute is not None:
         add("compute", state.compute)
 
-    def walk(node: object, category: str) -> None:
+    def walk(node: Any, category: str) -> None:
         for leaf in optree.tree_leaves(node, namespace="fzero"):
             if isinstance(leaf, Tensor):  # a leaf that is no tensor (a number in a custom state) holds no memory
                 add(category if leaf.ndim else "other", leaf)

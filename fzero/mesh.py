@@ -161,6 +161,8 @@ class Mesh(Protocol):
 
     def size(self, axis: str | None = None) -> int: ...
 
+    def index(self, axis: str | None = None) -> int | Tensor: ...
+
     def set_timeout(self, timeout: float | datetime.timedelta) -> None: ...
 
     def exchange(self, x: Tensor) -> Tensor: ...
@@ -174,6 +176,8 @@ class Mesh(Protocol):
     def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
 
     def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor: ...
+
+    def all_to_all(self, x: Tensor, axis: str | None = None) -> Tensor: ...
 
     def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False) -> Work: ...
 
@@ -733,7 +737,8 @@ class DistMesh(_LedgerMixin):
         return Pending(self._guard(work, "reduce_scatter", x), lambda: _finish(out, op, self.world), chunks, out)
 
     def _guard(self, work: object, collective: str, x: Tensor) -> _Guarded:
-        return _Guarded(work, lambda e: self._error(collective, x, e))  # type: ignore[arg-type]
+        # `work` is what torch.distributed returns for async_op=True: a Work (typed Optional there)
+        return _Guarded(cast(Work, work), lambda e: self._error(collective, x, e))
 
     def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor:
         if axis is not None:

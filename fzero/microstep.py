@@ -30,10 +30,10 @@ from .agreement import agree
 from .bind import bound
 from .layout import Layout, unflatten
 from .mesh import Mesh
-from .units import GatherPolicy, UnitGathering
 from .state import TrainState
 from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
 from .transforms.scaling import current_loss_scale
+from .units import GatherPolicy, UnitGathering
 
 __all__ = [
     "MicroStep",
@@ -63,6 +63,7 @@ def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffer
     names included, and the buffers."""
     out = unflatten(layout, compute)
     if frozen is not None:
+        assert layout.frozen_layout is not None  # (frozen parameters have one)
         out.update(unflatten(layout.frozen_layout, frozen))
     for alias, name in layout.aliases:
         out[alias] = out[name]
@@ -87,10 +88,11 @@ def frozen_params(state: TrainState, mesh: Mesh) -> Tensor | None:
     frozen = state.frozen
     if frozen is None:
         return None
-    dtype = state.frozen_dtype
+    dtype, flay = state.frozen_dtype, state.layout.frozen_layout
+    assert flay is not None  # (frozen parameters have one)
     if state.plan.sharded_at_rest:
         with record_function("fzero.gather"):
-            return gather_params(mesh, state.layout.frozen_layout, frozen, dtype)
+            return gather_params(mesh, flay, frozen, dtype)
     return frozen.to(dtype or frozen.dtype)
 
 

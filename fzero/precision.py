@@ -132,14 +132,13 @@ def round_params(model: nn.Module, dtype: torch.dtype | str) -> nn.Module:
       >>> round_params(m, "bf16").weight.item()
       1.0
     """
-    if isinstance(dtype, str):
-        dtype = get_policy(dtype).compute_dtype  # type: ignore[assignment]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    target = get_policy(dtype).compute_dtype if isinstance(dtype, str) else dtype
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
         raise TypeError(f"round_params: dtype must be a floating torch.dtype or a precision name, got {dtype!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.is_meta:
                 raise ValueError(f"round_params: parameter {name!r} is on the meta device (it has no values yet)")
             if p.is_floating_point():
-                p.copy_(p.to(dtype))
+                p.copy_(p.to(target))
     return model

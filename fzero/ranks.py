@@ -45,7 +45,7 @@ ReduceFn = Callable[[Tensor, int], "Tensor | Work"]
 
 def _value(x: Tensor | Work) -> Tensor:
     """A reduction's result, waited for if it was started as a handle."""
-    return x if isinstance(x, Tensor) else x.wait()  # type: ignore[return-value]
+    return x if isinstance(x, Tensor) else cast(Tensor, x.wait())  # a reduction's handle yields its tensor
 
 
 class Reduction(Protocol):
@@ -57,8 +57,11 @@ class Reduction(Protocol):
 
 
 class Ranks(Protocol):
-    mesh: Mesh
-    indices: tuple[int, ...]
+    @property
+    def mesh(self) -> Mesh: ...  # (read-only: a `SimRanks` holds a `SimMesh`)
+
+    @property
+    def indices(self) -> tuple[int, ...]: ...
 
     def pick(self, x: Any, rank: int) -> Any: ...
 
@@ -201,4 +204,4 @@ class DistRanks:
 
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:
     """The strategy for `mesh` (see the module docstring)."""
-    return SimRanks(mesh) if mesh.stacked else DistRanks(mesh)
+    return SimRanks(cast(SimMesh, mesh)) if mesh.stacked else DistRanks(mesh)  # (only a SimMesh is stacked)

@@ -9,7 +9,7 @@ state keeps seeing its old values (unless it asked for buffer donation).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -19,12 +19,23 @@ from torch import Tensor
 from .layout import Layout
 from .plan import Plan
 
-__all__ = ["TrainState", "pytree"]
+__all__ = ["TrainState", "pytree", "pytree_dataclass", "static_field"]
 
 pytree = optree.pytree.reexport(namespace="fzero")
 
 
-@pytree.dataclasses.dataclass(frozen=True)
+if TYPE_CHECKING:  # (mypy sees no decorator through the re-exported module; optree's is the stdlib's, plus pytrees)
+    from dataclasses import dataclass as pytree_dataclass
+else:
+    pytree_dataclass = pytree.dataclasses.dataclass
+
+
+def static_field(**kwargs: Any) -> Any:
+    """A `pytree_dataclass` field that is part of the tree's structure (static metadata), not one of its leaves."""
+    return optree.dataclasses.field(pytree_node=False, **kwargs)  # type: ignore[call-overload]  # optree's stub omits it
+
+
+@pytree_dataclass(frozen=True)
 class TrainState:
     """Everything a step reads and writes.
 
@@ -56,13 +67,14 @@ class TrainState:
     buffers: dict[str, Tensor]
     seed: Tensor
     # (optree's `field` takes `pytree_node`; its stubs are dataclasses')
-    layout: Layout = optree.dataclasses.field(pytree_node=False)  # type: ignore[call-overload]
-    frozen_dtype: torch.dtype | None = optree.dataclasses.field(default=None, pytree_node=False)  # type: ignore[call-overload]
-    plan: Plan | None = optree.dataclasses.field(default=None, pytree_node=False)  # type: ignore[call-overload]
+    layout: Layout = static_field()
+    frozen_dtype: torch.dtype | None = static_field(default=None)
+    # (None only in a hand-made state; `fzero.init` always sets it, and everything that reads it takes it as set)
+    plan: Plan = static_field(default=None)
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields replaced (the state itself is frozen)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]  # (an optree dataclass)
+        return dataclasses.replace(self, **changes)
 
     @property
     def simulated(self) -> bool:

@@ -47,12 +47,21 @@ from .layout import Layout, flatten, from_module, to_rank_major, unflatten, unsh
 from .mesh import Mesh
 from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
 from .ranks import ranks_of
-from .units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from .state import TrainState, count
 from .transforms import Context, Flow, Transform, gather_params, plan_of, unit_reducer
 from .transforms.collective import sharding_world
+from .units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 
-__all__ = ["StepFn", "apply_gradients", "compute_params", "eval_step", "init", "named_tensors", "state_dict", "train_step"]
+__all__ = [
+    "StepFn",
+    "apply_gradients",
+    "compute_params",
+    "eval_step",
+    "init",
+    "named_tensors",
+    "state_dict",
+    "train_step",
+]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
@@ -111,12 +120,14 @@ def init(
     compute_dtype = flow.compute.dtype if flow.compute is not None else flow.params.dtype
     plan = plan_of(tx, sharded=flow.sharded, world=layout.world, stacked=mesh.stacked, compute_dtype=compute_dtype)
     if frozen is not None:
+        assert flay is not None  # (frozen parameters have one)
         frozen = _frozen_at_rest(mesh, flay, frozen, plan.sharded_at_rest, meta)
     if plan.sharded_at_rest and plan.gather == "lazy":  # stage 3
         unit_reducer(tx)  # it reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
-    cast = flow.compute is not None and flow.compute.dtype != layout.torch_dtype
-    frozen_dtype = flow.compute.dtype if cast and flay is not None and flay.torch_dtype != flow.compute.dtype else None
+    cdtype = flow.compute.dtype if flow.compute is not None else None
+    cast = cdtype is not None and cdtype != layout.torch_dtype
+    frozen_dtype = cdtype if cast and flay is not None and flay.torch_dtype != cdtype else None
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype, plan
     )
@@ -263,6 +274,7 @@ def train_step(
         _check_state(state, mesh)
         _check_batch(batch, mesh)
         micro = MicroStep(state, tx, mesh, policy, autodiff)
+        out: tuple[Any, ...]  # (grads, loss, aux, buffers, info)
         failure, out = None, (None, None, None, None, {})
         try:
             with record_function("fzero.forward_backward"):
@@ -351,7 +363,8 @@ def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, a
         if mesh.stacked:  # every rank failed together: nothing to complete
             raise
         raise Abandoned(e) from e  # a local forward and backward: no collective of the step is left to pair
-    peak = layout.numel + (layout.frozen_layout.numel if frozen is not None else 0)
+    flay = layout.frozen_layout
+    peak = layout.numel + (flay.numel if frozen is not None and flay is not None else 0)
     return grads, loss, aux, buffers, {"reduced": False, "gathered_peak": peak, "gathered": compute}
 
 
@@ -458,6 +471,7 @@ def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]
     for lay, flat, sharded in spaces:
         if flat is None:
             continue
+        assert lay is not None  # (a buffer has its layout)
         if not sharded:
             full = first(flat)
         elif state.simulated:  # (hybrid: the first shard group's rows, the sharding axis being innermost)

@@ -112,8 +112,12 @@ def shell(rank: int, world: int, out_dir: str) -> None:
     results = {}
     for stage in (0, 1, 2, 3):
         model = Drop()
-        config = {"train_batch_size": 3 * world, "train_micro_batch_size_per_gpu": 3,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}  # fmt: skip
+        config = {
+            "train_batch_size": 3 * world,
+            "train_micro_batch_size_per_gpu": 3,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage},
+        }
         engine, *_ = fzero.initialize(model=model, model_parameters=model.parameters(), config=config)
         engine.state = engine.state.replace(step=engine.state.step + rank)
         data = batches(world, [[[], []]] * 2)

@@ -27,7 +27,7 @@ from torch import nn
 
 import fzero
 from fzero.checkpoint import CheckpointError, CheckpointWarning, CorruptCheckpointError, read_manifest
-from fzero.checkpoint.manifest import SCHEMA
+from fzero.checkpoint.manifest_schema import SCHEMA
 from fzero.checkpoint.tree import KINDS
 
 CASES = 1000

@@ -29,7 +29,8 @@ from .errors import (
 )
 from .hybrid import expand_hybrid, hybrid_mesh, shard_group
 from .load import load
-from .manifest import FORMAT, VERSION, Manifest, read_manifest
+from .manifest import FORMAT, VERSION, Manifest
+from .manifest_schema import read_manifest
 from .reader import Checkpoint
 from .reshard import build_leaves
 from .save import save

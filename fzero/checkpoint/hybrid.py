@@ -27,7 +27,7 @@ def hybrid_mesh(state: Any) -> dict[str, Any] | None:
     layout = getattr(state, "layout", None)
     if layout is None or layout.axis is None:
         return None
-    params = getattr(state, "params", None)
+    params: Tensor = state.params
     if not getattr(state, "simulated", False):
         raise ValueError(f"checkpoints of hybrid-sharded DistMesh states (sharded over mesh axis {layout.axis!r}) "
                          "are not supported yet; save fzero.state_dict(state, mesh), or use a SimMesh")  # fmt: skip
@@ -59,7 +59,7 @@ def shard_group(state: Any) -> Any:
                                  f"{layout.axis!r} alone; save at an optimizer step's boundary")  # fmt: skip
         return first
 
-    out = optree.tree_map_with_path(rows, state, namespace="fzero", none_is_leaf=False)
+    out: Any = optree.tree_map_with_path(rows, state, namespace="fzero", none_is_leaf=False)
     return out.replace(layout=layout.on_axis(None))
 
 

@@ -24,7 +24,8 @@ from ..layout import dtype_of
 from . import rng
 from .atomic import inside, resolve
 from .errors import CorruptCheckpointError
-from .manifest import Manifest, StoredEntry, read_manifest
+from .manifest import Manifest, StoredEntry
+from .manifest_schema import read_manifest
 from .safetensors_io import DTYPES, file_sha256, open_safetensors, raw_bytes
 from .sources import named
 from .tree import dtype_name, legacy_key

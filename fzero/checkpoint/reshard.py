@@ -69,6 +69,7 @@ def _remap(source: Source, key: str, target: Layout, t: Entry, outs: dict[int, T
             if s.unit != cached:
                 cached, data = s.unit, unit(source, key, s.unit)
             a, b = s.offset - src.units[s.unit].start, leaf.offset - u.start
+            assert data is not None  # read at the first leaf
             buf[..., b : b + leaf.numel] = data[..., a : a + leaf.numel]
         for r, out in outs.items():
             if t.kind == SHARD:

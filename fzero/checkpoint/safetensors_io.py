@@ -102,7 +102,7 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -
 def write_safetensors(
     path: str | os.PathLike[str],
     specs: Sequence[TensorSpec],
-    produce: Callable[[int], Tensor],
+    produce: Callable[[int], Tensor | Sequence[Tensor]],
     metadata: dict[str, str] | None = None,
     *,
     fsync: bool = True,
@@ -134,8 +134,8 @@ def write_safetensors(
         pending = None
         for i in order:
             spec = specs[i]
-            parts = produce(i)
-            parts = [parts] if isinstance(parts, Tensor) else list(parts)
+            produced = produce(i)
+            parts = [produced] if isinstance(produced, Tensor) else list(produced)
             got = sum(p.numel() for p in parts) * torch.empty((), dtype=spec.dtype).element_size()
             if any(p.dtype != spec.dtype for p in parts) or got != spec.nbytes:
                 raise ValueError(

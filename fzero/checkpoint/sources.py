@@ -95,6 +95,7 @@ def named(
             data = t = None  # free the last unit (and our view of it) before reading the next
             current, data = leaf.unit, unit(source, key, leaf.unit)
         start = leaf.offset - lay.units[leaf.unit].start
+        assert data is not None  # read at the first leaf
         t = data[..., start : start + leaf.numel].reshape(*e.lead, *leaf.shape)
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)

@@ -212,6 +212,7 @@ def flatten_state(state: Any) -> FlatState:
         parts = list(acc)
         space = FROZEN if parts and _named(parts[0]) == "frozen" else PARAMS
         lay = layout.frozen_layout if space == FROZEN else layout
+        assert lay is not None  # a state with a frozen buffer has a frozen layout
         kind = classify(lay, shape, parts[-1] if parts else None)
         entries.append(Entry(key, acc.codify("state"), kind, shape, dtype_name(leaf.dtype), world_axis, space))
     seen: dict[str, str] = {}

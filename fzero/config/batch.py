@@ -68,7 +68,9 @@ def resolve_batch(
     elif tbs is not None:
         gas, mb = 1, tbs // world
     else:
+        assert mb is not None  # (the first check)
         tbs, gas = mb * world, 1
+    assert tbs is not None and mb is not None and gas is not None  # each branch above sets all three
     _check_positive(tbs, mb, gas)
     if tbs != mb * gas * world:
         raise BatchSizeError(

@@ -30,7 +30,6 @@ from .. import optim
 from ..loss_scale import DynamicLossScale
 from ..optim import Hyper, Optimizer, hyper_value
 from ..precision import Policy, get_policy
-from ..units import GatherPolicy
 from ..transforms import (
     Transform,
     zero0,
@@ -38,6 +37,7 @@ from ..transforms import (
     zero2,
     zero3,
 )
+from ..units import GatherPolicy
 from . import Config, ConfigError
 
 __all__ = [

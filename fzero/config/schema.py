@@ -91,7 +91,9 @@ def _is_int(value: Any) -> bool:
 class Spec:
     """A value's type and constraints: `validate(value, path, unknown) -> value` and `expect` (in words)."""
 
-    expect: str = "a value"
+    @property
+    def expect(self) -> str:
+        return "a value"
 
     def validate(self, value: Any, path: str, unknown: list[str]) -> Any:
         raise NotImplementedError
@@ -114,7 +116,7 @@ class Int(Spec):
     high: int | None = None
 
     @property
-    def expect(self) -> str:  # type: ignore[override]
+    def expect(self) -> str:
         if self.low is not None and self.high is not None:
             return f"an integer in [{self.low}, {self.high}]"
         if self.low is not None:
@@ -144,7 +146,7 @@ class Num(Spec):
     high_open: bool = False
 
     @property
-    def expect(self) -> str:  # type: ignore[override]
+    def expect(self) -> str:
         parts = []
         if self.low is not None:
             parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
@@ -186,7 +188,7 @@ class Str(Spec):
     fold: bool = False
 
     @property
-    def expect(self) -> str:  # type: ignore[override]
+    def expect(self) -> str:
         return "one of " + ", ".join(repr(c) for c in self.choices) if self.choices else "a string"
 
     def validate(self, value: Any, path: str, unknown: list[str]) -> str:
@@ -207,7 +209,7 @@ class Nullable(Spec):
     inner: Spec
 
     @property
-    def expect(self) -> str:  # type: ignore[override]
+    def expect(self) -> str:
         return f"null or {self.inner.expect}"
 
     def validate(self, value: Any, path: str, unknown: list[str]) -> Any:
@@ -222,7 +224,7 @@ class ListOf(Spec):
     length: int | None = None
 
     @property
-    def expect(self) -> str:  # type: ignore[override]
+    def expect(self) -> str:
         n = f"{self.length} " if self.length is not None else ""
         return f"a list of {n}values, each {self.inner.expect}"
 
@@ -242,7 +244,7 @@ class PerGroup(Spec):
     inner: Spec
 
     @property
-    def expect(self) -> str:  # type: ignore[override]
+    def expect(self) -> str:
         return f"{self.inner.expect}, or a list of them (one per param group)"
 
     def validate(self, value: Any, path: str, unknown: list[str]) -> Any:

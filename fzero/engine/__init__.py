@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,9 @@ def _config_optimizer(
     if model_parameters is not None:
         groups = parse_groups(model, model_parameters, "model_parameters")
         allowed = group_keys(kind)
-        defaults = optimizer_spec(cfg, schedule=False).per_group()[0]  # type: ignore[union-attr]
+        spec = optimizer_spec(cfg, schedule=False)
+        assert spec is not None  # (the config has an optimizer: checked above)
+        defaults = spec.per_group()[0]
         pairs, view_groups = [], []
         for group in groups:
             overrides, _ = split_options(group, allowed, cfg["optimizer"]["type"], "model_parameters")
@@ -172,8 +174,9 @@ def _live(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> OptimizerSpec:
 def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:
     if data is None:
         return None
-    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
+    sampler: Sampler[int]
     if mesh.stacked:
         sampler = RandomSampler(data)
     else:
@@ -259,7 +262,8 @@ def initialize(
     else:
         spec = with_schedule(spec, cfg)  # DeepSpeed builds the config's scheduler on the client optimizer too
     if cfg["fzero_precision"]["round_initial_master"] and cfg.precision != "fp32":
-        round_params(model, build_policy(cfg).compute_dtype)  # DeepSpeed's master starts from the cast module
+        compute_dtype = cast(torch.dtype, build_policy(cfg).compute_dtype)  # (bf16 / fp16: set)
+        round_params(model, compute_dtype)  # DeepSpeed's master starts from the cast module
     tx = build_transform(cfg, spec.build(offload=cfg.offload, cpu=device.type == "cpu"))
     hypers = spec.per_group()
     engine = Engine(

@@ -46,7 +46,7 @@ class OptimizerView(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.cur_scale
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a stub that refuses: torch's returns the closure's loss
         raise RuntimeError("the engine updates the parameters: call engine.step(), not optimizer.step()")
 
     def __repr__(self) -> str:
@@ -107,10 +107,12 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
     groups = parse_groups(model, opt.param_groups, WHAT)
     for group in groups:
         _check_group(opt, group, groups[0])
-    dicts = [g.source for g in groups]
+    dicts: list[dict[str, Any]] = []
+    for group in groups:
+        assert group.source is not None  # (groups parsed from torch param groups keep theirs)
+        dicts.append(group.source)
     per_group = []
     for g in dicts:
-        assert g is not None
         if kind is torch.optim.SGD:
             per_group.append({"lr": live(g, "lr"), **{k: g[k] for k in ("momentum", "dampening", "weight_decay",
                                                                         "nesterov")}})  # fmt: skip
@@ -120,11 +122,11 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
     if kind is torch.optim.SGD:
         name = "sgd"
     else:
-        decoupled = kind is torch.optim.AdamW or bool(dicts[0].get("decoupled_weight_decay", False))  # type: ignore[union-attr]
+        decoupled = kind is torch.optim.AdamW or bool(dicts[0].get("decoupled_weight_decay", False))
         name = "adamw" if decoupled else "adam"
     first = dict(per_group[0])
     # a client torch optimizer keeps torch's own arithmetic (torch_adam): bitwise what it would compute alone
-    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]), torch_adam=True)  # type: ignore[index]
+    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]), torch_adam=True)
     if len(groups) > 1:
         spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
-    return spec, dicts  # type: ignore[return-value]
+    return spec, dicts

@@ -39,7 +39,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -104,10 +104,11 @@ class Engine(ConfigAccessors, nn.Module):
         self.tx = tx
         self.optimizer = optimizer
         self.client_scheduler = client_scheduler
-        self._lrs: list[Hyper] = list(lr) if isinstance(lr, (list, tuple)) else [lr]
+        self._lrs: list[Hyper] = list(lr) if isinstance(lr, (list, tuple)) else [cast(Hyper, lr)]  # (else: one)
         self._betas: list[tuple[Hyper, Hyper]] | None = None
-        if betas is not None:
-            self._betas = [tuple(b) for b in betas] if isinstance(betas[0], (list, tuple)) else [tuple(betas)]  # type: ignore[misc]
+        if betas is not None:  # one pair per group, or one for every group
+            pairs = cast("Sequence[Sequence[Hyper]]", betas if isinstance(betas[0], (list, tuple)) else [betas])
+            self._betas = [cast("tuple[Hyper, Hyper]", tuple(b)) for b in pairs]
         self._groups = list(param_groups) if param_groups is not None else list(optimizer.param_groups)
         if len(self._groups) != len(self._lrs) or (self._betas is not None and len(self._betas) != len(self._lrs)):
             raise ValueError(
@@ -149,7 +150,9 @@ class Engine(ConfigAccessors, nn.Module):
     def module(self) -> nn.Module:
         """The user's model. Its parameters are views of the engine's current compute parameters (stages 0-2,
         in the compute dtype); at stage 3 they are empty, as DeepSpeed leaves them (use `module_state_dict()`)."""
-        return self._modules["module"]  # type: ignore[return-value]
+        module = self._modules["module"]
+        assert module is not None  # (set in __init__, never removed)
+        return module
 
     @property
     def device(self) -> torch.device:
@@ -208,9 +211,9 @@ class Engine(ConfigAccessors, nn.Module):
             self._t_step = t0
         if self._micro is None:
             self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
-            self._micro.open_shell(self._modules["module"], self._compute(), self._local)
+            self._micro.open_shell(self.module, self._compute(), self._local)
         with record_function("fzero.forward"):
-            out = torch.func.functional_call(self._modules["module"], self._micro.named, args, kwargs)
+            out = torch.func.functional_call(self.module, self._micro.named, args, kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
 
@@ -231,10 +234,11 @@ class Engine(ConfigAccessors, nn.Module):
     def _forward_without_grad(self, args: Any, kwargs: Any) -> Any:
         """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
         updates them (a train-mode BatchNorm), nothing else changed."""
-        state, module = self.state, self._modules["module"]
+        state, module = self.state, self.module
         buffers = {k: self._local(v).clone() for k, v in state.buffers.items()}
         gathering, compute = None, self._compute()
         if compute is None:
+            assert state.compute is not None  # (stage 3 keeps a compute shard; a chain without gather() is not handled)
             gathering = UnitGathering(
                 self.mesh, state.layout, module, state.compute, state.frozen, self._gather_policy, None,
                 state.frozen_dtype,
@@ -351,6 +355,7 @@ class Engine(ConfigAccessors, nn.Module):
         self.micro_steps += 1
 
     def _take_grads(self, micro: MicroStep) -> Tensor:
+        grads: Tensor | None
         if micro.per_unit:
             if not micro.received:
                 raise RuntimeError("engine.step(): no gradients since the last step; call engine.backward(loss) first")
@@ -367,7 +372,7 @@ class Engine(ConfigAccessors, nn.Module):
     def _end_global_step(self, metrics: dict[str, Any], applied: bool, skipped: bool, lr_kwargs: Any) -> None:
         lr_used = self._lrs_at(self.applied_updates() - applied)
         self.counters.global_grad_norm = metrics.get("grad_norm")
-        self.optimizer.overflow = skipped
+        self.optimizer.overflow = skipped  # type: ignore[union-attr]  # (a client optimizer gets it too, as in DeepSpeed)
         if skipped:
             self.skipped_steps += 1
             if self.global_rank == 0:
@@ -399,7 +404,7 @@ class Engine(ConfigAccessors, nn.Module):
 
     def _step_scheduler(self, lr_kwargs: dict[str, Any] | None) -> None:
         # torch's schedulers warn unless the optimizer stepped first: the engine's update was that step
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self.optimizer._opt_called = True  # type: ignore[union-attr]  # (torch's schedulers' private flag)
         try:
             self.client_scheduler.step(**(lr_kwargs or {}))
         except TypeError:
@@ -558,7 +563,7 @@ class Engine(ConfigAccessors, nn.Module):
         """Point the module's parameters at the state's compute parameters (stages 0-2; no copy), empty them at
         stage 3 (they are sharded), and its buffers at the state's."""
         state = self.state
-        named = dict(self._modules["module"].named_parameters())
+        named = dict(self.module.named_parameters())
         with torch.no_grad():
             # the frozen parameters show where they are whole (not sharded at rest)
             frozen = None if state.frozen is None or state.plan.sharded_at_rest else self._local(state.frozen)
@@ -566,18 +571,18 @@ class Engine(ConfigAccessors, nn.Module):
                 if lay is None:
                     continue
                 full = flat is not None
-                views = unflatten(lay, flat) if full else {}
+                views = unflatten(lay, flat) if flat is not None else {}
                 for leaf in lay.leaves:
                     p = named[leaf.name]
                     p.data = views[leaf.name] if full else torch.empty(0, dtype=p.dtype, device=p.device)
-            module_buffers = dict(self._modules["module"].named_buffers())
+            module_buffers = dict(self.module.named_buffers())
             for name, value in self.state.buffers.items():
                 if name in module_buffers:
                     module_buffers[name].data = self._local(value)
 
     def _sync_view(self) -> None:
         """Show the next update's hyper-parameters in the optimizer view (unless a client scheduler drives them)."""
-        self.optimizer.cur_scale = self.loss_scale
+        self.optimizer.cur_scale = self.loss_scale  # type: ignore[union-attr]  # (a client optimizer's too, as in DeepSpeed)
         if self.client_scheduler is not None:
             return
         n = self.applied_updates()

@@ -68,6 +68,7 @@ class GPT(nn.Module):
         self.apply(self._init)
         for block in self.blocks:  # GPT-2's scaled init of the residual projections
             for lin in (block.proj, block.out):
+                assert isinstance(lin, nn.Linear)
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod

@@ -21,13 +21,12 @@ Example:
 
 from __future__ import annotations
 
-import optree
 import torch
 from torch import Tensor
 
 from ..layout import Layout, to_rank_major, to_unit_major
 from ..mesh import Mesh, Work
-from ..state import pytree, register_torch_pytree
+from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
 
 __all__ = ["GatherState", "all_reduce", "check_axes", "gather", "gather_params", "reduce_scatter", "sharding_world"]
@@ -175,7 +174,7 @@ class GatherState:
         forward and gather it again for its backward (ZeRO-3).
     """
 
-    keep: bool = optree.dataclasses.field(default=False, pytree_node=False)  # type: ignore[call-overload]
+    keep: bool = static_field(default=False)
 
 
 register_torch_pytree(GatherState)

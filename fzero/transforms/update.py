@@ -19,7 +19,8 @@ On a CPU-only machine the copies are no-ops and the same loop runs.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import optree
 import torch
@@ -123,7 +124,8 @@ class _ShardUpdate:
         """The gradients to hand the optimizer, and its keywords: the factor and the dtype cast fused where the
         optimizer can take them, done here (one pass, as before) where it cannot."""
         features = self.optimizer.features
-        grads, kw = flow.grads, {}
+        grads = flow.gradients("shard_update")
+        kw: dict[str, Any] = {}
         if not ("grad_dtype" in features and grads.dtype in (params.dtype, *_LOW)):
             grads = grads.to(params.dtype)
         factor = flow.facts.grad_factor
@@ -137,9 +139,10 @@ class _ShardUpdate:
     def update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
         if flow.facts.applied:
             raise ValueError("shard_update: the gradients were applied already (two shard_update()s in one chain?)")
-        if flow.grads.shape != flow.params.shape:
+        grads = flow.gradients("shard_update")
+        if grads.shape != flow.params.shape:
             raise ValueError(
-                f"shard_update: gradients of shape {tuple(flow.grads.shape)} do not match parameters of shape "
+                f"shard_update: gradients of shape {tuple(grads.shape)} do not match parameters of shape "
                 f"{tuple(flow.params.shape)}: put reduce_scatter() (sharded state) or all_reduce() (replicated "
                 "state) before shard_update() in the chain"
             )
@@ -151,6 +154,7 @@ class _ShardUpdate:
         segs = group_segments(self.optimizer, ctx, flow.params, flow.sharded)
         if segs is not None:
             kw["segments"] = segs
+        compute: Tensor | None
         if self.offload is not None:
             params, state, compute = _offload_update(self.optimizer, grads, state, flow.params, kw, ctx.donate,
                                                      self.compute_dtype, self.chunk)  # fmt: skip
@@ -170,8 +174,8 @@ def group_segments(optimizer: Optimizer, ctx: Context, params: Tensor, sharded: 
     defaults = tuple(sorted(optimizer.defaults.items()))
     resolved = _resolve(optimizer.groups, ctx.layout, defaults, optimizer.check)
     if ctx.layout.axis is not None:  # the shard a rank holds is its coordinate along the sharding axis
-        index = ctx.mesh.index(ctx.layout.axis)
-        ranks = tuple(int(i) for i in index) if params.ndim == 2 else (int(index),)
+        index = ctx.mesh.index(ctx.layout.axis)  # every rank's, as a Tensor, on a SimMesh (buffers `[world, n]`)
+        ranks: Sequence[int] = tuple(int(i) for i in cast(Tensor, index)) if params.ndim == 2 else (int(index),)
     else:
         ranks = range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
     return segments(ctx.layout, resolved, full=not sharded, ranks=ranks)
