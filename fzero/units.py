@@ -1,11 +1,13 @@
-"""Unit-at-a-time gathering inside the forward and the backward: the machinery every stage's per-unit path uses
-(stages 1-2 keep the gathered units to the end of the backward, stage 3 frees each after its forward; stage 0 and
-a window's kept buffer are given whole).
+"""Unit-at-a-time gathering inside the forward and the backward, as a schedule: when each unit is gathered, freed
+and reduced. The machinery every stage's per-unit path uses (stages 1-2 keep the gathered units to the end of the
+backward, stage 3 frees each after its forward; stage 0 and a window's kept buffer are given whole). Each unit's
+state and its own verbs (gather, free, swap into its modules) are `fzero.gathered_unit.GatheredUnit`.
 
-(Over 500 lines: one rank's unit state machine (`Gatherer`: gather, swap, prefetch, reshard, pre- and
-post-backward, the abandoned-step completion) is one set of invariants over the same records; split across modules
-its hooks would reach into each other's fields. The per-rank loops (`sharded_backward`) and the one-rank handle
-(`UnitGathering`) sit beside it.)
+(Over 500 lines: one rank's schedule (`Gatherer`: the forward and backward hooks, the prefetch order, the catch-up
+that keeps every rank's collectives paired, the abandoned-step completion) is one set of invariants on the order of
+the collectives, which split across modules would have to be read together; the policy it follows
+(`GatherPolicy`) and its two entry points, the per-rank loops (`sharded_backward`) and the one-rank handle
+(`UnitGathering`), sit beside it.)
 
 Stage 3 keeps each rank's compute parameters, trainable and frozen, as shards. Within a step a unit's full buffers
 exist only while the unit computes:
@@ -36,9 +38,7 @@ the views stay in the unit's modules through its backward, where a recompute of 
 Why this mechanism: `torch.func` can neither differentiate through collectives nor accept saved-tensor hooks
 (docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full trainable buffer is
 the output of an autograd Function whose backward receives the unit's complete gradient exactly once, after its
-last use; the buffers' storage is resized to zero after the forward and refilled before the backward (FSDP's
-technique), so the tensors autograd saved stay valid, and writing through a separate alias keeps their version
-counters untouched.
+last use; its storage is freed and refilled under the tensors autograd saved (`fzero.gathered_unit`).
 
 On a `SimMesh` the ranks run one after another, so a unit's gradient is reduced once every rank's backward is done;
 the arithmetic (a rank-ordered sum divided by the world size) and the ledger are those of a real run.
@@ -46,10 +46,9 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import optree
@@ -57,8 +56,9 @@ import torch
 from torch import Tensor, nn
 
 from .bind import Unavailable
-from .layout import ROOT_UNIT, Layout, unit_views
-from .mesh import CollectiveError, Mesh, Work
+from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_units
+from .layout import Layout
+from .mesh import CollectiveError, Mesh
 from .ranks import Ranks, Reduction, SimRanks, ranks_of
 
 __all__ = ["Abandoned", "GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
@@ -125,29 +125,10 @@ class Abandoned(Exception):
         self.error = error
 
 
-TRAIN, FROZEN = 0, 1  # the two flat spaces a unit has: trainable parameters, frozen parameters
-FULL, KEEP, RESHARD = "full", "keep", "reshard"  # a space's buffers: given whole; gathered and kept; gathered, freed
-
-
-class Phase(enum.Enum):
-    """Where a unit is in the step (FSDP2's training states)."""
-
-    IDLE = "idle"  # before its forward, or between its forward and its backward
-    FORWARD = "forward"  # its module is computing (a forward, or a recompute's)
-    BACKWARD = "backward"  # its outputs' gradients arrived: gathered again, its views in its modules
-    DONE = "done"  # its gradient is reduced
-
-
 def _in_backward() -> bool:
     """Whether autograd is executing a backward now (a hook firing inside it is an activation-checkpoint
     recompute)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _alias(store: Tensor) -> Tensor:
-    """A tensor on `store`'s storage that autograd does not track: writes through it leave the version counters of
-    `store`'s views (the tensors autograd saved) untouched."""
-    return store.new_empty(0).set_(store.untyped_storage(), store.storage_offset(), store.shape, store.stride())
 
 
 def _hook_targets(outputs: list[Tensor]) -> list[Tensor]:
@@ -167,92 +148,12 @@ def _hook_targets(outputs: list[Tensor]) -> list[Tensor]:
     return targets
 
 
-class _Unit(torch.autograd.Function):
-    """shard slice -> the unit's full trainable buffer (an alias of the gatherer's storage for the unit, which the
-    gatherer fills and frees); backward: hand the unit's complete gradient to the gatherer."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: Tensor, gatherer: Gatherer, index: int) -> Tensor:
-        ctx.gatherer, ctx.index = gatherer, index
-        return _alias(gatherer.units[index].stores[TRAIN])
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
-        ctx.gatherer.post_backward(ctx.index, grad)
-        return None, None, None
-
-
-@dataclass
-class _UnitRecord:
-    """One unit's place in a gathering.
-
-    Attributes:
-      index, name: the unit's index and name in the layout.
-      module: the module whose forward gathers it, or None when it is gathered for the whole step (the root unit,
-        units at or below the persistence threshold, units holding a parameter tied across units).
-      sizes: elements of the unit's full buffer in each space (0 where the space has no real element in it: such
-        a space is never gathered).
-      phase: where the unit is in the step (`Phase`).
-      stores: each space's full buffer while gathered; its storage is resized to 0 when released.
-      live: whether each space's buffer is gathered now (unsharded).
-      pending: collectives in flight into `stores`.
-      views: the unit's parameters as named views of `stores` (created once, when the unit first runs).
-      swaps: how many times the views are in the unit's modules now (its forward, its backward; an activation-
-        checkpoint recompute that stopped early never ends its forward): the modules' own tensors come back
-        when it drops to 0.
-      originals: `(owner, name, original)` for the module slots the views took.
-      inputs_done: the gradient of an input of its module exists (its frozen buffer is no longer needed).
-      ran: its forward ran this step.
-      passed: its forward did not run here but was passed (`Gatherer.catch_up_forward`).
-    """
-
-    index: int
-    name: str
-    module: nn.Module | None
-    sizes: tuple[int, int]
-    phase: Phase = Phase.IDLE
-    stores: list[Tensor | None] = field(default_factory=lambda: [None, None])
-    live: list[bool] = field(default_factory=lambda: [False, False])
-    pending: list[Work] = field(default_factory=list)
-    views: dict[str, Tensor] | None = None
-    swaps: int = 0
-    originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
-    inputs_done: bool = False
-    ran: bool = False
-    passed: bool = False
-
-
-def _records(layout: Layout, model: nn.Module, policy: GatherPolicy) -> list[_UnitRecord]:
-    """Every unit's record; which are gathered on demand (a module, above the persistence threshold, no parameter
-    tied across units: it must be reachable whenever either unit runs)."""
-    modules = dict(model.named_modules())
-    layouts = (layout, layout.frozen_layout)
-    unit_of = {leaf.name: leaf.unit for lay in layouts if lay is not None for leaf in lay.leaves}
-    crossed = {unit_of[n] for a, n in layout.aliases if not a.startswith(f"{layout.units[unit_of[n]].name}.")}
-    records = []
-    for i, u in enumerate(layout.units):
-        sizes = tuple(lay.units[i].size if lay is not None and lay.units[i].numel > 0 else 0 for lay in layouts)
-        on_demand = u.name != ROOT_UNIT and u.name in modules and sum(sizes) > policy.persistence_threshold
-        records.append(_UnitRecord(i, u.name, modules[u.name] if on_demand and i not in crossed else None, sizes))
-    return records
-
-
-def _mode(layout: Layout | None, buffer: Tensor | None, keep: bool) -> str:
-    """A space's mode (see `Gatherer`): `FULL` when its buffer is whole (at world 1 a shard is)."""
-    if layout is None or buffer is None:
-        return RESHARD  # no such space: never gathered
-    if layout.is_full(buffer):
-        return FULL
-    return KEEP if keep else RESHARD
-
-
 class Gatherer:
-    """One rank's gathered units for one forward and backward (or, without a `reduction`, for forwards only).
+    """One rank's schedule of its gathered units for one forward and backward (or, without a `reduction`, for
+    forwards only): the hooks that call each unit's verbs (`fzero.gathered_unit.GatheredUnit`), the prefetch order,
+    the catch-up of units this rank did not run, the timings (FSDP2's `FSDPState` to the units' `FSDPParamGroup`).
 
-    Each space (trainable, frozen) is in one of three modes: `FULL` (the buffer is given whole: stage 0, or a
-    buffer kept from an earlier micro-step of the accumulation window; units are views of it), `KEEP` (gathered
-    unit by unit into one full buffer as the forward reaches them, kept to the end: stages 1-2), `RESHARD` (each
-    unit gathered into a buffer of its own, freed after its forward, gathered again for its backward: stage 3).
+    Each space (trainable, frozen) is `FULL`, `KEEP` or `RESHARD` (`fzero.gathered_unit.Spaces`).
 
     Args:
       ranks, rank: the mesh's strategy (`fzero.ranks`) and the rank this gatherer runs.
@@ -276,105 +177,36 @@ class Gatherer:
         reduction: Reduction | None = None,
         keep: bool = False,
     ) -> None:
-        self.ranks, self.rank, self.layout, self.policy = ranks, rank, layout, policy
-        self.shards, self.everyone, self.reduction = shards, everyone, reduction
-        self.layouts = (layout, layout.frozen_layout)
-        self.modes = tuple(_mode(lay, x, keep) for lay, x in zip(self.layouts, shards, strict=True))
-        self.full = [
-            x if mode == FULL else x.new_empty(lay.numel) if mode == KEEP else None
-            for lay, x, mode in zip(self.layouts, shards, self.modes, strict=True)
-        ]
-        self.units = _records(layout, model, policy)
-        self.sequence = [r.index for r in self.units if r.module is not None]  # forward order of on-demand units
-        self.live_elements = self.peak = 0
+        self.ranks, self.rank, self.layout, self.policy, self.reduction = ranks, rank, layout, policy, reduction
+        self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep)
+        self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
+        self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
-        self.times = {r.name: [0.0, 0.0] for r in self.units if r.module is not None} if policy.timings else None
+        self.times = {u.name: [0.0, 0.0] for u in self.units if u.module is not None} if policy.timings else None
 
-    # -- unshard and reshard -------------------------------------------------------------------------------------
-    def _views(self, i: int) -> dict[str, Tensor]:
-        """Named views of the unit's full buffers, created just before the unit first runs: with gradients, the
-        trainable one through its autograd node, which autograd (ordering its backward by creation) completes right
-        after the unit's backward; created in grad mode even inside a `no_grad` forward (reentrant activation
-        checkpointing recomputes it later with gradients)."""
-        rec = self.units[i]
-        if rec.views is None:
-            self.unshard(i)
-            views: dict[str, Tensor] = {}
-            for space, lay in enumerate(self.layouts):
-                if not rec.sizes[space]:
-                    continue
-                if space == TRAIN and self.reduction is not None:
-                    with torch.enable_grad():
-                        full = _Unit.apply(self.shards[TRAIN][lay.unit_shard_slice(i)], self, i)
-                else:
-                    full = _alias(rec.stores[space])
-                views.update(unit_views(lay, i, full))
-            rec.views = views
-        return rec.views
+    @property
+    def peak(self) -> int:
+        """The most gathered elements alive at once so far."""
+        return self.spaces.peak
 
     def params(self) -> dict[str, Tensor]:
         """The named tensors to bind into the model for the step: views of the units kept gathered for the whole
         step; `Unavailable` placeholders for the others' parameters (swapped for views while their module runs)."""
         out: dict[str, Tensor] = {}
-        for rec in self.units:
-            if rec.module is None:
-                out.update(self._views(rec.index))
+        for unit in self.units:
+            if unit.module is None:
+                out.update(unit.views())
                 continue
-            for space, lay in enumerate(self.layouts):
+            for space, lay in enumerate(self.spaces.layouts):
                 for leaf in lay.leaves if lay is not None else ():
-                    if leaf.unit == rec.index:
-                        shard = self.shards[space]
-                        out[leaf.name] = Unavailable(leaf.name, rec.name, leaf.shape, shard.dtype, shard.device)
+                    if leaf.unit == unit.index:
+                        shard = self.spaces.shards[space]
+                        assert shard is not None  # (a space with leaves has a buffer)
+                        out[leaf.name] = Unavailable(leaf.name, unit.name, leaf.shape, shard.dtype, shard.device)
         for alias, name in self.layout.aliases:
             if name in out:
                 out[alias] = out[name]
         return out
-
-    def _start(self, i: int, ahead: bool = False) -> None:
-        """Gather unit `i` into its storages: asynchronously when prefetching `ahead` of its use, else at once (an
-        async collective waited on at once buys nothing and leaves one more handle in flight)."""
-        rec = self.units[i]
-        for space, lay in enumerate(self.layouts):
-            size = rec.sizes[space]
-            if not size or rec.live[space]:
-                continue
-            if self.modes[space] != RESHARD:  # views of one full buffer (given whole, or gathered into)
-                rec.stores[space] = self.full[space][lay.unit_slice(i)]
-                if self.modes[space] == FULL:
-                    rec.live[space] = True
-                    continue
-            store = rec.stores[space]
-            if store is None:
-                store = rec.stores[space] = self.shards[space].new_empty(size)
-            elif self.modes[space] == RESHARD:
-                store.untyped_storage().resize_(size * store.element_size())
-            work = self.ranks.gather_into(
-                _alias(store), self.everyone[space], lay.unit_shard_slice(i), self.rank, ahead, lay.axis
-            )
-            rec.pending.append(work)
-            rec.live[space] = True
-            self.live_elements += size
-        self.peak = max(self.peak, self.live_elements)
-
-    def unshard(self, i: int) -> None:
-        """Unit `i` gathered and ready to read."""
-        self._start(i)
-        rec = self.units[i]
-        for work in rec.pending:
-            work.wait()
-        rec.pending.clear()
-
-    def reshard(self, i: int, spaces: tuple[int, ...] = (TRAIN, FROZEN)) -> None:
-        """Free unit `i`'s buffers in `spaces` (waiting first for collectives still writing them)."""
-        rec = self.units[i]
-        for work in rec.pending:
-            work.wait()
-        rec.pending.clear()
-        for space in spaces:
-            if rec.live[space] and self.modes[space] == RESHARD:  # the others stay to the end
-                rec.stores[space].untyped_storage().resize_(0)
-                rec.live[space] = False
-                self.live_elements -= rec.sizes[space]
 
     def _prefetch(self, i: int, step: int) -> None:
         """Start gathering the next `prefetch` units after `i` in forward (`step=1`) or backward (`-1`) order."""
@@ -387,42 +219,20 @@ class Gatherer:
             if all(nxt.live[s] or not nxt.sizes[s] for s in (TRAIN, FROZEN)) or nxt.phase is Phase.DONE:
                 continue
             if self.policy.max_live_elements is not None and (
-                self.live_elements + sum(nxt.sizes) > self.policy.max_live_elements
+                self.spaces.live_elements + sum(nxt.sizes) > self.policy.max_live_elements
             ):
                 return
-            self._start(nxt.index, ahead=True)
-
-    def swap(self, i: int) -> None:
-        """Put the unit's views into its modules (as functional_call does: the modules compute with them)."""
-        rec = self.units[i]
-        rec.swaps += 1
-        if rec.swaps > 1:
-            return
-        prefix = rec.name + "."
-        for name, view in self._views(i).items():
-            owner_path, _, pname = name[len(prefix) :].rpartition(".")
-            owner = rec.module.get_submodule(owner_path) if owner_path else rec.module
-            rec.originals.append((owner, pname, owner._parameters[pname]))
-            owner._parameters[pname] = view
-
-    def unswap(self, i: int, every: bool = False) -> None:
-        """End one `swap` (or all, with `every`); the modules get their own tensors back after the last."""
-        rec = self.units[i]
-        rec.swaps = 0 if every else max(rec.swaps - 1, 0)
-        if rec.swaps == 0:
-            for owner, pname, original in reversed(rec.originals):
-                owner._parameters[pname] = original
-            rec.originals.clear()
+            nxt.start(ahead=True)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def install(self) -> list[Any]:
         """Register the forward hooks on the gathered-on-demand units' modules; returns their handles."""
         handles = []
-        for rec in self.units:
-            if rec.module is not None:
-                i = rec.index
-                handles.append(rec.module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i, a)))
-                handles.append(rec.module.register_forward_hook(lambda m, a, o, i=i: self.post_forward(i, o)))
+        for unit in self.units:
+            if unit.module is not None:
+                i = unit.index
+                handles.append(unit.module.register_forward_pre_hook(lambda m, a, i=i: self.pre_forward(i, a)))
+                handles.append(unit.module.register_forward_hook(lambda m, a, o, i=i: self.post_forward(i, o)))
         return handles
 
     def _tick(self, i: int, phase: int | None) -> None:
@@ -439,41 +249,41 @@ class Gatherer:
         """Before the unit's module runs: gather it, prefetch the next, put its views into the module. In a
         recompute (activation checkpointing, inside the backward) the unit's backward follows: no forward prefetch.
         """
-        rec = self.units[i]
+        unit = self.units[i]
         recompute = _in_backward()
         if not recompute:
             self.catch_up_forward(upto=i)
-        self._views(i)
-        self.unshard(i)
+        unit.views()
+        unit.unshard()
         if not recompute:
-            rec.ran = True
+            unit.ran = True
             self._tick(i, None)
             self._prefetch(i, 1)
-            rec.phase = Phase.FORWARD
-            if self.reduction is not None and rec.sizes[FROZEN] and torch.is_grad_enabled():
+            unit.phase = Phase.FORWARD
+            if self.reduction is not None and unit.sizes[FROZEN] and torch.is_grad_enabled():
                 # the frozen buffer is read by the backward of the unit's ops (gradients of their inputs), which
                 # can run after the trainable gradient is complete: free it once the inputs' gradients exist
                 for x in optree.tree_leaves(args):
                     if isinstance(x, Tensor) and x.requires_grad:
                         x.register_hook(lambda g, i=i: self._inputs_done(i))
-        self.swap(i)
+        unit.swap()
 
     def post_forward(self, i: int, output: Any) -> Any:
         """After the unit's module ran: put the module's tensors back; free the unit unless the backward needs it
         next, and hook its outputs so that their backward gathers it again first."""
-        self.unswap(i)
+        unit = self.units[i]
+        unit.unswap()
         if _in_backward():  # a recompute: the unit's backward runs next, with these buffers
             return output
         self._tick(i, 0)
-        rec = self.units[i]
-        rec.phase = Phase.IDLE
+        unit.phase = Phase.IDLE
         if not (self.reduction is not None and torch.is_grad_enabled()):  # nothing was saved for a backward
-            self.reshard(i)
+            unit.reshard()
             return output
         hooked = [x for x in optree.tree_leaves(output) if isinstance(x, Tensor) and x.requires_grad]
         if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
-        self.reshard(i)
+        unit.reshard()
         for x in _hook_targets(hooked):  # tensor hooks, not an autograd Function: in-place ops stay legal
             x.register_hook(lambda g, i=i: self.pre_backward(i))
         return output
@@ -483,43 +293,41 @@ class Gatherer:
         gradient was reduced: a second backward through the graph) and put its views into its modules until the
         backward is done, where an activation-checkpoint recompute (of `forward`, not `__call__`, so without this
         gatherer's forward hooks, as Hugging Face layers do) reads them."""
-        rec = self.units[i]
-        if rec.phase is Phase.BACKWARD:
+        unit = self.units[i]
+        if unit.phase is Phase.BACKWARD:
             return
-        first = rec.phase is not Phase.DONE
+        first = unit.phase is not Phase.DONE
         if first:
             self.catch_up_forward()
             self._catch_up_backward(after=i)
-        rec.phase = Phase.BACKWARD
+        unit.phase = Phase.BACKWARD
         self._tick(i, None)
-        self.unshard(i)
-        self.swap(i)
+        unit.unshard()
+        unit.swap()
         if first:
             self._prefetch(i, -1)
 
     def post_backward(self, i: int, grad: Tensor) -> None:
-        """The unit's trainable gradient is complete: hand it to the reduction (the chain's), free the trainable
-        buffer (and the frozen one, unless the gradients of the unit's inputs are still pending)."""
+        """The unit's trainable gradient is complete (its `on_gradient`): hand it to the reduction (the chain's),
+        free the trainable buffer (and the frozen one, unless the gradients of the unit's inputs are still
+        pending)."""
         self._tick(i, 1)
-        rec = self.units[i]
-        self._leave_backward(rec)
-        rec.phase = Phase.DONE
+        unit = self.units[i]
+        unit.leave_backward()
+        unit.phase = Phase.DONE
+        assert self.reduction is not None  # (a gradient reaches a unit only with a reduction: `_Unit`)
         self.reduction.add(i, self.rank, grad)
-        self.reshard(i, (TRAIN, FROZEN) if rec.inputs_done or not rec.sizes[FROZEN] else (TRAIN,))
-
-    def _leave_backward(self, rec: _UnitRecord) -> None:
-        if rec.phase is Phase.BACKWARD:
-            self.unswap(rec.index)
+        unit.reshard((TRAIN, FROZEN) if unit.inputs_done or not unit.sizes[FROZEN] else (TRAIN,))
 
     def _inputs_done(self, i: int) -> None:
         """The gradient of an input of the unit exists: its backward, frozen parameters included, is done."""
-        rec = self.units[i]
-        rec.inputs_done = True
-        if rec.phase is Phase.DONE or not rec.sizes[TRAIN]:
-            self._leave_backward(rec)
-            if not rec.sizes[TRAIN]:
-                rec.phase = Phase.DONE
-            self.reshard(i, (FROZEN,))
+        unit = self.units[i]
+        unit.inputs_done = True
+        if unit.phase is Phase.DONE or not unit.sizes[TRAIN]:
+            unit.leave_backward()
+            if not unit.sizes[TRAIN]:
+                unit.phase = Phase.DONE
+            unit.reshard((FROZEN,))
 
     # -- every rank issues the same collectives ------------------------------------------------------------------
     # A rank may skip a unit another rank runs (layer drop, early exit, routing), or abandon its forward (an
@@ -532,12 +340,12 @@ class Gatherer:
         """Pass every on-demand unit before `upto` in forward order (all of them: None) that has not run this
         step: gather it, prefetch as its forward would, free it."""
         for j in self.sequence[: None if upto is None else self.sequence.index(upto)]:
-            rec = self.units[j]
-            if not (rec.ran or rec.passed):
-                rec.passed = True
-                self.unshard(j)
+            unit = self.units[j]
+            if not (unit.ran or unit.passed):
+                unit.passed = True
+                unit.unshard()
                 self._prefetch(j, 1)
-                self.reshard(j)
+                unit.reshard()
 
     def _catch_up_backward(self, after: int | None = None, abandoned: bool = False) -> None:
         """Pass every on-demand unit after `after` in forward order (all of them: None), last first, whose
@@ -547,20 +355,21 @@ class Gatherer:
         unit is, as on the ranks whose backward runs)."""
         start = 0 if after is None else self.sequence.index(after) + 1
         for j in reversed(self.sequence[start:]):
-            rec = self.units[j]
-            if rec.phase is Phase.DONE or (after is not None and (rec.ran or rec.phase is Phase.BACKWARD)):
+            unit = self.units[j]
+            if unit.phase is Phase.DONE or (after is not None and (unit.ran or unit.phase is Phase.BACKWARD)):
                 continue
-            if abandoned or not rec.ran:
-                self.unshard(j)
+            if abandoned or not unit.ran:
+                unit.unshard()
                 self._prefetch(j, -1)
-            self._reduce_zeros(rec)
+            self._reduce_zeros(unit)
 
-    def _reduce_zeros(self, rec: _UnitRecord) -> None:
-        self._leave_backward(rec)
-        rec.phase = Phase.DONE
-        if rec.sizes[TRAIN]:  # a unit without trainable elements has nothing to reduce
-            self.reduction.add(rec.index, self.rank, self.shards[TRAIN].new_zeros(rec.sizes[TRAIN]))
-        self.reshard(rec.index)
+    def _reduce_zeros(self, unit: GatheredUnit) -> None:
+        unit.leave_backward()
+        unit.phase = Phase.DONE
+        if unit.sizes[TRAIN]:  # a unit without trainable elements has nothing to reduce
+            assert self.reduction is not None  # (`finish` runs only with one)
+            self.reduction.add(unit.index, self.rank, self.spaces.shards[TRAIN].new_zeros(unit.sizes[TRAIN]))
+        unit.reshard()
 
     def finish(self, abandoned: bool = False) -> None:
         """The backward is over (or was abandoned): pass the units no forward or gradient reached, in the order
@@ -569,10 +378,10 @@ class Gatherer:
         free everything."""
         self.catch_up_forward()
         self._catch_up_backward(abandoned=abandoned)
-        for rec in reversed(self.units):
-            if rec.phase is not Phase.DONE:
-                self._reduce_zeros(rec)
-            self.reshard(rec.index)
+        for unit in reversed(self.units):
+            if unit.phase is not Phase.DONE:
+                self._reduce_zeros(unit)
+            unit.reshard()
 
     def complete(self, abandoned: bool = False) -> None:
         """The forward (and with a reduction, the backward) is over, or was `abandoned` (an exception): issue what
@@ -585,17 +394,13 @@ class Gatherer:
     def gathered(self, space: int = TRAIN) -> Tensor | None:
         """The space's full buffer, when it was given whole or gathered and kept (None for `RESHARD`); complete
         once every unit ran (`finish`)."""
-        return self.full[space]
+        return self.spaces.full[space]
 
     def close(self) -> None:
-        for rec in self.units:
-            self.unswap(rec.index, every=True)
-            self.reshard(rec.index)
-            # the views' autograd nodes hold this gatherer (ctx.gatherer): a reference cycle through C++ that
-            # Python's collector cannot see, so drop the views explicitly or every step would leak a gradient
-            rec.views = None
-            rec.stores = [None, None]
-        self.full = [None, None]
+        """The step is over: every unit released (`GatheredUnit.release`), the full buffers dropped."""
+        for unit in self.units:
+            unit.release()
+        self.spaces.full = [None, None]
 
 
 def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -667,6 +472,7 @@ class UnitGathering:
         """Reduce what no gradient reached, free everything, remove the hooks; this rank's gradient shard."""
         try:
             self._g.finish()
+            assert self._reduction is not None, "UnitGathering.finish needs a reducer (without one: close())"
             return self._reduction.result()
         finally:
             self.close()
