@@ -20,7 +20,9 @@ Every trainer lives in the same two processes and runs in rotating order, round 
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
 ratio to DDP's, and with `--memory` the peak resident memory per rank of each trainer run alone in a fresh pair of
 processes. `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
-optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted).
+optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
+time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
+`fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`).
 """
 
 from __future__ import annotations
@@ -274,6 +276,11 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
                 split["unaccounted (Python, idle)"] = max(0.0, wall - sum(split.values()))
                 cells = " | ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(split.items()))
                 print(f"| {name} | {wall * 1e3:.0f} ms | {cells} |", flush=True)
+                # fzero's own phases (record_function ranges; inclusive, so a nested range counts in its parent too)
+                ranges = {e.key: e.cpu_time_total / 1e3 / len(data) for e in prof.key_averages()
+                          if e.key.startswith("fzero.")}  # fmt: skip
+                if ranges:
+                    print(f"|   fzero phases | {' | '.join(f'{k} {v:.0f} ms' for k, v in sorted(ranges.items()))} |")
     finally:
         dist.destroy_process_group()
 
