@@ -22,6 +22,7 @@ from .precision import Policy, get_policy
 from .state import TrainState, pytree
 from .step import eval_step, init, state_dict, train_step
 from .transforms import (
+    Average,
     Context,
     EmptyState,
     Facts,
@@ -48,6 +49,7 @@ from .transforms import (
 from .units import GatherPolicy
 
 __all__ = [
+    "Average",
     "CollectiveError",
     "Context",
     "DeepSpeedEngine",

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
+from fzero.optim.groups import Segments
 
 dtypes = st.sampled_from([torch.float32, torch.float64])
 
@@ -48,6 +49,32 @@ def test_adamw_and_adam_bitwise(h, n, steps, seed, dtype, donate):
         fzero.adamw(**kw), lambda p: torch.optim.AdamW(p, **kw, foreach=False), n, steps, seed, dtype, donate=donate
     )
     compare(fzero.adam(**kw), lambda p: torch.optim.Adam(p, **kw, foreach=False), n, steps, seed, dtype, donate=donate)
+
+
+@given(h=hyper, n=st.integers(0, 70), steps=st.integers(1, 4), seed=st.integers(0, 99), dtype=dtypes,
+       decoupled=st.booleans(), grouped=st.booleans())  # fmt: skip
+def test_adam_without_bias_correction_bitwise(h, n, steps, seed, dtype, decoupled, grouped):
+    """`bias_correction=False` (DeepSpeed's FusedAdam / CPU Adam option) is torch's Adam with both corrections 1:
+    torch has no switch, but a step count so large that `1 - beta^t` is exactly 1.0 in float64 (`beta <= 0.999`
+    here: `0.999^1e6` underflows to 0) runs torch's own code with corrections of 1."""
+    kw = {"lr": h["lr"], "betas": (h["b1"], h["b2"]), "eps": h["eps"], "weight_decay": h["wd"]}
+    ours = (fzero.adamw if decoupled else fzero.adam)(**kw, bias_correction=False)
+    # the grouped path: one segment in group 1, whose override is the same lr
+    segments = Segments((n,), (1,), ({}, {"lr": h["lr"]})) if grouped else None
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=g, dtype=dtype)
+    ref = p0.clone().requires_grad_()
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([ref], **kw, foreach=False)
+    p, state = p0.clone(), ours.init(p0)
+    for t in range(steps):
+        grad = torch.randn(n, generator=g, dtype=dtype)
+        ref.grad = grad.clone()
+        if t == 0:
+            opt.state[ref] = {"step": torch.tensor(1e6), "exp_avg": torch.zeros_like(p0),
+                              "exp_avg_sq": torch.zeros_like(p0)}  # fmt: skip
+        opt.step()
+        p, state = ours.update(grad, state, p, segments=segments)
+        assert torch.equal(p, ref.detach()), f"step {t + 1}"
 
 
 @given(momentum=st.sampled_from([0.0, 0.5, 0.9]), dampening=st.sampled_from([0.0, 0.1]), nesterov=st.booleans(),

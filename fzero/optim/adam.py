@@ -7,6 +7,9 @@ For step `t` (1-based), learning rate `lr`, gradient `g` and weight decay `wd`:
     v <- v * b2 + (1 - b2) g^2
     p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
+With `bias_correction=False` (DeepSpeed's FusedAdam / CPU Adam option) both corrections are 1:
+`p <- p - lr * m / (sqrt(v) + eps)`.
+
 The scalar factors are computed in Python floats (doubles) exactly as torch's single-tensor implementation does,
 so on the same gradients the result equals `torch.optim.AdamW(foreach=False)` bitwise.
 """
@@ -29,7 +32,13 @@ __all__ = ["AdamState", "adam", "adamw"]
 
 
 def _adam(
-    lr: Hyper, betas: tuple[Hyper, Hyper], eps: float, weight_decay: float, decoupled: bool, groups: Any = None
+    lr: Hyper,
+    betas: tuple[Hyper, Hyper],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    groups: Any = None,
+    bias_correction: bool = True,
 ) -> Optimizer:
     defaults = adam_core.make_defaults(lr, betas, eps, weight_decay)
 
@@ -39,7 +48,7 @@ def _adam(
         applied = int(state.count)
         t = applied + 1
         if segments is not None:
-            return _grouped(grads, state, params, donate, segments, defaults, decoupled)
+            return _grouped(grads, state, params, donate, segments, defaults, decoupled, bias_correction)
         h = adam_core.step_values(defaults, applied)
         p = params
         if h.weight_decay != 0:
@@ -50,9 +59,12 @@ def _adam(
         m = torch.lerp(state.exp_avg, grads, 1 - h.beta1, out=state.exp_avg if donate else None)
         v = torch.mul(state.exp_avg_sq, h.beta2, out=state.exp_avg_sq if donate else None)
         v.addcmul_(grads, grads, value=1 - h.beta2)  # v is ours here: donated, or fresh from the mul
-        step_size, bc2 = corrections(t, h.lr, h.beta1, h.beta2)
+        step_size, bc2 = corrections(t, h.lr, h.beta1, h.beta2, bias_correction)
         # torch divides by bc2 ** 0.5 (pow, not math.sqrt): kept for bitwise equality with torch.optim.AdamW
-        denom = v.sqrt().div_(bc2**0.5).add_(h.eps)  # in place on the fresh sqrt: one allocation
+        denom = v.sqrt()
+        if bias_correction:  # (x / 1.0 == x: skipped without correction)
+            denom.div_(bc2**0.5)
+        denom.add_(h.eps)  # in place on the fresh sqrt: one allocation
         own = donate or p is not params
         p = torch.addcdiv(p, m, denom, value=-step_size, out=p if own else None)
         return p, adam_core.next_state(t, m, v)
@@ -68,6 +80,7 @@ def _grouped(
     segments: Segments,
     defaults: Mapping[str, Any],
     decoupled: bool,
+    bias_correction: bool,
 ) -> tuple[Tensor, AdamState]:
     """The update group by group: per group, the same torch ops on the views of its segments (`_foreach_` ops:
     one call per op for all of a group's segments), with the group's scalars computed as above."""
@@ -90,9 +103,10 @@ def _grouped(
         torch._foreach_lerp_(ms, gs, 1 - h.beta1)
         torch._foreach_mul_(vs, h.beta2)
         torch._foreach_addcmul_(vs, gs, gs, value=1 - h.beta2)
-        step_size, bc2 = corrections(t, h.lr, h.beta1, h.beta2)
+        step_size, bc2 = corrections(t, h.lr, h.beta1, h.beta2, bias_correction)
         denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, bc2**0.5)
+        if bias_correction:
+            torch._foreach_div_(denom, bc2**0.5)
         torch._foreach_add_(denom, h.eps)
         torch._foreach_addcdiv_(ps, ms, denom, value=-step_size)
     return p, adam_core.next_state(t, m, v)
@@ -104,6 +118,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     *,
+    bias_correction: bool = True,
     groups: ParamGroups | None = None,
     fused: bool = False,
 ) -> Optimizer:
@@ -114,6 +129,8 @@ def adamw(
       betas: coefficients of the running averages of the gradient and its square (each may be a schedule too).
       eps: added to the bias-corrected square root, for stability.
       weight_decay: decoupled decay: `p <- p * (1 - lr * weight_decay)` before the Adam step.
+      bias_correction: divide the moments by `1 - beta^t` (torch always does; DeepSpeed's FusedAdam and CPU Adam
+        can turn it off: `p <- p - lr * m / (sqrt(v) + eps)`).
       groups: parameter groups (`fzero.param_groups`): other values of `lr`, `betas`, `eps`, `weight_decay` for
         the parameters they name.
       fused: one pass over memory on the native kernel (`fzero.cpu_adamw`: float32 master weights on the CPU,
@@ -130,8 +147,8 @@ def adamw(
       tensor([0.9000, 0.9000, 0.9000])
     """
     if fused:
-        return cpu_adamw(lr, betas, eps, weight_decay, groups=groups)
-    return _adam(lr, betas, eps, weight_decay, decoupled=True, groups=groups)
+        return cpu_adamw(lr, betas, eps, weight_decay, bias_correction=bias_correction, groups=groups)
+    return _adam(lr, betas, eps, weight_decay, decoupled=True, groups=groups, bias_correction=bias_correction)
 
 
 def adam(
@@ -140,10 +157,11 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
+    bias_correction: bool = True,
     groups: ParamGroups | None = None,
     fused: bool = False,
 ) -> Optimizer:
     """Adam with L2 weight decay (`g <- g + weight_decay * p`), matching `torch.optim.Adam`; see `adamw`."""
     if fused:
-        return cpu_adam(lr, betas, eps, weight_decay, groups=groups)
-    return _adam(lr, betas, eps, weight_decay, decoupled=False, groups=groups)
+        return cpu_adam(lr, betas, eps, weight_decay, bias_correction=bias_correction, groups=groups)
+    return _adam(lr, betas, eps, weight_decay, decoupled=False, groups=groups, bias_correction=bias_correction)

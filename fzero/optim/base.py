@@ -1,4 +1,4 @@
-"""The optimizer protocol shared by `adam`, `adamw` and `sgd`."""
+"""The optimizer protocol, and the states the torch-op and native-kernel forms of one optimizer share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-__all__ = ["AdamState", "Hyper", "Optimizer", "hyper_value"]
+__all__ = ["AdagradState", "AdamState", "Hyper", "LionState", "Optimizer", "hyper_value"]
 
 Hyper = float | Callable[[int], float]
 """A hyper-parameter: a constant, or a pure function of the number of updates already applied."""
@@ -39,7 +39,9 @@ class Optimizer(NamedTuple):
         `"grad_scale"`: `update(..., grad_scale=f)` multiplies the gradients by `f` as it reads them;
         `"grad_dtype"`: gradients may be bfloat16 / float16, upcast on load;
         `"out"`: `update(..., out=t)` also writes the new parameters into `t` (bfloat16 / float16), bitwise
-        `new_params.to(t.dtype)`.
+        `new_params.to(t.dtype)`;
+        `"tensors"`: `update(..., tensors=t)` takes `fzero.optim.tensors.Tensors`, where each parameter tensor lies
+        in the buffer and how its pieces' sums meet across ranks (per-tensor norms: Lamb).
     """
 
     init: InitFn
@@ -77,3 +79,17 @@ class AdamState(NamedTuple):
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
     exp_avg: Tensor
     exp_avg_sq: Tensor
+
+
+class LionState(NamedTuple):
+    """`count`: updates applied (0-d int64); `exp_avg`: the momentum."""
+
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
+    exp_avg: Tensor
+
+
+class AdagradState(NamedTuple):
+    """`count`: updates applied (0-d int64); `sum`: the running sum of squared gradients (torch's `state_sum`)."""
+
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
+    sum: Tensor

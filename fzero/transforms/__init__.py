@@ -22,7 +22,7 @@ from .base import (
     unit_reducer,
 )
 from .clipping import clip_by_global_norm
-from .collective import GatherState, all_reduce, gather, gather_params, reduce_scatter
+from .collective import Average, GatherState, all_reduce, gather, gather_params, reduce_scatter
 from .planning import plan_of
 from .presets import zero0, zero1, zero2, zero3
 from .quantize import quantized_gather, quantized_reduce_scatter
@@ -31,6 +31,7 @@ from .update import shard_update
 
 __all__ = [
     "AccumulateState",
+    "Average",
     "Context",
     "Does",
     "EmptyState",

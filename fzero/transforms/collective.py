@@ -11,6 +11,10 @@ Means are the rank-ordered sum divided by `world` (see `fzero.mesh`), so per ele
 reduce-scatter give the same value, bitwise, and so does reducing unit by unit (the reductions' `unit` form, which
 stage 3 runs in the backward) or the whole buffer at once. Gradients travel in `dtype` (the policy's reduce dtype).
 
+Where the division by `world` happens is DeepSpeed's choice too (`Average`): after the sum (the default), before
+it (`prescale_gradients`: each rank's gradient times `1/world`, so the sum cannot overflow where the gradients do
+not), or split by a factor `f` (`gradient_predivide_factor`: times `1/f` before, `f/world` after).
+
 Example:
     >>> import torch, fzero
     >>> mesh = fzero.SimMesh(world=2)
@@ -21,6 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -29,7 +37,78 @@ from ..mesh import Mesh, Work
 from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
 
-__all__ = ["GatherState", "all_reduce", "check_axes", "gather", "gather_params", "reduce_scatter", "sharding_world"]
+__all__ = [
+    "Average",
+    "GatherState",
+    "all_reduce",
+    "check_axes",
+    "gather",
+    "gather_params",
+    "reduce_scatter",
+    "sharding_world",
+]
+
+
+@dataclass(frozen=True)
+class Average:
+    """Where a reduction divides the sum of `world` ranks' gradients by `world` (DeepSpeed's `prescale_gradients`
+    and `gradient_predivide_factor`, in the operations of its engine's `allreduce_bucket`):
+
+        default (post):   mean = (sum_r g_r) / world                       (the mesh's "mean")
+        prescale:         mean = sum_r (g_r * (1/world))
+        predivide f:      mean = (sum_r (g_r * (1/f))) * (f/world)          (the last product skipped if f == world)
+
+    All three are the mean; they round differently (each product is one more rounding of every element, at most
+    2 units in the last place in all) and overflow differently: a sum of `world` half-precision gradients can
+    overflow where the gradients themselves do not; prescaling cannot, predividing by `f` moves the threshold by
+    `f` (docs/equivalence.md). The scalars `1/world`, `1/f`, `f/world` are computed in double and multiplied into
+    the gradients in the dtype they travel in.
+
+    Attributes:
+      prescale: divide before the sum.
+      predivide: the factor `f` (1.0: the default); ignored with `prescale`, as DeepSpeed ignores it.
+    """
+
+    prescale: bool = False
+    predivide: float = 1.0
+
+    def __post_init__(self) -> None:
+        f = self.predivide
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (f > 0 and math.isfinite(f)):
+            raise ValueError(f"Average: predivide must be a positive finite number, got {f!r}")
+
+    @property
+    def is_default(self) -> bool:
+        return not self.prescale and self.predivide == 1.0
+
+    def before(self, x: Tensor, world: int) -> Tensor:
+        """The gradients as they enter the sum."""
+        if self.prescale:
+            return x * (1.0 / world)
+        return x if self.predivide == 1.0 else x * (1.0 / self.predivide)
+
+    def after(self, total: Tensor, world: int) -> Tensor:
+        """The mean, from the sum of what `before` gave."""
+        if self.prescale or self.predivide == world:
+            return total
+        return total * (self.predivide / world)
+
+
+def _averaged(handle: Tensor | Work, average: Average, world: int) -> Tensor | Work:
+    """A reduction's result (or handle) with `average.after` applied (on waiting, for a handle)."""
+    if isinstance(handle, Tensor):
+        return average.after(handle, world)
+    return _After(handle, average, world)
+
+
+class _After:
+    """A reduction in flight whose `wait()` also finishes the average."""
+
+    def __init__(self, work: Work, average: Average, world: int) -> None:
+        self.work, self.average, self.world = work, average, world
+
+    def wait(self) -> Tensor:
+        return self.average.after(cast(Tensor, self.work.wait()), self.world)
 
 
 def _require_full(flow: Flow, what: str) -> None:
@@ -42,8 +121,9 @@ def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
     return x if dtype is None else x.to(dtype)
 
 
-def all_reduce(dtype: torch.dtype | None = None) -> Transform:
-    """Average full gradients over ranks (plain data parallelism), communicating in `dtype`.
+def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None) -> Transform:
+    """Average full gradients over ranks (plain data parallelism), communicating in `dtype`; `average`: where
+    the division by the world size happens (`Average`; default after the sum).
 
     Example:
         >>> import torch, fzero
@@ -53,20 +133,30 @@ def all_reduce(dtype: torch.dtype | None = None) -> Transform:
         torch.Size([2, 32])
     """
 
+    avg = average or Average()
+
+    def reduce(x: Tensor, ctx: Context) -> Tensor | Work:
+        run = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
+        if avg.is_default:
+            return run(x, "mean")
+        return _averaged(run(avg.before(x, ctx.mesh.world), "sum"), avg, ctx.mesh.world)
+
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "all_reduce")
-        grads = ctx.mesh.all_reduce(_cast(flow.gradients("all_reduce"), dtype), "mean")
+        grads = cast(Tensor, reduce(_cast(flow.gradients("all_reduce"), dtype), ctx._replace(overlap=False)))
         return flow._replace(grads=grads).with_facts(reduced=True), state
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
-        reduce = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
-        return reduce(_cast(grads, dtype), "mean")
+        return reduce(_cast(grads, dtype), ctx)
 
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
 
 def reduce_scatter(
-    dtype: torch.dtype | None = None, axis: str | None = None, replicate: str | None = None
+    dtype: torch.dtype | None = None,
+    axis: str | None = None,
+    replicate: str | None = None,
+    average: Average | None = None,
 ) -> Transform:
     """Average full gradients over ranks, keeping this rank's shard (communicating in `dtype`); shards the
     parameters at init.
@@ -77,6 +167,8 @@ def reduce_scatter(
         a group of ranks next to each other (one node's, on a real cluster).
       replicate: a further mesh axis to average the shard over (an all-reduce of 1/size(axis) of the gradient
         over the slow axis: hybrid sharding, FSDP's HSDP; docs/hybrid.md). Needs `axis`.
+      average: where the division by the number of ranks averaged over happens (`Average`; default after each
+        sum).
 
     Example:
         >>> import torch, fzero
@@ -106,7 +198,15 @@ def reduce_scatter(
             params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params)), sharded=True
         ), EmptyState()
 
+    avg = average or Average()
+
     def reduce(x: Tensor, ctx: Context) -> Tensor:
+        if not avg.is_default:  # one sum over every rank averaged over, then the one division
+            world = sharding_world(ctx.mesh, axis) * (1 if replicate is None else ctx.mesh.size(replicate))
+            total = ctx.mesh.reduce_scatter(avg.before(x, world), "sum", axis=axis)
+            if replicate is not None:
+                total = ctx.mesh.all_reduce(total, "sum", axis=replicate)
+            return avg.after(total, world)
         if axis is None:
             return ctx.mesh.reduce_scatter(x, "mean")
         x = ctx.mesh.reduce_scatter(x, "mean", axis=axis)
@@ -119,7 +219,10 @@ def reduce_scatter(
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
         if ctx.overlap and axis is None:  # (a hybrid reduction's two collectives run one after the other)
-            return ctx.mesh.reduce_scatter_start(_cast(grads, dtype), "mean")
+            if avg.is_default:
+                return ctx.mesh.reduce_scatter_start(_cast(grads, dtype), "mean")
+            world = ctx.mesh.world
+            return _averaged(ctx.mesh.reduce_scatter_start(avg.before(_cast(grads, dtype), world), "sum"), avg, world)
         return reduce(_cast(grads, dtype), ctx)
 
     return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)

@@ -24,6 +24,8 @@ owned slice, twice the traffic.) Every preset takes:
 - `qgz`: reduce gradients with `quantized_reduce_scatter` (ZeRO++'s qgZ: int8 with blockwise scales; lossy, its
   error bound in its docstring); `qwz` (stages 1-2): gather the compute parameters with `quantized_gather`
   (qwZ), at the end of each step instead of lazily, unit by unit, in the next forward;
+- `average`: where the gradients' mean divides by the world size (`fzero.Average`: after the sum by default,
+  DeepSpeed's `prescale_gradients` and `gradient_predivide_factor` otherwise);
 - `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
   (ZeRO-Offload; pair it with `fzero.cpu_adamw`), the compute copy written in the same pass.
 """
@@ -37,7 +39,7 @@ from ..precision import Policy, get_policy
 from .accumulate import accumulate as accumulate_
 from .base import Transform, chain, identity
 from .clipping import clip_by_global_norm
-from .collective import all_reduce, gather, reduce_scatter
+from .collective import Average, all_reduce, gather, reduce_scatter
 from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import scale_loss
 from .update import shard_update
@@ -57,22 +59,26 @@ def _preset(
     hybrid: bool | tuple[str, str] = False,
     qgz: bool = False,
     qwz: bool = False,
+    average: Average | None = None,
 ) -> Transform:
     policy = get_policy(precision)
     axis, replicate = _hybrid_axes(hybrid)
+    if qgz and average is not None and not average.is_default:
+        raise ValueError("qgz=True quantizes the gradients with its own scales and divides after the sum; it takes "
+                         "no prescale or predivide (average=)")  # fmt: skip
     if qwz and stage == 3:
         raise ValueError("zero3(qwz=True): qwZ gathers the compute parameters at the end of the step, but stage 3 "
                          "keeps them sharded and gathers each unit in the forward; use zero1 or zero2")  # fmt: skip
     rs = (
         quantized_reduce_scatter(axis=axis, replicate=replicate)
         if qgz
-        else reduce_scatter(policy.reduce_dtype, axis, replicate)
+        else reduce_scatter(policy.reduce_dtype, axis, replicate, average)
     )
     if loss_scale is None:
         loss_scale = "dynamic" if policy.half else "none"
     acc = accumulate_(accumulate, dtype=policy.accum_dtype)
     if stage == 0:
-        reduce = [acc, all_reduce(policy.reduce_dtype)]
+        reduce = [acc, all_reduce(policy.reduce_dtype, average)]
     elif stage == 1:
         reduce = [acc, rs]
     else:
@@ -105,7 +111,8 @@ def _hybrid_axes(hybrid: bool | tuple[str, str]) -> tuple[str | None, str | None
 
 
 def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None) -> Transform:  # fmt: skip
+          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          average: Average | None = None) -> Transform:  # fmt: skip
     """Plain data parallelism: gradients all-reduced, everything replicated.
 
     Example:
@@ -113,12 +120,13 @@ def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero0(fzero.adamw()).children]
         ['identity', 'all_reduce', 'scale_loss', 'identity#1', 'shard_update', 'gather']
     """
-    return _preset(0, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload)
+    return _preset(0, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, average=average)
 
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
+          average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
 
     Example:
@@ -126,12 +134,14 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero1(fzero.adamw(), accumulate=4).children][:2]
         ['accumulate', 'reduce_scatter']
     """
-    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
+    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz,
+                   average)
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
+          average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
 
     Example:
@@ -139,12 +149,14 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero2(fzero.adamw(), accumulate=4).children][:2]
         ['reduce_scatter', 'accumulate']
     """
-    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
+    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz,
+                   average)
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False) -> Transform:  # fmt: skip
+          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
+          average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
     the backward (`fzero.GatherPolicy`).
 
@@ -153,4 +165,5 @@ def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> fzero.zero3(fzero.adamw(), precision="bf16").children[-1][0]  # gather(bfloat16, lazy=True)
         'gather'
     """
-    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz)
+    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz,
+                   average)
