@@ -134,8 +134,9 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero1(fzero.adamw(), accumulate=4).children][:2]
         ['accumulate', 'reduce_scatter']
     """
-    return _preset(1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz,
-                   average)
+    return _preset(
+        1, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz, average
+    )
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
@@ -149,8 +150,9 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> [name for name, _ in fzero.zero2(fzero.adamw(), accumulate=4).children][:2]
         ['reduce_scatter', 'accumulate']
     """
-    return _preset(2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz,
-                   average)
+    return _preset(
+        2, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz, average
+    )
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
@@ -165,5 +167,6 @@ def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         >>> fzero.zero3(fzero.adamw(), precision="bf16").children[-1][0]  # gather(bfloat16, lazy=True)
         'gather'
     """
-    return _preset(3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz,
-                   average)
+    return _preset(
+        3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz, average
+    )
