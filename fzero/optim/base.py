@@ -67,7 +67,8 @@ def check_hyper(name: str, value: Hyper, low: float, high: float | None = None, 
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or a callable of the step, got {type(value).__name__}")
-    bad = value < low or (high is not None and (value >= high if open_high else value > high))
+    # written as torch's `not low <= x`, so that nan is refused too
+    bad = not low <= value or (high is not None and not (value < high if open_high else value <= high))
     if bad:
         interval = f"[{low}, {high})" if high is not None and open_high else f"[{low}, {high}]" if high else f">= {low}"
         raise ValueError(f"invalid {name}: {value} (expected {interval})")
