@@ -17,7 +17,7 @@ from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .memory import state_bytes
 from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
-from .optim import Optimizer, adagrad, adam, adamw, cpu_adam, cpu_adamw, lion, param_groups, sgd
+from .optim import Optimizer, adagrad, adam, adamw, cpu_adam, cpu_adamw, lamb, lion, param_groups, sgd
 from .precision import Policy, get_policy
 from .state import TrainState, pytree
 from .step import eval_step, init, state_dict, train_step
@@ -90,6 +90,7 @@ __all__ = [
     "init",
     "init_distributed",
     "initialize",
+    "lamb",
     "layout",
     "lion",
     "load",

@@ -10,6 +10,7 @@ from .adam import AdamState, adam, adamw
 from .base import AdagradState, Hyper, LionState, Optimizer, hyper_value
 from .cpu_adam import cpu_adam, cpu_adamw
 from .groups import ParamGroups, param_groups
+from .lamb import lamb
 from .lion import lion
 from .schedules import constant, one_cycle, one_cycle_momentum, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from .sgd import SGDState, sgd
@@ -29,6 +30,7 @@ __all__ = [
     "cpu_adam",
     "cpu_adamw",
     "hyper_value",
+    "lamb",
     "lion",
     "one_cycle",
     "one_cycle_momentum",

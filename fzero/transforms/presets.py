@@ -112,7 +112,7 @@ def _hybrid_axes(hybrid: bool | tuple[str, str]) -> tuple[str | None, str | None
 
 def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
-          average: Average | None = None) -> Transform:  # fmt: skip
+          *, average: Average | None = None) -> Transform:  # fmt: skip
     """Plain data parallelism: gradients all-reduced, everything replicated.
 
     Example:
@@ -126,7 +126,7 @@ def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
-          average: Average | None = None) -> Transform:  # fmt: skip
+          *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
 
     Example:
@@ -142,7 +142,7 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
-          average: Average | None = None) -> Transform:  # fmt: skip
+          *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
 
     Example:
@@ -158,7 +158,7 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
-          average: Average | None = None) -> Transform:  # fmt: skip
+          *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
     the backward (`fzero.GatherPolicy`).
 

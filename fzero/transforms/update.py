@@ -29,6 +29,7 @@ from torch import Tensor
 from ..layout import Layout
 from ..optim import Optimizer
 from ..optim.groups import ParamGroups, Resolved, Segments, segments
+from ..optim.tensors import Tensors, rank_ordered_total, tensors_of
 from .base import Context, Does, Flow, Transform
 
 __all__ = ["shard_update"]
@@ -154,6 +155,8 @@ class _ShardUpdate:
         segs = group_segments(self.optimizer, ctx, flow.params, flow.sharded)
         if segs is not None:
             kw["segments"] = segs
+        if "tensors" in self.optimizer.features:
+            kw["tensors"] = tensor_table(ctx, flow.params, flow.sharded)
         compute: Tensor | None
         if self.offload is not None:
             params, state, compute = _offload_update(self.optimizer, grads, state, flow.params, kw, ctx.donate,
@@ -173,12 +176,23 @@ def group_segments(optimizer: Optimizer, ctx: Context, params: Tensor, sharded: 
         return None
     defaults = tuple(sorted(optimizer.defaults.items()))
     resolved = _resolve(optimizer.groups, ctx.layout, defaults, optimizer.check)
-    if ctx.layout.axis is not None:  # the shard a rank holds is its coordinate along the sharding axis
+    return segments(ctx.layout, resolved, full=not sharded, ranks=_rows(ctx, params))
+
+
+def tensor_table(ctx: Context, params: Tensor, sharded: bool) -> Tensors:
+    """Where each parameter tensor lies in `params` (this rank's buffer, or a SimMesh's `[world, n]`), and how
+    its pieces' sums meet: one all-gather over the sharding axis, added in rank order (`fzero.optim.tensors`)."""
+    axis, world = ctx.layout.axis, ctx.layout.world
+    total = rank_ordered_total(lambda x: ctx.mesh.all_gather(x, axis=axis), world) if sharded and world > 1 else None
+    return tensors_of(ctx.layout, full=not sharded, ranks=_rows(ctx, params), total=total)
+
+
+def _rows(ctx: Context, params: Tensor) -> Sequence[int]:
+    """The ranks whose buffers `params` holds, end to end: each rank's coordinate along the sharding axis."""
+    if ctx.layout.axis is not None:
         index = ctx.mesh.index(ctx.layout.axis)  # every rank's, as a Tensor, on a SimMesh (buffers `[world, n]`)
-        ranks: Sequence[int] = tuple(int(i) for i in cast(Tensor, index)) if params.ndim == 2 else (int(index),)
-    else:
-        ranks = range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
-    return segments(ctx.layout, resolved, full=not sharded, ranks=ranks)
+        return tuple(int(i) for i in cast(Tensor, index)) if params.ndim == 2 else (int(index),)
+    return range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
 
 
 @functools.lru_cache(maxsize=64)
@@ -211,14 +225,16 @@ def _offload_update(
 
     With `donate`, the shard is updated in place piece by piece, so each piece's optimizer work overlaps the
     transfers of the others; a pure step runs the optimizer once on the whole shard (its outputs are fresh
-    buffers, which pieces could only assemble with one more copy)."""
+    buffers, which pieces could only assemble with one more copy), and so does an optimizer with per-tensor
+    reductions (the `tensors` feature: Lamb's norms need whole tensors)."""
     device = grads.device
     remote = device.type != "cpu"
     pin = remote and params.is_pinned()
     n = params.numel()
     cdt = compute_dtype or params.dtype
     fused_out = cdt != params.dtype and "out" in optimizer.features
-    pieces = _pieces(n, chunk if donate else max(n, 1))
+    # an optimizer that reduces over whole tensors (`tensors`) cannot run on pieces of them
+    pieces = _pieces(n, chunk if donate and "tensors" not in kw else max(n, 1))
 
     host_g, events = _to_host(grads, pieces, pin)
     out = torch.empty(n, dtype=cdt, pin_memory=pin) if fused_out else None
@@ -230,11 +246,11 @@ def _offload_update(
             src = out[a:b] if out is not None else new_params.reshape(-1)[a:b].to(cdt)
             compute[a:b].copy_(src, non_blocking=True)
 
-    if not donate:
+    if len(pieces) == 1:
         if events:
             events[0].synchronize()
         extra = {**kw, "out": out.view(params.shape)} if out is not None else kw
-        new_params, new_state = optimizer.update(host_g.view(params.shape), state, params, donate=False, **extra)
+        new_params, new_state = optimizer.update(host_g.view(params.shape), state, params, donate=donate, **extra)
         send(new_params, 0, n)
     else:
         new_state = state
