@@ -77,6 +77,26 @@ def test_adam_without_bias_correction_bitwise(h, n, steps, seed, dtype, decouple
         assert torch.equal(p, ref.detach()), f"step {t + 1}"
 
 
+@given(h=hyper, n=st.integers(0, 70), steps=st.integers(1, 5), seed=st.integers(0, 99), dtype=dtypes,
+       decoupled=st.booleans(), grouped=st.booleans(), donate=st.booleans())  # fmt: skip
+def test_amsgrad_bitwise(h, n, steps, seed, dtype, decoupled, grouped, donate):
+    """`amsgrad=True` is torch's AMSGrad (the path DeepSpeed's `torch_adam` takes), grouped or not, bitwise."""
+    kw = {"lr": h["lr"], "betas": (h["b1"], h["b2"]), "eps": h["eps"], "weight_decay": h["wd"]}
+    ours = (fzero.adamw if decoupled else fzero.adam)(**kw, amsgrad=True)
+    segments = Segments((n,), (1,), ({}, {"lr": h["lr"]})) if grouped else None
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=g, dtype=dtype)
+    ref = p0.clone().requires_grad_()
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([ref], **kw, amsgrad=True, foreach=False)
+    p, state = p0.clone(), ours.init(p0)
+    for t in range(steps):
+        ref.grad = torch.randn(n, generator=g, dtype=dtype) * (3.0 if t % 2 else 0.1)  # v rises and falls
+        opt.step()
+        p, state = ours.update(ref.grad.clone(), state, p, segments=segments, donate=donate)
+        assert torch.equal(p, ref.detach()), f"step {t + 1}"
+        assert torch.equal(state.max_exp_avg_sq, opt.state[ref]["max_exp_avg_sq"])
+
+
 @given(momentum=st.sampled_from([0.0, 0.5, 0.9]), dampening=st.sampled_from([0.0, 0.1]), nesterov=st.booleans(),
        wd=st.sampled_from([0.0, 0.01]), n=st.integers(0, 40), steps=st.integers(1, 5), seed=st.integers(0, 99),
        dtype=dtypes, donate=st.booleans())  # fmt: skip

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-__all__ = ["AdagradState", "AdamState", "Hyper", "LionState", "Optimizer", "hyper_value"]
+__all__ = ["AMSGradState", "AdagradState", "AdamState", "Hyper", "LionState", "Optimizer", "hyper_value"]
 
 Hyper = float | Callable[[int], float]
 """A hyper-parameter: a constant, or a pure function of the number of updates already applied."""
@@ -94,3 +94,12 @@ class AdagradState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
     sum: Tensor
+
+
+class AMSGradState(NamedTuple):
+    """Adam's state with AMSGrad's running maximum of the second moment, `max_exp_avg_sq` (torch's name)."""
+
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count: the name checkpoints and the engine use
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    max_exp_avg_sq: Tensor
