@@ -21,6 +21,9 @@ from cffi import FFI
 
 HERE = os.path.dirname(__file__) or "."  # relative, as setuptools wants extension sources
 HEADER = os.path.join(HERE, "fzero_native.h")
+# the kernels (each file's top comment states its arithmetic) and what they share (common.c, fz_internal.h)
+SOURCES = [os.path.join(HERE, f) for f in ("common.c", "adam.c", "lion.c", "adagrad.c")]
+DEPENDS = [HEADER, os.path.join(HERE, "fz_internal.h")]
 
 
 def _cdef() -> str:
@@ -53,9 +56,9 @@ _compile_args, _link_args = _flags()
 ffibuilder.set_source(
     "fzero.native._kernel",
     '#include "fzero_native.h"',
-    sources=[os.path.join(HERE, "adam.c")],
+    sources=SOURCES,
     include_dirs=[HERE],
-    depends=[HEADER],
+    depends=DEPENDS,
     extra_compile_args=_compile_args,
     extra_link_args=_link_args,
     optional=True,

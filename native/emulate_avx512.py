@@ -1,8 +1,9 @@
-"""Check the AVX-512 path on a machine without AVX-512: compile `adam.c`'s AVX-512 source against SIMDe (portable
+"""Check the AVX-512 path on a machine without AVX-512: compile the kernels' AVX-512 source against SIMDe (portable
 implementations of the intrinsics, https://github.com/simd-everywhere/simde) and compare it bitwise with the
 installed extension's scalar path, over every tail length, unaligned views, every gradient / copy-out dtype, both
 weight-decay modes, the streaming threshold, the gradient statistics, and the grouped step
-(`fz_adam_step_segments`) against the scalar path's ungrouped calls on each segment.
+(`fz_adam_step_segments`) against the scalar path's ungrouped calls on each segment; and the Lion and Adagrad
+steps (`lion.c`, `adagrad.c`), ungrouped and grouped, the same way.
 
     pip install --target /tmp/simde cmeel-simde     # SIMDe's headers, from PyPI
     .venv/bin/python native/emulate_avx512.py --simde /tmp/simde/cmeel.prefix/include
@@ -16,6 +17,7 @@ ones, fused multiply-adds included). The emulated build is single-threaded.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import os
@@ -38,7 +40,7 @@ def build(simde: str, tmp: str):
 
     ffi = FFI()
     ffi.cdef(native_build._cdef())
-    ffi.set_source("_fzero_emulated", '#include "fzero_native.h"', sources=[os.path.join(HERE, "adam.c")],
+    ffi.set_source("_fzero_emulated", '#include "fzero_native.h"', sources=native_build.SOURCES,
                    include_dirs=[HERE, simde], define_macros=[("FZ_EMULATE_AVX512", "1")],
                    extra_compile_args=["-O1", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-Wno-psabi",
                                        "-Wno-unused", *NATIVE_HALVES])  # fmt: skip
@@ -99,10 +101,12 @@ def main() -> None:
                 # the emulated AVX-512 sum adds in another order than the scalar path: float64 rounding only
                 assert math.isclose(s[0], want_s, rel_tol=2 * max(n, 1) * 2.0**-53) and bool(flag[0]) == want_flag
         grouped = check_segments(ffi, lib, ptr, codes, native)
+        others = check_lion_adagrad(ffi, lib, ptr, codes, native, sizes)
         print(
             f"AVX-512 path (emulated by SIMDe) equals the scalar path bitwise: {cases} Adam cases, "
             f"sizes 0-79, 255, 1000 and 2^20 + 21, offsets 0-5, every dtype pairing; statistics agree; "
-            f"{grouped} grouped cases equal the scalar path's per-segment calls"
+            f"{grouped} grouped cases equal the scalar path's per-segment calls; {others} Lion and Adagrad cases "
+            "(ungrouped and grouped)"
         )
 
 
@@ -162,6 +166,68 @@ def check_segments(ffi, lib, ptr, codes, native) -> int:
                             assert torch.equal(w_out.view(torch.int16), g_out.view(torch.int16)), (n, odt)
                         cases += 1
     return cases
+
+
+def check_lion_adagrad(ffi, lib, ptr, codes, native, sizes) -> int:
+    """The emulated Lion and Adagrad steps (`lion.c`, `adagrad.c`) against the installed scalar path: every size of
+    `sizes`, offsets, dtype pairing, with and without weight decay, ungrouped and with a two-group table (the
+    reference: one ungrouped call per segment)."""
+    gen = torch.Generator().manual_seed(2)
+    low = {None: -1, torch.bfloat16: 1, torch.float16: 2}
+    cases = 0
+    for n in sizes:
+        for offset in (0, 3) if n < 100 else (0, 5):
+            for gdt in codes:
+                for odt in low:
+                    for wd in (0.0, 0.1):
+                        p, g, m = (torch.randn(n + offset, generator=gen)[offset:] * 3 for _ in range(3))
+                        g, s = g.to(gdt), m.square()
+                        kernels = {
+                            "lion": (m, [{"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": wd},
+                                         {"lr": 0.1, "betas": (0.5, 0.9), "weight_decay": 0.0}]),
+                            "adagrad": (s, [{"lr": 1e-2, "lr_decay": 0.1, "eps": 1e-10, "weight_decay": wd},
+                                            {"lr": 0.1, "lr_decay": 0.0, "eps": 1e-3, "weight_decay": 0.0}]),
+                        }  # fmt: skip
+                        for grouped in (False, True):
+                            cuts = [(0, n // 3, 1), (n // 3, n, 0)] if grouped else [(0, n, 0)]
+                            for name, (state, groups) in kernels.items():
+                                cases += _check_one(ffi, lib, ptr, codes, native, name, p, g, state, groups, cuts,
+                                                    odt, low)  # fmt: skip
+    return cases
+
+
+def _check_one(ffi, lib, ptr, codes, native, name, p, g, state, groups, cuts, odt, low) -> int:
+    n = p.numel()
+    native.set_isa("scalar")
+    want = [p.clone(), state.clone()]
+    w_out = torch.empty(n, dtype=odt) if odt is not None else None
+    for a, b, k in cuts:
+        part = w_out[a:b] if w_out is not None else None
+        step = native.lion_step if name == "lion" else functools.partial(native.adagrad_step, step=3)
+        step(want[0][a:b], g[a:b], want[1][a:b], grad_scale=0.37, out=part, **groups[k])
+    if name == "lion":
+        hypers = [native.lion_hyper(h["lr"], *h["betas"], h["weight_decay"], 0.37) for h in groups]
+    else:
+        hypers = [native.adagrad_hyper(3, h["lr"], h["lr_decay"], h["eps"], h["weight_decay"], 0.37) for h in groups]
+    got = [p.clone(), state.clone()]
+    g_out = torch.empty(n + 3, dtype=odt)[3:] if odt is not None else None
+    args = (n, ptr(p), ptr(g), codes[g.dtype], ptr(state), ptr(got[0]), ptr(got[1]),
+            ptr(g_out) if g_out is not None else ffi.NULL, low[odt], 1)  # fmt: skip
+    if len(cuts) == 1:
+        rc = getattr(lib, f"fz_{name}_step")(ffi.new(f"fz_{name}_hyper *", hypers[0]), *args)
+    else:
+        ends = torch.tensor([b for _, b, _ in cuts], dtype=torch.int64)
+        group = torch.tensor([k for _, _, k in cuts], dtype=torch.int64)
+        rc = getattr(lib, f"fz_{name}_step_segments")(ffi.new(f"fz_{name}_hyper[]", hypers), len(hypers),
+                                                      ffi.cast("int64_t *", ends.data_ptr()),
+                                                      ffi.cast("int64_t *", group.data_ptr()), len(cuts),
+                                                      *args)  # fmt: skip
+    assert rc == 0
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (name, n, g.dtype, odt, len(cuts))
+    if odt is not None:
+        assert torch.equal(w_out.view(torch.int16), g_out.view(torch.int16)), (name, n, odt)
+    return 1
 
 
 if __name__ == "__main__":

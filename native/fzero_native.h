@@ -1,12 +1,13 @@
-/* fzero's native CPU kernels: the Adam/AdamW step on float32 master weights and state, the gradient statistics
- * (sum of squares, non-finite flag), and a bandwidth-ceiling kernel for the benchmark.
+/* fzero's native CPU kernels: the Adam/AdamW, Lion and Adagrad steps on float32 master weights and state, the
+ * gradient statistics (sum of squares, non-finite flag), and a bandwidth-ceiling kernel for the benchmark.
  *
  * Every kernel has three implementations (scalar, AVX2+FMA+F16C, AVX-512F) chosen at run time from the CPU's
  * features (never from the build machine's), and runs on `nthreads` OpenMP threads above a size threshold.
- * The Adam paths perform the same IEEE operations (multiply, fused multiply-add, square root, divide, round to
- * nearest even) on every element in the same order, so all three give bitwise identical results. The Adam step
- * also takes its hyper-parameters per segment of the buffer (parameter groups: fz_adam_step_segments), each
- * segment bitwise what an ungrouped call on it gives.
+ * The optimizer steps' paths perform the same IEEE operations (multiply, fused multiply-add, square root, divide,
+ * compare, round to nearest even) on every element in the same order, so all three give bitwise identical results.
+ * Each step also takes its hyper-parameters per segment of the buffer (parameter groups: fz_*_step_segments), each
+ * segment bitwise what an ungrouped call on it gives. Sources: adam.c, lion.c, adagrad.c (the steps; their element
+ * arithmetic is stated at the top of each), common.c and fz_internal.h (what they share).
  *
  * The declarations between FZ_CDEF_BEGIN and FZ_CDEF_END are also read by cffi (native/build.py): keep them
  * free of preprocessor directives.
@@ -31,6 +32,23 @@ typedef struct fz_adam_hyper {
     float grad_scale;      /* multiplies every gradient on load (1 / loss scale times the clip coefficient) */
 } fz_adam_hyper;
 
+typedef struct fz_lion_hyper {
+    float beta1;           /* c <- beta1 * m + (1 - beta1) * g, whose sign is the update */
+    float one_minus_beta1;
+    float beta2;           /* m <- beta2 * m + (1 - beta2) * g */
+    float one_minus_beta2;
+    float lr;              /* p <- p * decay - lr * sign(c) */
+    float decay;           /* 1 - lr * weight_decay (decoupled), else 1 */
+    float grad_scale;      /* multiplies every gradient on load */
+} fz_lion_hyper;
+
+typedef struct fz_adagrad_hyper {
+    float eps;             /* added to sqrt(sum) */
+    float step_size;       /* this step's lr / (1 + (t - 1) * lr_decay) */
+    float l2;              /* weight_decay (g <- g + l2 * p), else 0 */
+    float grad_scale;      /* multiplies every gradient on load */
+} fz_adagrad_hyper;
+
 /* dtype codes of gradients and of the low-precision copy-out */
 enum { FZ_NONE = -1, FZ_F32 = 0, FZ_BF16 = 1, FZ_F16 = 2 };
 /* instruction-set paths */
@@ -54,6 +72,28 @@ int fz_adam_step_segments(const fz_adam_hyper *hypers, int ngroups, const int64_
                           size_t nseg, size_t n, const float *p_in, const void *g, int g_dtype, const float *m_in,
                           const float *v_in, float *p_out, float *m_out, float *v_out, void *out16, int out16_dtype,
                           int nthreads);
+
+/* One Lion step over n elements (lion.c states the arithmetic): p, m as fz_adam_step's (p_out, m_out may equal
+ * p_in, m_in), the same gradient and copy-out dtypes. Returns 0, or -1 for an unknown dtype code. */
+int fz_lion_step(const fz_lion_hyper *h, size_t n, const float *p_in, const void *g, int g_dtype, const float *m_in,
+                 float *p_out, float *m_out, void *out16, int out16_dtype, int nthreads);
+
+/* The Lion step with hyper-parameters per segment, as fz_adam_step_segments (the same table, the same guarantees).
+ * Returns 0, -1 for an unknown dtype code, or -2 for an invalid segment table. */
+int fz_lion_step_segments(const fz_lion_hyper *hypers, int ngroups, const int64_t *ends, const int64_t *group,
+                          size_t nseg, size_t n, const float *p_in, const void *g, int g_dtype, const float *m_in,
+                          float *p_out, float *m_out, void *out16, int out16_dtype, int nthreads);
+
+/* One Adagrad step over n elements (adagrad.c states the arithmetic): s is the running sum of squared gradients
+ * (s_out may equal s_in, p_out p_in); dtypes as fz_adam_step's. Returns 0, or -1 for an unknown dtype code. */
+int fz_adagrad_step(const fz_adagrad_hyper *h, size_t n, const float *p_in, const void *g, int g_dtype,
+                    const float *s_in, float *p_out, float *s_out, void *out16, int out16_dtype, int nthreads);
+
+/* The Adagrad step with hyper-parameters per segment, as fz_adam_step_segments. Returns 0, -1 or -2. */
+int fz_adagrad_step_segments(const fz_adagrad_hyper *hypers, int ngroups, const int64_t *ends,
+                             const int64_t *group, size_t nseg, size_t n, const float *p_in, const void *g,
+                             int g_dtype, const float *s_in, float *p_out, float *s_out, void *out16,
+                             int out16_dtype, int nthreads);
 
 /* Sum of squares of n gradients (accumulated in double, by chunks added in order: the result depends on the path
  * and n, not on the thread count) and whether any is inf or nan. Returns 0 or -1. */

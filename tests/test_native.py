@@ -731,4 +731,4 @@ def test_trains_without_the_extension():
     assert r.returncode == 0, r.stderr
     count, first, last = r.stdout.split("\n")[0].split()
     assert count == "1" and float(last) < 0.8 * float(first)
-    assert "using its pure-torch twin" in r.stdout
+    assert "using their pure-torch twins" in r.stdout

@@ -1,9 +1,10 @@
-"""fzero's native CPU kernels: Adam/AdamW on float32 master weights and state, and the gradient statistics.
+"""fzero's native CPU kernels: Adam/AdamW, Lion and Adagrad on float32 master weights and state, and the gradient
+statistics.
 
 The C sources are in `native/` at the repository root; `pip install` compiles them with cffi (API mode) into
 `fzero.native._kernel`. Three instruction-set paths are built into that one binary and chosen at run time from
 the CPU's features: `"avx512"` (AVX-512F), `"avx2"` (AVX2 + FMA + F16C) and `"scalar"` (portable C). All three
-give bitwise identical Adam results (the same IEEE operations per element in the same order). Where the extension
+give bitwise identical optimizer steps (the same IEEE operations per element in the same order). Where the extension
 is missing (no C compiler at install time), a pure-torch twin with the same signatures runs instead (`"torch"`),
 with one warning.
 
@@ -28,30 +29,40 @@ Choosing the path: `FZERO_ISA=scalar|avx2|avx512|torch|auto` in the environment 
 `set_isa(...)` (tests use it to run every path on one machine). The kernels run on `torch.get_num_threads()`
 OpenMP threads above `parallel_threshold()` elements and release the GIL.
 
-The modules: `binding` (the extension and the path's choice), `kernels` (the entry points), `checks` (their tensor
-arguments), `segments` (per-group values and segment tables), `hyper` (a step's scalars), `twin` (the pure-torch
-path), `ops` (the `torch.library` custom ops).
+`lion_step` and `adagrad_step` follow `adam_step`'s conventions (dtypes, `grad_scale`, `out=`, `*_out=`,
+`segments=`); their twin performs the kernels' own operations, so it agrees bitwise there.
+
+The modules: `binding` (the extension and the path's choice), `kernels` (Adam's entry points and the statistics),
+`kernels_more` (Lion's and Adagrad's), `checks` (their tensor arguments), `segments` (per-group values and segment
+tables), `hyper` (a step's scalars), `twin` (the pure-torch path), `ops` (the `torch.library` custom ops).
 """
 
 from __future__ import annotations
 
 from . import binding, ops  # noqa: F401  (ops registers the torch.library custom ops on import)
 from .binding import ISAS, available, isa, openmp, parallel_threshold, set_isa, supported_isas
-from .hyper import AdamHyper, adam_hyper
+from .hyper import AdagradHyper, AdamHyper, LionHyper, adagrad_hyper, adam_hyper, lion_hyper
 from .kernels import adam_step, ceiling, grad_stats, sumsq
+from .kernels_more import adagrad_step, lion_step
 from .segments import PerGroup, Segments, slice_segments  # noqa: F401  (the argument types, as before the split)
 
 _ffi, _lib = binding.ffi, binding.lib  # the raw binding, for tests that call the C entry points themselves
 
 __all__ = [
     "ISAS",
+    "AdagradHyper",
     "AdamHyper",
+    "LionHyper",
+    "adagrad_hyper",
+    "adagrad_step",
     "adam_hyper",
     "adam_step",
     "available",
     "ceiling",
     "grad_stats",
     "isa",
+    "lion_hyper",
+    "lion_step",
     "openmp",
     "parallel_threshold",
     "set_isa",

@@ -110,9 +110,9 @@ def _warn_missing() -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"fzero.native: the compiled CPU Adam kernel is not installed ({IMPORT_ERROR}); using its pure-torch "
-            "twin, which is correct but slower. Install a C compiler and reinstall fzero (pip install "
-            "--force-reinstall --no-deps .) to build it.",
+            f"fzero.native: the compiled CPU kernels (Adam, Lion, Adagrad) are not installed ({IMPORT_ERROR}); "
+            "using their pure-torch twins, which are correct but slower. Install a C compiler and reinstall fzero "
+            "(pip install --force-reinstall --no-deps .) to build them.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPE", "F32", "LOW", "check_aliasing", "check_tensor"]
+__all__ = ["DTYPE", "F32", "LOW", "check_aliasing", "check_step", "check_tensor"]
 
 DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The gradient dtypes the kernels load, by the C code of each."""
@@ -77,3 +78,51 @@ def check_aliasing(where: str, inputs: Mapping[str, Tensor], outputs: Mapping[st
             if o0 < i1 and i0 < o1 and not (o0 == i0 and name == k.removesuffix("_out")):
                 raise ValueError(f"{where}: output {k} overlaps input {name} (only in-place updates of the same "
                                  "buffer are allowed)")  # fmt: skip
+
+
+class StepTensors(NamedTuple):
+    """An optimizer step's tensors after `check_step`: where to write, and the copy-out."""
+
+    outputs: dict[str, Tensor]
+    """`params_out`, then `<state>_out` for each state, in order: the given tensor, or the input itself (in place)."""
+    out: Tensor | None
+    """The low-precision copy of the new parameters, if asked for."""
+
+
+def check_step(
+    where: str,
+    params: object,
+    grads: object,
+    states: Mapping[str, object],
+    outputs: Mapping[str, object | None],
+    out: object | None,
+) -> StepTensors:
+    """Check an optimizer step's tensors before a kernel gets their pointers: `params` and every state float32,
+    `grads` float32 / bfloat16 / float16, each output (`params_out`, `<state>_out`; None: in place) float32, `out`
+    bfloat16 / float16, all contiguous CPU tensors of `params.numel()` elements, and no overlap except in place.
+
+    Args:
+      where: the calling function's name, for the messages.
+      params, grads: the master weights and the gradients.
+      states: the optimizer's state tensors by argument name (e.g. `{"exp_avg": m}`), updated like `params`.
+      outputs: `params_out` and `<state>_out` for each state, by name; None for in place.
+      out: the optional low-precision copy-out.
+
+    Returns:
+      `StepTensors(outputs, out)`, the outputs resolved.
+
+    Raises:
+      TypeError, ValueError: naming the tensor at fault (see `check_tensor`, `check_aliasing`).
+    """
+    n = params.numel() if isinstance(params, Tensor) else 0
+    p = check_tensor(where, "params", params, n, F32)
+    inputs = {"params": p, "grads": check_tensor(where, "grads", grads, n, DTYPE)}
+    for name, t in states.items():
+        inputs[name] = check_tensor(where, name, t, n, F32)
+    resolved: dict[str, Tensor] = {}
+    for name in ("params", *states):
+        given = outputs.get(f"{name}_out")
+        resolved[f"{name}_out"] = inputs[name] if given is None else check_tensor(where, f"{name}_out", given, n, F32)
+    low = check_tensor(where, "out", out, n, LOW) if out is not None else None
+    check_aliasing(where, inputs, resolved if low is None else {**resolved, "out": low})
+    return StepTensors(resolved, low)

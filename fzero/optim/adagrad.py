@@ -15,7 +15,7 @@ running sum: `initial_accumulator_value` from `init`, 0 where resharding a check
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -73,27 +73,7 @@ def adagrad(
       (tensor([-0.1000,  0.0000]), tensor([4., 0.]))
     """
 
-    def check(h: Mapping[str, Any]) -> None:
-        check_hyper("learning rate", h["lr"], 0.0)
-        for key in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
-            if callable(h[key]):
-                raise TypeError(f"{key} must be a float, got a callable (only lr may be a schedule)")
-        check_hyper("lr_decay value", h["lr_decay"], 0.0)
-        check_hyper("weight_decay value", h["weight_decay"], 0.0)
-        check_hyper("initial_accumulator_value value", h["initial_accumulator_value"], 0.0)
-        check_hyper("epsilon value", h["eps"], 0.0)
-        if h["eps"] == 0:
-            raise ValueError(
-                f"invalid epsilon value: {h['eps']} (expected > 0: with eps = 0 an element whose running sum is 0, "
-                "a gradient 0 so far or a flat buffer's padding, divides 0 by 0)"
-            )
-        if h["initial_accumulator_value"] != initial_accumulator_value:
-            raise ValueError(
-                f"initial_accumulator_value {h['initial_accumulator_value']!r} differs from the optimizer's "
-                f"{initial_accumulator_value!r}: it fills the whole state once (`init`), so a parameter group cannot "
-                "change it (torch ignores a group's value)"
-            )
-
+    check = checker(initial_accumulator_value)
     defaults = {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
                 "initial_accumulator_value": initial_accumulator_value, "eps": eps}  # fmt: skip
     check(defaults)
@@ -136,3 +116,31 @@ def _grouped(
         torch._foreach_add_(std, h["eps"])
         torch._foreach_addcdiv_(ps, gs, std, value=-_clr(h, applied))
     return p, AdagradState(torch.tensor(applied + 1, dtype=torch.int64), s)
+
+
+def checker(initial_accumulator_value: float) -> Callable[[Mapping[str, Any]], None]:
+    """The validation of Adagrad's hyper-parameters (the defaults, or a parameter group's) for an optimizer whose
+    state starts at `initial_accumulator_value` (shared with `cpu_adagrad`); see `adagrad` for the rules."""
+
+    def check(h: Mapping[str, Any]) -> None:
+        check_hyper("learning rate", h["lr"], 0.0)
+        for key in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+            if callable(h[key]):
+                raise TypeError(f"{key} must be a float, got a callable (only lr may be a schedule)")
+        check_hyper("lr_decay value", h["lr_decay"], 0.0)
+        check_hyper("weight_decay value", h["weight_decay"], 0.0)
+        check_hyper("initial_accumulator_value value", h["initial_accumulator_value"], 0.0)
+        check_hyper("epsilon value", h["eps"], 0.0)
+        if h["eps"] == 0:
+            raise ValueError(
+                f"invalid epsilon value: {h['eps']} (expected > 0: with eps = 0 an element whose running sum is 0, "
+                "a gradient 0 so far or a flat buffer's padding, divides 0 by 0)"
+            )
+        if h["initial_accumulator_value"] != initial_accumulator_value:
+            raise ValueError(
+                f"initial_accumulator_value {h['initial_accumulator_value']!r} differs from the optimizer's "
+                f"{initial_accumulator_value!r}: it fills the whole state once (`init`), so a parameter group cannot "
+                "change it (torch ignores a group's value)"
+            )
+
+    return check

@@ -1,0 +1,124 @@
+"""`cpu_adagrad`: Adagrad on the native CPU kernel (`fzero.native.adagrad_step`), for optimizer offload.
+
+It keeps `fzero.adagrad`'s state layout (`AdagradState(count, sum)`, so checkpoints and tests treat both alike)
+and `torch.optim.Adagrad`'s hyper-parameters and defaults (`lr` a constant or a schedule of the applied-update
+count, parameter groups), and adds what a fused kernel can do in the same pass over memory, as `cpu_adamw` does:
+
+- `grad_scale=`: a factor multiplied into every gradient as it is loaded (1 / loss scale times the clipping
+  coefficient);
+- bfloat16 / float16 gradients, upcast on load;
+- `out=`: a bfloat16 / float16 tensor that receives the updated parameters, bitwise `params.to(out.dtype)`.
+
+The master parameters and the running sum must be float32 CPU tensors. The arithmetic is the kernel's
+(`native/adagrad.c`: DeepSpeed's CPU Adagrad with fused multiply-adds, with torch's weight-decayed numerator and
+`lr_decay`), the same on every instruction set and thread count; it agrees with `fzero.adagrad` /
+`torch.optim.Adagrad` within a few float32 rounding units per step (bound in `tests/test_native_lion_adagrad.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import native
+from .adagrad import checker
+from .base import AdagradState, Hyper, Optimizer, hyper_value
+from .cpu_lion import FEATURES, _check_params
+from .groups import ParamGroups, Segments
+
+__all__ = ["cpu_adagrad"]
+
+_PerGroup = float | list[float]  # one value for the whole buffer, or one per parameter group
+
+
+def cpu_adagrad(
+    lr: Hyper = 1e-2,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    *,
+    groups: ParamGroups | None = None,
+) -> Optimizer:
+    """Adagrad on the native CPU kernel, with `torch.optim.Adagrad`'s hyper-parameters: for update `t`, with
+    `g <- g + weight_decay p`, `sum <- sum + g^2` and `p <- p - lr / (1 + (t - 1) lr_decay) g / (sqrt(sum) + eps)`.
+
+    Args:
+      lr: learning rate, a float or a function of the number of updates already applied.
+      lr_decay: the learning rate of update `t` is `lr / (1 + (t - 1) lr_decay)` (computed in double, as torch).
+      weight_decay: L2 penalty added to the gradient.
+      initial_accumulator_value: the running sum starts here (one value for the whole optimizer: torch fills every
+        parameter's sum with the constructor's value, whatever its group).
+      eps: added to the square root of the running sum.
+      groups: parameter groups (`fzero.param_groups`): other values of `lr`, `lr_decay`, `weight_decay`, `eps` for
+        the parameters they name.
+
+    Returns:
+      The `Optimizer`; its state is `AdagradState(count, sum)`.
+
+    Raises:
+      ValueError: a hyper-parameter is negative, a group sets another `initial_accumulator_value`, or `eps` and
+        `initial_accumulator_value` are both 0 (`0 / 0` wherever the gradients have been 0, padding included).
+      TypeError: a hyper-parameter is not a number (only `lr` may be a schedule).
+
+    Example:
+      >>> import torch
+      >>> from fzero.optim.cpu_adagrad import cpu_adagrad
+      >>> opt = cpu_adagrad(lr=0.1)
+      >>> p = torch.zeros(2)
+      >>> p, s = opt.update(torch.tensor([2.0, 0.0]), opt.init(p), p)
+      >>> p, s.sum
+      (tensor([-0.1000,  0.0000]), tensor([4., 0.]))
+    """
+
+    check = checker(initial_accumulator_value)
+    defaults = {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
+                "initial_accumulator_value": initial_accumulator_value, "eps": eps}  # fmt: skip
+    check(defaults)
+    native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
+
+    def values(h: Mapping[str, Any], applied: int) -> tuple[float, float, float, float]:
+        return hyper_value(h["lr"], applied), h["lr_decay"], h["eps"], h["weight_decay"]
+
+    def init(params: Tensor) -> AdagradState:
+        _check_params("cpu_adagrad", params)
+        return AdagradState(torch.tensor(0, dtype=torch.int64), torch.full_like(params, initial_accumulator_value))
+
+    def update(
+        grads: Tensor,
+        state: AdagradState,
+        params: Tensor,
+        *,
+        donate: bool = False,
+        grad_scale: float = 1.0,
+        out: Tensor | None = None,
+        segments: Segments | None = None,
+    ) -> tuple[Tensor, AdagradState]:
+        _check_params("cpu_adagrad", params)
+        applied = int(state.count)
+        lr_t: _PerGroup
+        decay_t: _PerGroup
+        eps_t: _PerGroup
+        wd_t: _PerGroup
+        if segments is None:
+            lr_t, decay_t, eps_t, wd_t = values(defaults, applied)
+            table = None
+        else:  # one value per group, each the group's own (schedules evaluated here)
+            per = [values({**defaults, **o}, applied) for o in segments.overrides]
+            lr_t, decay_t, eps_t, wd_t = ([v[i] for v in per] for i in range(4))
+            table = segments.tensors()
+        if donate:
+            p, s = params, state.sum
+            p_out = s_out = None
+        else:  # pure: the kernel reads the inputs and writes fresh buffers, in the same single pass
+            p, s = torch.empty_like(params), torch.empty_like(state.sum)
+            p_out, s_out = p, s
+        native.adagrad_step(params, grads.contiguous(), state.sum, step=applied + 1, lr=lr_t, lr_decay=decay_t,
+                            eps=eps_t, weight_decay=wd_t, grad_scale=grad_scale, out=out, segments=table,
+                            params_out=p_out, state_sum_out=s_out)  # fmt: skip
+        return p, AdagradState(torch.tensor(applied + 1, dtype=torch.int64), s)
+
+    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=check)
