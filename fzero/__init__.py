@@ -17,7 +17,21 @@ from .layout import Layout
 from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
 from .memory import state_bytes
 from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
-from .optim import Optimizer, adagrad, adam, adamw, cpu_adam, cpu_adamw, lamb, lion, param_groups, sgd
+from .optim import (
+    Optimizer,
+    adagrad,
+    adam,
+    adamw,
+    cpu_adagrad,
+    cpu_adam,
+    cpu_adamw,
+    cpu_lion,
+    lamb,
+    lion,
+    muon,
+    param_groups,
+    sgd,
+)
 from .precision import Policy, get_policy
 from .state import TrainState, pytree
 from .step import eval_step, init, state_dict, train_step
@@ -80,8 +94,10 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "consolidate",
+    "cpu_adagrad",
     "cpu_adam",
     "cpu_adamw",
+    "cpu_lion",
     "eval_step",
     "gather",
     "get_policy",
@@ -95,6 +111,7 @@ __all__ = [
     "lion",
     "load",
     "loss_scale",
+    "muon",
     "named_chain",
     "native",
     "optim",

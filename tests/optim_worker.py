@@ -14,7 +14,7 @@ from tests.support import lm_batches, lm_loss, tiny_gpt
 STEPS = 2
 CASES = [
     ("lamb", "zero1", None), ("lamb", "zero3", None), ("lion", "zero2", None), ("adagrad", "zero3", None),
-    ("adamw", "zero2", "prescale"), ("adamw", "zero3", "predivide"),
+    ("adamw", "zero2", "prescale"), ("adamw", "zero3", "predivide"), ("muon", "zero2", None), ("muon", "zero3", None),
 ]  # fmt: skip
 
 
@@ -25,8 +25,10 @@ def name(case: tuple) -> str:
 def build(case: tuple) -> fzero.Transform:
     """The chain of a case (built in each process: a chain holds closures, which do not pickle)."""
     opt_name, preset, average = case
-    groups = fzero.param_groups({"*.bias": {"lr": 5e-3}})
-    opt = getattr(fzero, opt_name)(1e-2, groups=groups)
+    if opt_name == "muon":  # (its groups are its Muon and Adam tensors)
+        opt = fzero.muon(0.05, weight_decay=0.1, adam_lr=1e-2)
+    else:
+        opt = getattr(fzero, opt_name)(1e-2, groups=fzero.param_groups({"*.bias": {"lr": 5e-3}}))
     avg = {None: None, "prescale": fzero.Average(prescale=True), "predivide": fzero.Average(predivide=2.0)}[average]
     return getattr(fzero, preset)(opt, average=avg)
 

@@ -1,6 +1,7 @@
-"""Lamb (its norms' all-gather), Lion, Adagrad and the gradient averages on 3 real gloo processes give what
-`SimMesh` gives, bitwise: on gloo the mesh reduce-scatters with an all-to-all and a rank-ordered sum, and Lamb's
-pieces' sums are added in rank order on every rank (docs/equivalence.md)."""
+"""Lamb (its norms' all-gather), Muon (its matrices' all-to-alls to their owners and back), Lion, Adagrad and the
+gradient averages on 3 real gloo processes give what `SimMesh` gives, bitwise: on gloo the mesh reduce-scatters with
+an all-to-all and a rank-ordered sum, Lamb's pieces' sums are added in rank order on every rank, and Muon's owners
+assemble each matrix exactly (docs/equivalence.md)."""
 
 from __future__ import annotations
 

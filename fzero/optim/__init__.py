@@ -8,10 +8,13 @@ the whole buffer bitwise; `lamb`'s per-tensor norms are given the tensors' place
 from .adagrad import adagrad
 from .adam import AdamState, adam, adamw
 from .base import AdagradState, Hyper, LionState, Optimizer, hyper_value
+from .cpu_adagrad import cpu_adagrad
 from .cpu_adam import cpu_adam, cpu_adamw
+from .cpu_lion import cpu_lion
 from .groups import ParamGroups, param_groups
 from .lamb import lamb
 from .lion import lion
+from .muon import muon
 from .schedules import constant, one_cycle, one_cycle_momentum, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from .sgd import SGDState, sgd
 
@@ -27,11 +30,14 @@ __all__ = [
     "adam",
     "adamw",
     "constant",
+    "cpu_adagrad",
     "cpu_adam",
     "cpu_adamw",
+    "cpu_lion",
     "hyper_value",
     "lamb",
     "lion",
+    "muon",
     "one_cycle",
     "one_cycle_momentum",
     "param_groups",

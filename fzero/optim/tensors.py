@@ -53,6 +53,60 @@ class Tensors:
     rows: int
     count: int
     total: Callable[[Tensor], Tensor]
+    names: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    ranks: tuple[int, ...] = (0,)
+    plan: _Plan | None = None
+    exchange: Callable[[Tensor], Tensor] | None = None
+
+    def whole(self, x: Tensor, select: Sequence[int], fn: Callable[[int, Tensor], Tensor]) -> Tensor:
+        """`fn` applied to each selected tensor of `x` whole, the results back in `x`'s places (zero elsewhere).
+
+        Where the rows hold shards, tensor `k` is worked on by its owner rank (`owners`: the tensors spread over
+        the ranks by size): every rank sends the owners its pieces (one all-to-all), each owner assembles its
+        tensors, applies `fn(k, tensor)` (shaped as the parameter), and sends every rank its pieces of the results
+        (a second all-to-all). Where the rows hold whole tensors, each row applies `fn` itself.
+        """
+        flat = x.reshape(-1)
+        out = torch.zeros_like(flat)
+        chosen = set(select)
+        width = flat.numel() // self.rows if self.rows else 0
+        if self.plan is None:  # whole tensors in every row
+            for a, b, k in self.runs:
+                if k in chosen:
+                    out[a:b] = fn(k, flat[a:b].view(self.shapes[k])).reshape(-1)
+            return out.view_as(x)
+        if self.exchange is None:
+            raise ValueError("Tensors.whole on shards needs the mesh's all-to-all (exchange=), which a hybrid "
+                             "(two-axis) layout does not provide yet")  # fmt: skip
+        plan = self.plan
+        world, size = plan.world, plan.size
+        send = torch.zeros(self.rows, world, size, dtype=x.dtype, device=x.device)
+        for row, rank in enumerate(self.ranks):
+            for d in range(world):
+                for k, a, b, at in plan.pieces[rank][d]:
+                    if k in chosen:
+                        send[row, d, at : at + b - a] = flat[row * width + a : row * width + b]
+        got = self.exchange(send.view(self.rows, world * size))  # [rows, world (from), size]
+        back = torch.zeros_like(send)
+        for row, owner in enumerate(self.ranks):
+            for k in plan.owned[owner]:
+                if k not in chosen:
+                    continue
+                parts = [(s, at, b - a) for s in range(world) for kk, a, b, at in plan.pieces[s][owner] if kk == k]
+                whole = torch.cat([got[row, s, at : at + n] for s, at, n in parts])
+                result = fn(k, whole.view(self.shapes[k])).reshape(-1)
+                done = 0
+                for s, at, n in parts:
+                    back[row, s, at : at + n] = result[done : done + n]
+                    done += n
+        mine = self.exchange(back.view(self.rows, world * size))  # [rows, world (from owner), size]
+        for row, rank in enumerate(self.ranks):
+            for d in range(world):
+                for k, a, b, at in plan.pieces[rank][d]:
+                    if k in chosen:
+                        out[row * width + a : row * width + b] = mine[row, d, at : at + b - a]
+        return out.view_as(x)
 
     def sums(self, *xs: Tensor) -> tuple[Tensor, ...]:
         """Each tensor's sum of squares of each of `xs` (shaped like the buffer), float64, `[rows, count]` each;
@@ -67,6 +121,50 @@ class Tensors:
                 partial[a // width, j * k + t] = torch.dot(piece, piece)
         total = self.total(partial)
         return tuple(total[:, j * k : (j + 1) * k] for j in range(len(xs)))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Who works on which tensor, and where each rank's pieces travel: `pieces[s][d]` lists `(tensor, start, stop,
+    at)` for rank `s`'s pieces (offsets in its shard) of the tensors rank `d` owns, `at` the piece's place in the
+    chunk `s` sends `d`; every chunk is `size` elements (the largest), `owned[d]` rank `d`'s tensors."""
+
+    world: int
+    size: int
+    owned: tuple[tuple[int, ...], ...]
+    pieces: tuple[tuple[tuple[tuple[int, int, int, int], ...], ...], ...]
+
+
+def owners(numels: Sequence[int], world: int) -> tuple[int, ...]:
+    """Each tensor's owner rank: the largest first, each to the rank with the fewest elements so far (the lowest
+    such rank on a tie), so the ranks' shares differ by at most the largest tensor.
+
+    Example:
+        >>> owners([10, 3, 8, 2], 2)   # 10 -> rank 0; 8 -> 1; 3 -> 1 (8 < 10); 2 -> 0 (10 < 11)
+        (0, 1, 1, 0)
+    """
+    load = [0] * world
+    out = [0] * len(numels)
+    for k in sorted(range(len(numels)), key=lambda k: (-numels[k], k)):
+        out[k] = min(range(world), key=lambda r: (load[r], r))
+        load[out[k]] += numels[k]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(layout: Layout) -> _Plan:
+    world = layout.world
+    owner = owners([leaf.numel for leaf in layout.leaves], world)
+    pieces: list[list[list[tuple[int, int, int, int]]]] = [[[] for _ in range(world)] for _ in range(world)]
+    for s in range(world):
+        fill = [0] * world
+        for a, b, k in sorted(_runs(layout, False, (s,)), key=lambda run: run[2]):
+            d = owner[k]
+            pieces[s][d].append((k, a, b, fill[d]))
+            fill[d] += b - a
+    size = max((sum(b - a for _, a, b, _ in chunk) for row in pieces for chunk in row), default=0)
+    owned = tuple(tuple(k for k in range(len(owner)) if owner[k] == d) for d in range(world))
+    return _Plan(world, size, owned, tuple(tuple(tuple(c) for c in row) for row in pieces))
 
 
 def rank_ordered_total(gather: Callable[[Tensor], Tensor], world: int) -> Callable[[Tensor], Tensor]:
@@ -84,7 +182,12 @@ def rank_ordered_total(gather: Callable[[Tensor], Tensor], world: int) -> Callab
 
 
 def tensors_of(
-    layout: Layout, *, full: bool, ranks: Sequence[int], total: Callable[[Tensor], Tensor] | None = None
+    layout: Layout,
+    *,
+    full: bool,
+    ranks: Sequence[int],
+    total: Callable[[Tensor], Tensor] | None = None,
+    exchange: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensors:
     """The tensors of the buffer an optimizer updates: the full buffer (`full`) or a shard, of each rank in
     `ranks` end to end (a `SimMesh`'s `[world, n]` buffer is all ranks' buffers end to end).
@@ -94,10 +197,23 @@ def tensors_of(
       full: the buffer holds whole tensors (stage 0) rather than shards.
       ranks: the rows' ranks (their coordinates along the sharding axis).
       total: how partial sums of shards become totals (`rank_ordered_total`); ignored with `full`.
+      exchange: the mesh's all-to-all over the sharding axis, `[rows, world * s] -> [rows, world, s]` (row `k` of
+        the result from rank `k`), for `Tensors.whole`; ignored with `full`.
     """
     runs = _runs(layout, full, tuple(ranks))
     identity: Callable[[Tensor], Tensor] = lambda partial: partial  # noqa: E731
-    return Tensors(runs, len(ranks), len(layout.leaves), identity if full or total is None else total)
+    sharded = not full and layout.world > 1
+    return Tensors(
+        runs,
+        len(ranks),
+        len(layout.leaves),
+        total if sharded and total is not None else identity,
+        tuple(leaf.name for leaf in layout.leaves),
+        tuple(leaf.shape for leaf in layout.leaves),
+        tuple(ranks),
+        _plan(layout) if sharded else None,
+        exchange if sharded else None,
+    )
 
 
 @functools.lru_cache(maxsize=64)

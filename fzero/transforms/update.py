@@ -184,7 +184,13 @@ def tensor_table(ctx: Context, params: Tensor, sharded: bool) -> Tensors:
     its pieces' sums meet: one all-gather over the sharding axis, added in rank order (`fzero.optim.tensors`)."""
     axis, world = ctx.layout.axis, ctx.layout.world
     total = rank_ordered_total(lambda x: ctx.mesh.all_gather(x, axis=axis), world) if sharded and world > 1 else None
-    return tensors_of(ctx.layout, full=not sharded, ranks=_rows(ctx, params), total=total)
+    exchange = None
+    if axis is None:  # `[rows, world * s] -> [rows, world, s]` on either mesh (a SimMesh's rows are its ranks)
+
+        def exchange(x: Tensor) -> Tensor:
+            return ctx.mesh.all_to_all(x) if params.ndim == 2 else ctx.mesh.all_to_all(x[0]).unsqueeze(0)
+
+    return tensors_of(ctx.layout, full=not sharded, ranks=_rows(ctx, params), total=total, exchange=exchange)
 
 
 def _rows(ctx: Context, params: Tensor) -> Sequence[int]:
