@@ -9,6 +9,7 @@ import math
 import warnings
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +38,7 @@ def parse(extra: dict, world: int = 1):
 # -------------------------------------------------------------------------------------------------------- defaults
 def test_deepspeed_defaults():
     v = parse({}).values
-    assert v["gradient_clipping"] == 0.0  # DeepSpeed 0.19: GRADIENT_CLIPPING_DEFAULT = 0. (runtime/constants.py)
+    assert v["gradient_clipping"] == 1.0  # DeepSpeed 0.19.8: GRADIENT_CLIPPING_DEFAULT = 1.0 (runtime/constants.py)
     assert v["steps_per_print"] is None and v["wall_clock_breakdown"] is False
     assert v["zero_optimization"]["stage"] == 0
     assert v["zero_optimization"]["reduce_bucket_size"] == 500_000_000
@@ -76,6 +77,77 @@ def test_optimizer_mapping():
     warm = optimizer_spec(parse({"optimizer": {"type": "Adam", "params": {"lr": 0.5}},
                                  "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}))  # fmt: skip
     assert [warm.lr(n) for n in range(4)] == [0.0, 0.0, 0.5, 0.5]  # warmup_max_lr: the optimizer's lr (0.19)
+
+
+def test_every_optimizer_type_maps_with_deepspeeds_defaults():
+    """Lamb, Lion and Adagrad take DeepSpeed's parameter names and defaults (FusedLamb's, FusedLion's,
+    torch.optim.Adagrad's); `bias_correction` holds for every group; the CPU runs build the native kernels."""
+
+    def spec(kind, params=None):
+        return optimizer_spec(parse({"optimizer": {"type": kind, "params": params or {}}}))
+
+    lamb = spec("lamb")
+    assert (lamb.kind, lamb.lr) == ("lamb", 1e-3)
+    assert lamb.hypers == {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "max_coeff": 10.0,
+                           "min_coeff": 0.01}  # fmt: skip
+    assert lamb.options == {"bias_correction": True, "eps_inside_sqrt": False}
+    assert spec("Lion").hypers == {"betas": (0.9, 0.999), "weight_decay": 0.0} and spec("Lion").lr == 1e-3
+    adagrad = spec("Adagrad")
+    assert adagrad.lr == 1e-2
+    assert adagrad.hypers == {"lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10}
+    assert spec("Adam", {"bias_correction": False}).options == {"bias_correction": False}
+    ams = spec("AdamW", {"torch_adam": True, "amsgrad": True})
+    assert ams.options == {"amsgrad": True} and type(ams.build(offload=True).init(torch.ones(2))).__name__ == (
+        "AMSGradState"
+    )
+    assert spec("Lion").build(cpu=True).features == spec("Adam").build(cpu=True).features  # the C kernels
+    assert spec("Lamb").build(cpu=True).features == frozenset({"tensors"})  # torch's ops (no CPU Lamb kernel)
+    with pytest.raises(ConfigError, match="optimizer.params.bias_correction: torch_adam builds torch.optim.AdamW"):
+        parse({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "bias_correction": False}}})
+    with pytest.raises(ConfigError, match="optimizer.params.min_coeff: 1 exceeds max_coeff 0.5"):
+        parse({"optimizer": {"type": "Lamb", "params": {"min_coeff": 1, "max_coeff": 0.5}}})
+
+
+def test_bias_correction_false_is_the_optimizers():
+    import fzero
+
+    opt = optimizer_spec(parse({"optimizer": {"type": "AdamW", "params": {"bias_correction": False}}})).build()
+    ref = fzero.adamw(1e-3, weight_decay=0.0, bias_correction=False)
+    p, g = torch.linspace(-1, 1, 9), torch.linspace(1, -2, 9)
+    assert torch.equal(opt.update(g, opt.init(p), p)[0], ref.update(g, ref.init(p), p)[0])
+
+
+def test_prescale_and_predivide_build_the_average():
+    """The config's gradient options are the preset's `average`: the same values as the preset built by hand,
+    bitwise, and not the default mean's."""
+    import fzero
+    from tests.support import mlp, regression_batches, regression_loss
+
+    def train(tx):
+        model = mlp([4, 3], 0)
+        mesh = fzero.SimMesh(3)
+        state = fzero.init(model, tx, mesh)
+        step = fzero.train_step(model, regression_loss(model), tx, mesh)
+        for batch in regression_batches(model, 3, 1, 2, 2, 0):
+            state, _ = step(state, batch)
+        return fzero.state_dict(state)
+
+    for extra, average in (({"prescale_gradients": True}, fzero.Average(prescale=True)),
+                           ({"gradient_predivide_factor": 2.0}, fzero.Average(predivide=2.0))):  # fmt: skip
+        cfg = parse({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2},
+                     "train_batch_size": 6, **extra}, world=3)  # fmt: skip
+        got = train(build_transform(cfg, build_optimizer(cfg)))
+        want = train(fzero.zero2(fzero.sgd(0.1), average=average))
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_autotuning_is_accepted_with_one_warning_that_says_what_deepspeed_would_do():
+    with pytest.warns(ConfigWarning, match=r"autotuning.enabled is ignored: fzero trains on\. DeepSpeed's engine .* "
+                      r"profiles steps 2-4, writes autotuning_metric.json and exits") as record:  # fmt: skip
+        parse_config({**BASE, "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 4,
+                                             "fast": True, "arg_mappings": {}}})  # fmt: skip
+    assert len(record) == 1
+    parse({"autotuning": {"enabled": False, "fast": True}})  # off: silent
 
 
 def test_torch_adam_takes_torch_defaults():
@@ -216,18 +288,20 @@ UNSUPPORTED = [
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
-    ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type"),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
-    ({"optimizer": {"type": "lion"}}, "optimizer.type"),
+    ({"optimizer": {"type": "muadamw", "params": {"lr": 1e-3}}}, "optimizer.type"),
+    ({"optimizer": {"type": "Lamb", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
+    ({"optimizer": {"type": "Adagrad", "params": {"maximize": True}}}, "optimizer.params.maximize"),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
-    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "optimizer.params.bias_correction"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm"),
     ({"scheduler": {"type": "LRRangeTest"}}, "scheduler.type"),
     ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}},
      "scheduler.params.last_batch_iteration"),
-    ({"prescale_gradients": True}, "prescale_gradients"),
-    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
     ({"sparse_gradients": True}, "sparse_gradients"),
+    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "expert_parallel.enabled"),
+    ({"weight_quantization": {"post_init_quant": {"fc": {}}}}, "weight_quantization.post_init_quant"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
@@ -259,6 +333,17 @@ def test_disabled_features_are_accepted():
            "zero_optimization": {"offload_param": {"device": "none"}, "zero_quantized_weights": False},
            "activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4},
            "checkpoint": {"tag_validation": "Warn"}, "pipeline": {"stages": "auto"}})  # fmt: skip
+
+
+def test_deepspeeds_other_top_level_keys_are_known():
+    """DeepSpeed 0.19.8's top-level keys that change nothing in fzero are accepted without the unknown-key warning
+    (`parse` turns that warning into an error)."""
+    parse({"timers": {"throughput": {"enabled": True, "synchronized": False}}, "log_level": "info",
+           "graph_harvesting": True, "datastates_ckpt": None, "data_parallel_size": 1, "disable_allgather": True,
+           "vocabulary_size": 50257, "allgather_size": 1000, "use_data_before_expert_parallelism": False,
+           "quantize_training": {"enabled": False}, "gradient_allreduce_op": "mean",
+           "managed_gradient_accumulation": True, "weight_quantization": None,
+           "expert_parallel": {"enabled": False}})  # fmt: skip
 
 
 def test_offload_builds_the_preset_with_offload():

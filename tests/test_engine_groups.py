@@ -83,7 +83,8 @@ def _config(opt="AdamW", fused=False, **extra):
     weight decay 0 where no group sets it (DeepSpeed's default, which `torch_adam` would make torch's 0.01)."""
     adam = {"lr": 1e-2, "torch_adam": not fused, "weight_decay": 0.0}
     params = adam if opt != "SGD" else {"lr": 0.1, "momentum": 0.9}
-    return {"train_batch_size": 4, "optimizer": {"type": opt, "params": params}, **extra}
+    # off: DeepSpeed 0.19.3+ clips at 1.0 by default
+    return {"train_batch_size": 4, "gradient_clipping": 0.0, "optimizer": {"type": opt, "params": params}, **extra}
 
 
 # ---------------------------------------------------------------------------------------- model_parameters dicts
@@ -213,8 +214,8 @@ def test_client_optimizer_groups(cls, scheduled):
     ref = copy.deepcopy(model)
     opt = cls(groups(model), lr=0.01, foreach=False, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas) if scheduled else None
-    engine, eng_opt, _, eng_sched = fzero.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                     config={"train_batch_size": 4})  # fmt: skip
+    cfg = {"train_batch_size": 4, "gradient_clipping": 0.0}
+    engine, eng_opt, _, eng_sched = fzero.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
     assert eng_opt is opt and eng_sched is sched
     _train(engine, _data())
     ref_opt = cls(groups(ref), lr=0.01, foreach=False, **kw)
@@ -298,8 +299,11 @@ def test_group_errors_name_what_is_wrong():
     with pytest.raises(UnsupportedConfigError, match="differ in decoupled_weight_decay"):
         fzero.initialize(model=model, optimizer=adam, config={"train_batch_size": 4})
     amsgrad = torch.optim.AdamW([{"params": [w0, b0]}, {"params": [w2, b2], "amsgrad": True}])
-    with pytest.raises(UnsupportedConfigError, match=r"AdamW\(amsgrad=True\) is not supported \(param group 1\)"):
+    with pytest.raises(UnsupportedConfigError, match="param groups 0 and 1 of AdamW differ in amsgrad"):
         fzero.initialize(model=model, optimizer=amsgrad, config={"train_batch_size": 4})
+    maximize = torch.optim.AdamW([{"params": [w0, b0]}, {"params": [w2, b2], "maximize": True}])
+    with pytest.raises(UnsupportedConfigError, match=r"AdamW\(maximize=True\) is not supported \(param group 1\)"):
+        fzero.initialize(model=model, optimizer=maximize, config={"train_batch_size": 4})
     missing = torch.optim.SGD([{"params": [w0, b0, w2]}], lr=0.1)
     with pytest.raises(ValueError, match=r"'2.bias' requires grad but is in no param group of the client optim"):
         fzero.initialize(model=model, optimizer=missing, config={"train_batch_size": 4})
@@ -315,6 +319,7 @@ def test_group_errors_name_what_is_wrong():
         ({"torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, {}, False),  # torch.optim.Adam, default 0
         ({"torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, {}, True),
         ({"torch_adam": True, "weight_decay": 0.2}, torch.optim.AdamW, {"weight_decay": 0.2}, False),
+        ({"torch_adam": True, "amsgrad": True}, torch.optim.AdamW, {"amsgrad": True}, True),  # torch's AMSGrad
     ],
 )
 def test_torch_adam_trains_as_deepspeeds_torch_optimizer(params, torch_cls, torch_kw, offload):
@@ -326,6 +331,7 @@ def test_torch_adam_trains_as_deepspeeds_torch_optimizer(params, torch_cls, torc
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu" if offload else "none"}}
     cfg = {
         "train_batch_size": 4,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "Adam", "params": {"lr": 0.05, **params}},
         "zero_optimization": zero,
     }
@@ -338,6 +344,26 @@ def test_torch_adam_trains_as_deepspeeds_torch_optimizer(params, torch_cls, torc
         assert_adam_close(engine.module_state_dict(), want, mlp([5, 7, 3], 0).state_dict(), 0.05, STEPS)
     assert opt.param_groups[0]["weight_decay"] == torch_kw.get("weight_decay", 0.01 if torch_cls is torch.optim.AdamW
                                                                 else 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.Adagrad(
+            ps, lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.2, foreach=False
+        ),
+        lambda ps: torch.optim.AdamW(ps, lr=0.05, amsgrad=True, foreach=False),
+    ],
+    ids=["adagrad", "adamw-amsgrad"],
+)
+def test_client_adagrad_and_amsgrad_train_bitwise_as_torch(make):
+    """A client `torch.optim.Adagrad`, or Adam(W) with `amsgrad`, trains bitwise as itself (stage 2)."""
+    model = mlp([5, 7, 3], 0)
+    ref = copy.deepcopy(model)
+    cfg = {"train_batch_size": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
+    engine, *_ = fzero.initialize(model=model, optimizer=make(model.parameters()), config=cfg)
+    _train(engine, _data())
+    _bitwise(engine, _torch(ref, make(ref.parameters()), _data()))
 
 
 # ---------------------------------------------------------------------------------------- the bf16 master option

@@ -21,7 +21,7 @@ from typing import Any
 
 from .batch import BatchSizeError, resolve_batch
 from .deepspeed import SCHEMA
-from .schema import ConfigError, ConfigTypeError, UnsupportedConfigError
+from .schema import ConfigError, ConfigTypeError, ConfigWarning, UnsupportedConfigError
 
 __all__ = [
     "SCHEMA",
@@ -34,10 +34,6 @@ __all__ = [
     "load_json",
     "parse_config",
 ]
-
-
-class ConfigWarning(UserWarning):
-    """Config keys fzero does not know (ignored)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,12 @@ loss scale, and the ZeRO preset chain.
 | `optimizer.type` Adam with `adam_w_mode: false` | `fzero.adam` (L2 weight decay) |
 | `optimizer.params.torch_adam` | torch.optim.AdamW's default weight decay (0.01); no C kernel under offload |
 | param groups (`model_parameters` dicts, a client optimizer's groups) | `fzero.param_groups(groups=...)` |
+| `optimizer.params.bias_correction: false` (Adam, AdamW, Lamb) | the optimizer's `bias_correction=False` |
 | `optimizer.type` SGD | `fzero.sgd` |
+| `optimizer.type` Lamb | `fzero.lamb` (FusedLamb's arithmetic; the trust ratio per parameter tensor at every stage) |
+| `optimizer.type` Lion | `fzero.lion` (`fzero.cpu_lion` where the master weights are on the CPU) |
+| `optimizer.type` Adagrad | `fzero.adagrad` (`fzero.cpu_adagrad` where the master weights are on the CPU) |
+| `prescale_gradients`, `gradient_predivide_factor` | the presets' `average=fzero.Average(...)` |
 | `scheduler` WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle | `fzero.optim.schedules` (lr, and beta1 for OneCycle) |
 | `zero_optimization.stage` 0-3 | `fzero.zero0` .. `zero3` |
 | `fp16` / `bf16` | `precision="fp16"` / `"bf16"` (+ `communication_data_type`, `data_types.grad_accum_dtype`) |
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,6 +36,7 @@ from ..loss_scale import DynamicLossScale
 from ..optim import Hyper, Optimizer, hyper_value
 from ..precision import Policy, get_policy
 from ..transforms import (
+    Average,
     Transform,
     zero0,
     zero1,
@@ -74,14 +80,15 @@ class OptimizerSpec:
     """The optimizer the config (or a client optimizer) asks for, before it is built.
 
     Attributes:
-      kind: "adamw", "adam" or "sgd".
+      kind: the fzero optimizer: "adamw", "adam", "sgd", "lamb", "lion" or "adagrad".
       lr: the learning rate: a number, or a function of the number of applied updates (a schedule).
-      hypers: the other hyper-parameters, as keywords of `fzero.adamw` / `adam` / `sgd` (`betas` may hold a
+      hypers: the other hyper-parameters a param group may set, as keywords of the optimizer (`betas` may hold a
         schedule for beta1).
       base_lr: the configured learning rate before any schedule.
       groups: the param groups, when there are several (`lr` and `hypers` are then the optimizer's defaults, which
         no parameter uses: every trainable parameter is in a group).
       torch_adam: DeepSpeed's `torch_adam`: torch's Adam arithmetic, so no C kernel under offload.
+      options: keywords of the optimizer that hold for every group (`bias_correction`, `eps_inside_sqrt`).
     """
 
     kind: str
@@ -90,6 +97,7 @@ class OptimizerSpec:
     base_lr: float
     groups: tuple[GroupSpec, ...] | None = None
     torch_adam: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
 
     def per_group(self) -> list[dict[str, Any]]:
         """Every group's hyper-parameters (`lr` included), in order; one entry without groups."""
@@ -109,16 +117,17 @@ class OptimizerSpec:
         )
 
     def build(self, offload: bool = False, cpu: bool = False) -> Optimizer:
-        """The optimizer with its param groups (`fzero.param_groups`): Adam and AdamW run the native fused kernel
-        (`fzero.cpu_adam(w)`, as DeepSpeed runs its fused or CPU Adam) where the master weights live on the CPU
-        (`offload`, or `cpu`: a CPU run), unless `torch_adam` asks for torch's operations."""
+        """The optimizer with its param groups (`fzero.param_groups`): Adam, AdamW, Lion and Adagrad run the
+        native fused kernel (`fzero.cpu_adam(w)`, `cpu_lion`, `cpu_adagrad`, as DeepSpeed runs its CPU optimizers)
+        where the master weights live on the CPU (`offload`, or `cpu`: a CPU run), unless `torch_adam` asks for
+        torch's operations."""
         name = self.kind
-        if (offload or cpu) and not self.torch_adam and name in ("adam", "adamw"):
+        if (offload or cpu) and not self.torch_adam and name in _NATIVE:
             name = f"cpu_{name}"
         groups = None
         if self.groups is not None:
             groups = optim.param_groups(groups=[(g.names, g.hypers) for g in self.groups], missing="error")
-        return getattr(optim, name)(lr=self.lr, **self.hypers, groups=groups)
+        return getattr(optim, name)(lr=self.lr, **self.hypers, **self.options, groups=groups)
 
 
 def _per_group(p: dict[str, Any], key: str, n: int, path: str) -> list[Any]:
@@ -183,7 +192,8 @@ def build_schedules(
     if not p["cycle_momentum"]:
         return lrs, None
     if not betas:  # DeepSpeed disables OneCycle's momentum cycling for optimizers without betas
-        warnings.warn("scheduler.params.cycle_momentum is ignored with SGD (no betas), as in DeepSpeed", stacklevel=3)
+        warnings.warn("scheduler.params.cycle_momentum is ignored with an optimizer without betas (SGD, Muon), as in "
+                      "DeepSpeed", stacklevel=3)  # fmt: skip
         return lrs, None
     lows, highs = _per_group(p, "cycle_min_mom", n, path), _per_group(p, "cycle_max_mom", n, path)
     return lrs, [
@@ -203,6 +213,12 @@ def scheduled(spec: OptimizerSpec, cfg: Config) -> OptimizerSpec:
     `scheduler` block, `spec` itself."""
     if cfg["scheduler"] is None:
         return spec
+    if spec.kind == "muon":  # DeepSpeed schedules its two halves as two param groups: Muon's, then Adam's
+        if spec.groups is not None:
+            raise ConfigError("optimizer", "Muon with param groups is not supported")
+        (mu, ad), _ = build_schedules(cfg, [hyper_value(spec.lr, 0), hyper_value(spec.hypers["adam_lr"], 0)],
+                                      betas=False)  # fmt: skip
+        return replace(spec, lr=mu, hypers={**spec.hypers, "adam_lr": ad})
     groups = spec.per_group()
     lrs, moms = build_schedules(cfg, [hyper_value(h["lr"], 0) for h in groups], betas="betas" in groups[0])
     out = []
@@ -215,17 +231,23 @@ def scheduled(spec: OptimizerSpec, cfg: Config) -> OptimizerSpec:
 
 
 def group_keys(kind: str) -> tuple[str, ...]:
-    """The hyper-parameters a param group may set for optimizer `kind` ("adamw", "adam", "sgd")."""
+    """The hyper-parameters a param group may set for optimizer `kind` ("adamw", "adam", "sgd", ...)."""
     return tuple(getattr(optim, kind)().defaults)
 
 
+_NATIVE = ("adam", "adamw", "lion", "adagrad")  # the optimizers with a CPU kernel (`fzero.cpu_<kind>`)
+_KINDS = {"SGD": "sgd", "Lamb": "lamb", "Lion": "lion", "Adagrad": "adagrad", "Muon": "muon"}
+_OPTIONS = {"lamb": ("bias_correction", "eps_inside_sqrt"), "muon": ("ns_method",)}  # keywords not a group's
+
+
 def optimizer_kind(cfg: Config) -> str | None:
-    """Which fzero optimizer the config's `optimizer` block is: "adamw", "adam" or "sgd" (None without one)."""
+    """Which fzero optimizer the config's `optimizer` block is: "adamw", "adam", "sgd", "lamb", "lion" or "adagrad"
+    (None without one)."""
     block = cfg["optimizer"]
     if block is None:
         return None
-    if block["type"] == "SGD":
-        return "sgd"
+    if block["type"] in _KINDS:
+        return _KINDS[block["type"]]
     return "adamw" if block["type"] == "AdamW" or block["params"]["adam_w_mode"] else "adam"
 
 
@@ -248,9 +270,17 @@ def optimizer_spec(
     if kind is None:
         return None
     p = cfg["optimizer"]["params"]
-    if kind == "sgd":
-        hypers = {k: p[k] for k in ("momentum", "dampening", "weight_decay", "nesterov")}
-        spec = OptimizerSpec("sgd", p["lr"], hypers, p["lr"])
+    if kind == "muon":  # DeepSpeed's two halves: `lr` shared unless `muon_lr` / `adam_lr` (0.19.8's engine)
+        muon_lr = p["muon_lr"] if p["muon_lr"] is not None else p["lr"] if p["lr"] is not None else 0.02
+        adam_lr = p["adam_lr"] if p["adam_lr"] is not None else p["lr"] if p["lr"] is not None else 3e-4
+        hypers = {"momentum": p["momentum"], "weight_decay": p["weight_decay"], "adam_lr": adam_lr,
+                  "adam_betas": tuple(p["betas"]), "adam_eps": p["eps"],
+                  "adam_weight_decay": p["weight_decay"]}  # fmt: skip
+        spec = OptimizerSpec(kind, muon_lr, hypers, muon_lr, options={"ns_method": p["ns_method"]})
+    elif kind not in ("adam", "adamw"):
+        keys = [k for k in group_keys(kind) if k != "lr"]
+        hypers = {k: tuple(p[k]) if k == "betas" else p[k] for k in keys}
+        spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], options={k: p[k] for k in _OPTIONS.get(kind, ())})
     else:
         torch_adam = p["torch_adam"]
         # DeepSpeed passes the config's params to FusedAdam / DeepSpeedCPUAdam (default weight decay 0) or, with
@@ -259,7 +289,10 @@ def optimizer_spec(
         if weight_decay is None:
             weight_decay = 0.01 if torch_adam and kind == "adamw" else 0.0
         hypers = {"betas": (p["betas"][0], p["betas"][1]), "eps": p["eps"], "weight_decay": weight_decay}
-        spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], torch_adam=torch_adam)
+        options = {} if p["bias_correction"] else {"bias_correction": False}  # (torch_adam: always true)
+        if p["amsgrad"]:  # (only with torch_adam: the config's check)
+            options["amsgrad"] = True
+        spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], torch_adam=torch_adam, options=options)
     if groups is not None and len(groups) > 1:
         allowed = set(group_keys(spec.kind))
         base = spec.per_group()[0]
@@ -338,8 +371,10 @@ def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
     loss_scale = build_loss_scale(cfg)
     clip = cfg.gradient_clipping or None
     skip = cfg["bf16"]["check_grad_overflow"] if cfg.precision == "bf16" else True
+    average = Average(cfg["prescale_gradients"], float(cfg["gradient_predivide_factor"]))
     return PRESETS[cfg.stage](
         optimizer,
+        average=None if average.is_default else average,
         accumulate=cfg.gas,
         precision=policy,
         loss_scale=loss_scale,

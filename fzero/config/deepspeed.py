@@ -26,12 +26,14 @@ comms_config`), the field that of `init_distributed`'s argument. DeepSpeed ignor
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .schema import (
     REQUIRED,
     Bool,
     ConfigError,
+    ConfigWarning,
     Field,
     Int,
     ListOf,
@@ -41,6 +43,7 @@ from .schema import (
     Section,
     Str,
     Tagged,
+    UnsupportedConfigError,
 )
 
 __all__ = ["SCHEMA"]
@@ -229,6 +232,19 @@ _MAX_GRAD_NORM = Field(
 )
 
 
+def _adam_checks(values: dict[str, Any], path: str) -> None:
+    if values["amsgrad"] and not values["torch_adam"]:
+        raise UnsupportedConfigError(
+            f"{path}.amsgrad",
+            "true is not supported by fzero without torch_adam: DeepSpeed's FusedAdam raises for it and its CPU Adam "
+            "ignores it; with torch_adam: true DeepSpeed (and fzero) run torch's AMSGrad",
+        )
+    if values["torch_adam"] and not values["bias_correction"]:
+        # DeepSpeed hands the params to torch.optim.AdamW / Adam, which have no such argument (a TypeError there)
+        raise ConfigError(f"{path}.bias_correction", "torch_adam builds torch.optim.AdamW / Adam, which always "
+                          "correct the bias: drop torch_adam, or bias_correction")  # fmt: skip
+
+
 def _adam_params(decoupled_default: bool) -> Section:
     return Section(
         {
@@ -244,12 +260,60 @@ def _adam_params(decoupled_default: bool) -> Section:
             ),
             "fused": Field(Nullable(Bool()), None, effect="no effect"),
             "foreach": Field(Nullable(Bool()), None, effect="no effect"),
-            "bias_correction": Field(Bool(), True, unsupported="Adam without bias correction"),
-            "amsgrad": _off("AMSGrad"),
+            "bias_correction": Field(Bool(), True, effect="false: step lr * m / (sqrt(v) + eps), no 1 - beta^t"),
+            "amsgrad": Field(Bool(), False, effect="with torch_adam: torch's AMSGrad (see the check)"),
             "maximize": _off("maximize"),
             "max_grad_norm": _MAX_GRAD_NORM,
-        }
+        },
+        checks=(_adam_checks,),
     )
+
+
+def _lamb_checks(values: dict[str, Any], path: str) -> None:
+    if values["min_coeff"] > values["max_coeff"]:
+        raise ConfigError(f"{path}.min_coeff", f"{values['min_coeff']} exceeds max_coeff {values['max_coeff']}")
+
+
+LAMB_PARAMS = Section(
+    {
+        "lr": Field(Num(0), 1e-3),
+        "bias_correction": Field(Bool(), True),
+        "betas": Field(ListOf(_BETA, 2), [0.9, 0.999]),
+        "eps": Field(Num(0), 1e-8),
+        "eps_inside_sqrt": Field(Bool(), False, effect="sqrt(v + eps) instead of sqrt(v) + eps"),
+        "weight_decay": Field(Num(0), 0.0),
+        "max_coeff": Field(Num(0), 10.0, effect="the trust ratio's upper clamp"),
+        "min_coeff": Field(Num(0), 0.01, effect="the trust ratio's lower clamp"),
+        "amsgrad": _off("AMSGrad (DeepSpeed's FusedLamb refuses it too)"),
+        "max_grad_norm": _MAX_GRAD_NORM,
+    },
+    checks=(_lamb_checks,),
+)
+
+LION_PARAMS = Section(
+    {
+        "lr": Field(Num(0), 1e-3),
+        "betas": Field(ListOf(Num(0, 1), 2), [0.9, 0.999]),
+        "weight_decay": Field(Num(0), 0.0),
+        "max_grad_norm": _MAX_GRAD_NORM,
+    }
+)
+
+ADAGRAD_PARAMS = Section(
+    {
+        "lr": Field(Num(0), 1e-2),
+        "lr_decay": Field(Num(0), 0.0),
+        "weight_decay": Field(Num(0), 0.0),
+        "initial_accumulator_value": Field(Num(0), 0.0),
+        "eps": Field(Num(0, low_open=True), 1e-10),
+        "foreach": Field(Nullable(Bool()), None, effect="no effect"),
+        "fused": Field(Nullable(Bool()), None, effect="no effect"),
+        "differentiable": _off("differentiable optimizer steps"),
+        "maximize": _off("maximize"),
+        "amsgrad": _off("AMSGrad (DeepSpeed's CPU Adagrad refuses it too)"),
+        "max_grad_norm": _MAX_GRAD_NORM,
+    }
+)
 
 
 def _sgd_checks(values: dict[str, Any], path: str) -> None:
@@ -271,19 +335,39 @@ SGD_PARAMS = Section(
     checks=(_sgd_checks,),
 )
 
-_NOT_OPTIMIZERS = "fzero implements Adam, AdamW and SGD"
+MUON_PARAMS = Section(
+    {
+        "lr": Field(Nullable(Num(0)), None, effect="both halves' lr (default: Muon 0.02, Adam 3e-4)"),
+        "muon_lr": Field(Nullable(Num(0)), None, effect="the Muon tensors' lr"),
+        "adam_lr": Field(Nullable(Num(0)), None, effect="the auxiliary Adam's lr"),
+        "momentum": Field(Num(0, 1, high_open=True), 0.95),
+        "weight_decay": Field(Num(0), 0.0, effect="both halves' decoupled decay"),
+        "ns_method": Field(Str(("gram", "standard")), "gram"),
+        "betas": Field(ListOf(_BETA, 2), [0.9, 0.95], effect="the auxiliary Adam's"),
+        "eps": Field(Num(0), 1e-10, effect="the auxiliary Adam's"),
+        "adam_w_mode": Field(Bool(), True, unsupported="an L2 (not decoupled) auxiliary Adam"),
+        "per_head_muon": _off("orthogonalising each attention head separately"),
+        "max_grad_norm": _MAX_GRAD_NORM,
+    }
+)
+
+_NOT_OPTIMIZERS = "fzero implements Adam, AdamW, SGD, Lamb, Lion, Adagrad and Muon"
 OPTIMIZER = Tagged(
-    {"Adam": _adam_params(True), "AdamW": _adam_params(True), "SGD": SGD_PARAMS},
+    {
+        "Adam": _adam_params(True),
+        "AdamW": _adam_params(True),
+        "SGD": SGD_PARAMS,
+        "Lamb": LAMB_PARAMS,
+        "Lion": LION_PARAMS,
+        "Adagrad": ADAGRAD_PARAMS,
+        "Muon": MUON_PARAMS,
+    },
     unsupported={
         name: _NOT_OPTIMIZERS
         for name in (
-            "Lamb",
             "OneBitAdam",
             "ZeroOneAdam",
             "OneBitLamb",
-            "Adagrad",
-            "Lion",
-            "Muon",
             "MuAdam",
             "MuAdamW",
             "MuSGD",
@@ -400,6 +484,30 @@ COMMS = Section(
 )  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------------------ autotuning
+def _autotuning_warn(values: dict[str, Any], path: str) -> None:
+    if values["enabled"]:
+        warnings.warn(
+            f"{path}.enabled is ignored: fzero trains on. DeepSpeed's engine with it (outside its autotuner too) "
+            f"profiles steps {values['start_profile_step']}-{values['end_profile_step']}, writes "
+            "autotuning_metric.json and exits the process at the next step; tune with DeepSpeed's "
+            "`deepspeed --autotuning` launcher",
+            ConfigWarning,
+            stacklevel=2,
+        )
+
+
+AUTOTUNING = Section(
+    {
+        "enabled": Field(Bool(), False, effect="ignored, with a warning (DeepSpeed's engine profiles and exits)"),
+        "start_profile_step": Field(Int(0), 3, effect="no effect"),
+        "end_profile_step": Field(Int(0), 5, effect="no effect"),
+    },
+    open=True,
+    checks=(_autotuning_warn,),
+)
+
+
 # ------------------------------------------------------------------------------------------------------ top level
 def _top_checks(values: dict[str, Any], path: str) -> None:
     if values["fp16"]["enabled"] and values["bf16"]["enabled"]:
@@ -414,13 +522,21 @@ SCHEMA = Section(
         "gradient_accumulation_steps": Field(Nullable(Int()), None),
         "steps_per_print": Field(Nullable(Int(1)), None, effect="one console line every N optimizer steps (rank 0)"),
         "wall_clock_breakdown": Field(Bool(), False, effect="forward/backward/step times in the line and the JSONL"),
-        "gradient_clipping": Field(Num(0), 0.0, effect="global-norm clipping; 0 (DeepSpeed's default) turns it off"),
+        "gradient_clipping": Field(
+            Num(0),
+            1.0,
+            effect="global-norm clipping; default 1.0 (DeepSpeed 0.19.3+'s GRADIENT_CLIPPING_DEFAULT); 0 turns it off",
+        ),
         "communication_data_type": Field(
             Nullable(Str(_DTYPE_NAMES)), None, effect="dtype gradients are reduced in (default fp32)"
         ),
         "data_types": Section({"grad_accum_dtype": Field(Nullable(Str(_DTYPE_NAMES)), None)}),
-        "prescale_gradients": _off("gradient pre-scaling"),
-        "gradient_predivide_factor": Field(Num(0, low_open=True), 1.0, unsupported="gradient pre-division"),
+        "prescale_gradients": Field(
+            Bool(), False, effect="each rank's gradient times 1/world before the sum (fzero.Average(prescale=True))"
+        ),
+        "gradient_predivide_factor": Field(
+            Num(0, low_open=True), 1.0, effect="times 1/f before the sum, f/world after (fzero.Average(predivide=f))"
+        ),
         "sparse_gradients": _off("sparse gradients"),
         "dataloader_drop_last": Field(Bool(), False, effect="the training_data loader drops a last short batch"),
         "memory_breakdown": _off("memory breakdown printing"),
@@ -445,7 +561,7 @@ SCHEMA = Section(
         "comet": _feature(_MONITOR),
         "comms_logger": _feature("the communication logger; Mesh.record() gives fzero's ledger"),
         "elasticity": _feature("elastic training"),
-        "autotuning": _feature("autotuning"),
+        "autotuning": AUTOTUNING,
         "eigenvalue": _feature("eigenvalue computation"),
         "progressive_layer_drop": _feature("progressive layer drop"),
         "compression_training": Section({}, open=True),
@@ -466,6 +582,40 @@ SCHEMA = Section(
         ),
         "checkpoint": Section({}, open=True),
         "tensor_parallel": Section({"autotp_size": Field(Int(0), 0, unsupported="tensor parallelism")}, open=True),
+        "gradient_allreduce_op": Field(
+            Str(("mean", "sum")), "mean", unsupported="summing the ranks' gradients instead of averaging them"
+        ),
+        "managed_gradient_accumulation": Field(
+            Bool(), True, unsupported="caller-managed accumulation (fzero's chain counts the micro-steps)"
+        ),
+        "expert_parallel": _feature("expert parallelism (AutoEP)"),
+        "weight_quantization": Field(
+            Nullable(
+                Section(
+                    {
+                        key: Field(
+                            Nullable(Section({}, open=True)),
+                            None,
+                            unsupported="weight quantization",
+                            supported=lambda v: v is None,
+                        )
+                        for key in ("quantized_initialization", "post_init_quant")
+                    },
+                    open=True,
+                )
+            ),
+            None,
+        ),
+        "use_data_before_expert_parallelism": Field(Bool(), False, effect="no effect (no MoE process groups)"),
+        "quantize_training": Section({}, open=True),
+        "graph_harvesting": Field(Bool(), False, effect="no effect (accelerator graph capture; the same values)"),
+        "timers": Section({}, open=True),
+        "log_level": Field(Nullable(Str()), None, effect="no effect (DeepSpeed's logger)"),
+        "datastates_ckpt": Field(Nullable(Section({}, open=True)), None, effect="no effect (fzero's checkpoints)"),
+        "data_parallel_size": Field(Nullable(Int(1)), None, effect="no effect (sequence parallelism is refused)"),
+        "disable_allgather": Field(Bool(), False, effect="no effect (DeepSpeed reads it and never uses it)"),
+        "vocabulary_size": Field(Nullable(Int(1)), None, effect="no effect (DeepSpeed warns if not a multiple of 8)"),
+        "allgather_size": Field(Int(1), 500_000_000, effect=MOOT),
         "fzero_metrics": FZERO_METRICS,
         "fzero_precision": FZERO_PRECISION,
         "comms_config": COMMS,

@@ -35,6 +35,7 @@ __all__ = [
     "Bool",
     "ConfigError",
     "ConfigTypeError",
+    "ConfigWarning",
     "Field",
     "Int",
     "ListOf",
@@ -47,6 +48,11 @@ __all__ = [
     "Tagged",
     "UnsupportedConfigError",
 ]
+
+
+class ConfigWarning(UserWarning):
+    """Config keys fzero ignores: keys it does not know, and DeepSpeed blocks that DeepSpeed's engine does not
+    train with either (e.g. `autotuning`, its launcher's)."""
 
 
 class ConfigError(ValueError):

@@ -66,8 +66,8 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
-_OFF = ("amsgrad", "maximize", "differentiable", "capturable")
+_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
+_OFF = ("maximize", "differentiable", "capturable")
 WHAT = "the client optimizer's param_groups"
 
 
@@ -78,17 +78,19 @@ def _check_group(opt: torch.optim.Optimizer, group: ParamGroup, first: ParamGrou
             raise UnsupportedConfigError(
                 "optimizer", f"{type(opt).__name__}({key}=True) is not supported (param group {group.index})"
             )
-    key = "decoupled_weight_decay"  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW
-    if bool(group.source.get(key, False)) != bool(first.source.get(key, False)):
-        raise UnsupportedConfigError(
-            "optimizer",
-            f"param groups {first.index} and {group.index} of {type(opt).__name__} differ in {key}: fzero runs one "
-            "Adam (L2 weight decay) or AdamW (decoupled) for all groups",
-        )
+    # torch.optim.Adam(decoupled_weight_decay=True) is AdamW; a group's initial accumulator fills the state once
+    for key in ("decoupled_weight_decay", "amsgrad", "initial_accumulator_value"):
+        if group.source.get(key, False) != first.source.get(key, False):
+            raise UnsupportedConfigError(
+                "optimizer",
+                f"param groups {first.index} and {group.index} of {type(opt).__name__} differ in {key}: fzero runs "
+                "one optimizer with one such setting for all groups",
+            )
 
 
 def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[OptimizerSpec, list[dict[str, Any]]]:
-    """The fzero optimizer equivalent to a client `torch.optim.Adam` / `AdamW` / `SGD`, group by group, reading each
+    """The fzero optimizer equivalent to a client `torch.optim.Adam` / `AdamW` / `SGD` / `Adagrad` (group by group,
+    `amsgrad` too), reading each
     group's learning rate (and betas) live from the client's param group, so a client scheduler, or the user, can
     change them; and the param-group dicts that map to fzero's groups (those with parameters, in order).
 
@@ -102,7 +104,7 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
         raise UnsupportedConfigError(
             "optimizer",
             f"client optimizer {type(opt).__module__}.{type(opt).__name__} is not supported: pass torch.optim.Adam, "
-            "AdamW or SGD (translated to fzero's), or configure the optimizer in the config",
+            "AdamW, SGD or Adagrad (translated to fzero's), or configure the optimizer in the config",
         )
     groups = parse_groups(model, opt.param_groups, WHAT)
     for group in groups:
@@ -116,17 +118,24 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
         if kind is torch.optim.SGD:
             per_group.append({"lr": live(g, "lr"), **{k: g[k] for k in ("momentum", "dampening", "weight_decay",
                                                                         "nesterov")}})  # fmt: skip
+        elif kind is torch.optim.Adagrad:
+            keys = ("lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+            per_group.append({"lr": live(g, "lr"), **{k: float(g[k]) for k in keys}})
         else:
             per_group.append({"lr": live(g, "lr"), "betas": (live(g, "betas", 0), live(g, "betas", 1)),
                               "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})  # fmt: skip
+    options = {}
     if kind is torch.optim.SGD:
         name = "sgd"
+    elif kind is torch.optim.Adagrad:
+        name = "adagrad"
     else:
         decoupled = kind is torch.optim.AdamW or bool(dicts[0].get("decoupled_weight_decay", False))
         name = "adamw" if decoupled else "adam"
+        options = {"amsgrad": True} if dicts[0].get("amsgrad") else {}
     first = dict(per_group[0])
     # a client torch optimizer keeps torch's own arithmetic (torch_adam): bitwise what it would compute alone
-    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]), torch_adam=True)
+    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]), torch_adam=True, options=options)
     if len(groups) > 1:
         spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
     return spec, dicts
