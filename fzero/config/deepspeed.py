@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .optimizers import BETA, OPTIMIZER
 from .schema import (
     REQUIRED,
     Bool,
@@ -36,14 +37,13 @@ from .schema import (
     ConfigWarning,
     Field,
     Int,
-    ListOf,
     Nullable,
     Num,
     PerGroup,
     Section,
     Str,
     Tagged,
-    UnsupportedConfigError,
+    off,
 )
 
 __all__ = ["SCHEMA"]
@@ -59,10 +59,6 @@ _DTYPE_NAMES = ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16")
 def _feature(reason: str, flag: str = "enabled", **fields: Field) -> Section:
     """A DeepSpeed feature block fzero does not implement: accepted only while `flag` is false."""
     return Section({flag: Field(Bool(), False, unsupported=reason), **fields}, open=True)
-
-
-def _off(reason: str) -> Field:
-    return Field(Bool(), False, unsupported=reason)
 
 
 def _device(what: str) -> Field:
@@ -92,7 +88,7 @@ FP16 = Section(
         "hysteresis": Field(Int(1), 2),
         "consecutive_hysteresis": Field(Bool(), False),
         "min_loss_scale": Field(Num(0, 3e38, low_open=True), 1),
-        "fp16_master_weights_and_grads": _off("master weights and gradients are kept in fp32"),
+        "fp16_master_weights_and_grads": off("master weights and gradients are kept in fp32"),
     },
     checks=(_fp16_checks,),
 )
@@ -102,8 +98,8 @@ BF16 = Section(
         "enabled": Field(Bool(), False),
         "immediate_grad_update": Field(Bool(), False, effect="no effect: gradients are accumulated in fp32"),
         "check_grad_overflow": Field(Bool(), True, effect="skip steps with inf/nan gradients (every stage)"),
-        "bf16_master_weights_and_grads": _off("master weights and gradients are kept in fp32"),
-        "bf16_optimizer_states": _off("optimizer states are kept in fp32"),
+        "bf16_master_weights_and_grads": off("master weights and gradients are kept in fp32"),
+        "bf16_optimizer_states": off("optimizer states are kept in fp32"),
     }
 )
 
@@ -199,11 +195,11 @@ ZERO = Section(
         "memory_efficient_linear": Field(Bool(), True, effect=MOOT),
         "enable_sanity_checks": Field(Bool(), False, effect="no effect"),
         "zero_hpz_partition_size": Field(Int(1), 1, unsupported="hierarchical partitioning (ZeRO++ hpZ)"),
-        "zero_quantized_weights": _off("quantized weights (ZeRO++ qwZ)"),
-        "zero_quantized_nontrainable_weights": _off("quantized weights (ZeRO++ qwZ)"),
-        "zero_quantized_gradients": _off("quantized gradients (ZeRO++ qgZ)"),
+        "zero_quantized_weights": off("quantized weights (ZeRO++ qwZ)"),
+        "zero_quantized_nontrainable_weights": off("quantized weights (ZeRO++ qwZ)"),
+        "zero_quantized_gradients": off("quantized gradients (ZeRO++ qgZ)"),
         "mics_shard_size": Field(Int(), -1, unsupported="MiCS sharding"),
-        "mics_hierarchical_params_gather": _off("MiCS sharding"),
+        "mics_hierarchical_params_gather": off("MiCS sharding"),
         "log_trace_cache_warnings": Field(Bool(), False, effect="no effect"),
     },
     aliases={
@@ -221,172 +217,6 @@ ZERO = Section(
     checks=(_zero_checks,),
 )
 
-
-# ------------------------------------------------------------------------------------------------------- optimizer
-_BETA = Num(0, 1, high_open=True)
-_MAX_GRAD_NORM = Field(
-    Num(),
-    None,
-    unsupported="DeepSpeed rejects optimizer.params.max_grad_norm; use the top-level 'gradient_clipping'",
-    supported=lambda v: v is None,
-)
-
-
-def _adam_checks(values: dict[str, Any], path: str) -> None:
-    if values["amsgrad"] and not values["torch_adam"]:
-        raise UnsupportedConfigError(
-            f"{path}.amsgrad",
-            "true is not supported by fzero without torch_adam: DeepSpeed's FusedAdam raises for it and its CPU Adam "
-            "ignores it; with torch_adam: true DeepSpeed (and fzero) run torch's AMSGrad",
-        )
-    if values["torch_adam"] and not values["bias_correction"]:
-        # DeepSpeed hands the params to torch.optim.AdamW / Adam, which have no such argument (a TypeError there)
-        raise ConfigError(f"{path}.bias_correction", "torch_adam builds torch.optim.AdamW / Adam, which always "
-                          "correct the bias: drop torch_adam, or bias_correction")  # fmt: skip
-
-
-def _adam_params(decoupled_default: bool) -> Section:
-    return Section(
-        {
-            "lr": Field(Num(0), 1e-3),
-            "betas": Field(ListOf(_BETA, 2), [0.9, 0.999]),
-            "eps": Field(Num(0), 1e-8),
-            "weight_decay": Field(
-                Nullable(Num(0)), None, effect="default 0, or 0.01 with torch_adam and AdamW (torch.optim.AdamW's)"
-            ),
-            "adam_w_mode": Field(Bool(), decoupled_default, effect="Adam: decoupled weight decay (AdamW) unless false"),
-            "torch_adam": Field(
-                Bool(), False, effect="torch.optim.AdamW / Adam as DeepSpeed builds them: their defaults, no C kernel"
-            ),
-            "fused": Field(Nullable(Bool()), None, effect="no effect"),
-            "foreach": Field(Nullable(Bool()), None, effect="no effect"),
-            "bias_correction": Field(Bool(), True, effect="false: step lr * m / (sqrt(v) + eps), no 1 - beta^t"),
-            "amsgrad": Field(Bool(), False, effect="with torch_adam: torch's AMSGrad (see the check)"),
-            "maximize": _off("maximize"),
-            "max_grad_norm": _MAX_GRAD_NORM,
-        },
-        checks=(_adam_checks,),
-    )
-
-
-def _lamb_checks(values: dict[str, Any], path: str) -> None:
-    if values["min_coeff"] > values["max_coeff"]:
-        raise ConfigError(f"{path}.min_coeff", f"{values['min_coeff']} exceeds max_coeff {values['max_coeff']}")
-
-
-LAMB_PARAMS = Section(
-    {
-        "lr": Field(Num(0), 1e-3),
-        "bias_correction": Field(Bool(), True),
-        "betas": Field(ListOf(_BETA, 2), [0.9, 0.999]),
-        "eps": Field(Num(0), 1e-8),
-        "eps_inside_sqrt": Field(Bool(), False, effect="sqrt(v + eps) instead of sqrt(v) + eps"),
-        "weight_decay": Field(Num(0), 0.0),
-        "max_coeff": Field(Num(0), 10.0, effect="the trust ratio's upper clamp"),
-        "min_coeff": Field(Num(0), 0.01, effect="the trust ratio's lower clamp"),
-        "amsgrad": _off("AMSGrad (DeepSpeed's FusedLamb refuses it too)"),
-        "max_grad_norm": _MAX_GRAD_NORM,
-    },
-    checks=(_lamb_checks,),
-)
-
-LION_PARAMS = Section(
-    {
-        "lr": Field(Num(0), 1e-3),
-        "betas": Field(ListOf(Num(0, 1), 2), [0.9, 0.999]),
-        "weight_decay": Field(Num(0), 0.0),
-        "max_grad_norm": _MAX_GRAD_NORM,
-    }
-)
-
-ADAGRAD_PARAMS = Section(
-    {
-        "lr": Field(Num(0), 1e-2),
-        "lr_decay": Field(Num(0), 0.0),
-        "weight_decay": Field(Num(0), 0.0),
-        "initial_accumulator_value": Field(Num(0), 0.0),
-        "eps": Field(Num(0, low_open=True), 1e-10),
-        "foreach": Field(Nullable(Bool()), None, effect="no effect"),
-        "fused": Field(Nullable(Bool()), None, effect="no effect"),
-        "differentiable": _off("differentiable optimizer steps"),
-        "maximize": _off("maximize"),
-        "amsgrad": _off("AMSGrad (DeepSpeed's CPU Adagrad refuses it too)"),
-        "max_grad_norm": _MAX_GRAD_NORM,
-    }
-)
-
-
-def _sgd_checks(values: dict[str, Any], path: str) -> None:
-    if values["nesterov"] and (values["momentum"] <= 0 or values["dampening"] != 0):
-        raise ConfigError(f"{path}.nesterov", "Nesterov momentum needs momentum > 0 and dampening 0")
-
-
-SGD_PARAMS = Section(
-    {
-        "lr": Field(Num(0), 1e-3),
-        "momentum": Field(Num(0), 0.0),
-        "dampening": Field(Num(0), 0.0),
-        "weight_decay": Field(Num(0), 0.0),
-        "nesterov": Field(Bool(), False),
-        "foreach": Field(Nullable(Bool()), None, effect="no effect"),
-        "maximize": _off("maximize"),
-        "max_grad_norm": _MAX_GRAD_NORM,
-    },
-    checks=(_sgd_checks,),
-)
-
-MUON_PARAMS = Section(
-    {
-        "lr": Field(Nullable(Num(0)), None, effect="both halves' lr (default: Muon 0.02, Adam 3e-4)"),
-        "muon_lr": Field(Nullable(Num(0)), None, effect="the Muon tensors' lr"),
-        "adam_lr": Field(Nullable(Num(0)), None, effect="the auxiliary Adam's lr"),
-        "momentum": Field(Num(0, 1, high_open=True), 0.95),
-        "weight_decay": Field(Num(0), 0.0, effect="both halves' decoupled decay"),
-        "ns_method": Field(Str(("gram", "standard")), "gram"),
-        "betas": Field(ListOf(_BETA, 2), [0.9, 0.95], effect="the auxiliary Adam's"),
-        "eps": Field(Num(0), 1e-10, effect="the auxiliary Adam's"),
-        "adam_w_mode": Field(Bool(), True, unsupported="an L2 (not decoupled) auxiliary Adam"),
-        "per_head_muon": _off("orthogonalising each attention head separately"),
-        "max_grad_norm": _MAX_GRAD_NORM,
-    }
-)
-
-_NOT_OPTIMIZERS = "fzero implements Adam, AdamW, SGD, Lamb, Lion, Adagrad and Muon"
-OPTIMIZER = Tagged(
-    {
-        "Adam": _adam_params(True),
-        "AdamW": _adam_params(True),
-        "SGD": SGD_PARAMS,
-        "Lamb": LAMB_PARAMS,
-        "Lion": LION_PARAMS,
-        "Adagrad": ADAGRAD_PARAMS,
-        "Muon": MUON_PARAMS,
-    },
-    unsupported={
-        name: _NOT_OPTIMIZERS
-        for name in (
-            "OneBitAdam",
-            "ZeroOneAdam",
-            "OneBitLamb",
-            "MuAdam",
-            "MuAdamW",
-            "MuSGD",
-            "RMSprop",
-            "Adamax",
-            "NAdam",
-            "RAdam",
-            "Adadelta",
-            "LBFGS",
-            "SparseAdam",
-            "ASGD",
-            "Rprop",
-            "CPUAdam",
-            "FusedAdam",
-        )
-    },
-    fold=True,
-    extra={"legacy_fusion": Field(Bool(), False, effect="no effect")},
-)
 
 # ------------------------------------------------------------------------------------------------------- scheduler
 _PER_GROUP_LR = PerGroup(Num(0))
@@ -432,8 +262,8 @@ ONE_CYCLE = Section(
         "cycle_second_stair_count": Field(Nullable(Int(0)), None),
         "decay_step_size": Field(Int(0), 0),
         "cycle_momentum": Field(Bool(), True),
-        "cycle_min_mom": Field(PerGroup(_BETA), 0.8),
-        "cycle_max_mom": Field(PerGroup(_BETA), 0.9),
+        "cycle_min_mom": Field(PerGroup(BETA), 0.8),
+        "cycle_max_mom": Field(PerGroup(BETA), 0.9),
         "decay_mom_rate": Field(Num(0), 0.0),
         "last_batch_iteration": _LAST,
     }
@@ -537,9 +367,9 @@ SCHEMA = Section(
         "gradient_predivide_factor": Field(
             Num(0, low_open=True), 1.0, effect="times 1/f before the sum, f/world after (fzero.Average(predivide=f))"
         ),
-        "sparse_gradients": _off("sparse gradients"),
+        "sparse_gradients": off("sparse gradients"),
         "dataloader_drop_last": Field(Bool(), False, effect="the training_data loader drops a last short batch"),
-        "memory_breakdown": _off("memory breakdown printing"),
+        "memory_breakdown": off("memory breakdown printing"),
         "dump_state": Field(Bool(), False, effect="no effect"),
         "zero_allow_untested_optimizer": Field(Bool(), False, effect="no effect"),
         "zero_force_ds_cpu_optimizer": Field(Bool(), True, effect="no effect"),
@@ -566,7 +396,7 @@ SCHEMA = Section(
         "progressive_layer_drop": _feature("progressive layer drop"),
         "compression_training": Section({}, open=True),
         "nebula": _feature("Nebula checkpointing"),
-        "compile": Section({"deepcompile": _off("DeepCompile")}, open=True),
+        "compile": Section({"deepcompile": off("DeepCompile")}, open=True),
         "hybrid_engine": _feature("the hybrid engine"),
         "aio": Section({}, open=True),
         "sparse_attention": Field(
@@ -575,8 +405,8 @@ SCHEMA = Section(
         "pipeline": Section({}, open=True),
         "activation_checkpointing": Section(
             {
-                "partition_activations": _off("partitioned activation checkpointing"),
-                "cpu_checkpointing": _off("activation checkpointing to the CPU"),
+                "partition_activations": off("partitioned activation checkpointing"),
+                "cpu_checkpointing": off("activation checkpointing to the CPU"),
             },
             open=True,
         ),

@@ -47,6 +47,7 @@ __all__ = [
     "Str",
     "Tagged",
     "UnsupportedConfigError",
+    "off",
 ]
 
 
@@ -292,6 +293,11 @@ class Field:
 
 
 Check = Callable[[dict[str, Any], str], None]
+
+
+def off(reason: str) -> Field:
+    """A DeepSpeed switch fzero does not implement: accepted only while false, else `reason` in the error."""
+    return Field(Bool(), False, unsupported=reason)
 
 
 @dataclass(frozen=True)

@@ -56,22 +56,23 @@ class Tensors:
     names: tuple[str, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     ranks: tuple[int, ...] = (0,)
-    plan: _Plan | None = None
+    layout: Layout | None = None
     exchange: Callable[[Tensor], Tensor] | None = None
 
     def whole(self, x: Tensor, select: Sequence[int], fn: Callable[[int, Tensor], Tensor]) -> Tensor:
         """`fn` applied to each selected tensor of `x` whole, the results back in `x`'s places (zero elsewhere).
 
-        Where the rows hold shards, tensor `k` is worked on by its owner rank (`owners`: the tensors spread over
-        the ranks by size): every rank sends the owners its pieces (one all-to-all), each owner assembles its
-        tensors, applies `fn(k, tensor)` (shaped as the parameter), and sends every rank its pieces of the results
-        (a second all-to-all). Where the rows hold whole tensors, each row applies `fn` itself.
+        Where the rows hold shards (`layout` is set), tensor `k` is worked on by its owner rank (`owners`: the
+        selected tensors spread over the ranks by size): every rank sends the owners its pieces (one all-to-all of
+        equal chunks, each as long as the longest), each owner assembles its tensors, applies `fn(k, tensor)`
+        (shaped as the parameter), and sends every rank its pieces of the results (a second all-to-all). Where the
+        rows hold whole tensors, each row applies `fn` itself.
         """
         flat = x.reshape(-1)
         out = torch.zeros_like(flat)
         chosen = set(select)
         width = flat.numel() // self.rows if self.rows else 0
-        if self.plan is None:  # whole tensors in every row
+        if self.layout is None:  # whole tensors in every row
             for a, b, k in self.runs:
                 if k in chosen:
                     out[a:b] = fn(k, flat[a:b].view(self.shapes[k])).reshape(-1)
@@ -79,20 +80,17 @@ class Tensors:
         if self.exchange is None:
             raise ValueError("Tensors.whole on shards needs the mesh's all-to-all (exchange=), which a hybrid "
                              "(two-axis) layout does not provide yet")  # fmt: skip
-        plan = self.plan
+        plan = _plan(self.layout, tuple(sorted(chosen)))
         world, size = plan.world, plan.size
         send = torch.zeros(self.rows, world, size, dtype=x.dtype, device=x.device)
         for row, rank in enumerate(self.ranks):
             for d in range(world):
-                for k, a, b, at in plan.pieces[rank][d]:
-                    if k in chosen:
-                        send[row, d, at : at + b - a] = flat[row * width + a : row * width + b]
+                for _, a, b, at in plan.pieces[rank][d]:
+                    send[row, d, at : at + b - a] = flat[row * width + a : row * width + b]
         got = self.exchange(send.view(self.rows, world * size))  # [rows, world (from), size]
         back = torch.zeros_like(send)
         for row, owner in enumerate(self.ranks):
             for k in plan.owned[owner]:
-                if k not in chosen:
-                    continue
                 parts = [(s, at, b - a) for s in range(world) for kk, a, b, at in plan.pieces[s][owner] if kk == k]
                 whole = torch.cat([got[row, s, at : at + n] for s, at, n in parts])
                 result = fn(k, whole.view(self.shapes[k])).reshape(-1)
@@ -103,9 +101,8 @@ class Tensors:
         mine = self.exchange(back.view(self.rows, world * size))  # [rows, world (from owner), size]
         for row, rank in enumerate(self.ranks):
             for d in range(world):
-                for k, a, b, at in plan.pieces[rank][d]:
-                    if k in chosen:
-                        out[row * width + a : row * width + b] = mine[row, d, at : at + b - a]
+                for _, a, b, at in plan.pieces[rank][d]:
+                    out[row * width + a : row * width + b] = mine[row, d, at : at + b - a]
         return out.view_as(x)
 
     def sums(self, *xs: Tensor) -> tuple[Tensor, ...]:
@@ -152,18 +149,21 @@ def owners(numels: Sequence[int], world: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(layout: Layout) -> _Plan:
+def _plan(layout: Layout, select: tuple[int, ...]) -> _Plan:
+    """The plan for the tensors `select` (ascending) of `layout`: only their pieces travel."""
     world = layout.world
-    owner = owners([leaf.numel for leaf in layout.leaves], world)
+    owner = dict(zip(select, owners([layout.leaves[k].numel for k in select], world), strict=True))
     pieces: list[list[list[tuple[int, int, int, int]]]] = [[[] for _ in range(world)] for _ in range(world)]
     for s in range(world):
         fill = [0] * world
         for a, b, k in sorted(_runs(layout, False, (s,)), key=lambda run: run[2]):
+            if k not in owner:
+                continue
             d = owner[k]
             pieces[s][d].append((k, a, b, fill[d]))
             fill[d] += b - a
     size = max((sum(b - a for _, a, b, _ in chunk) for row in pieces for chunk in row), default=0)
-    owned = tuple(tuple(k for k in range(len(owner)) if owner[k] == d) for d in range(world))
+    owned = tuple(tuple(k for k in select if owner[k] == d) for d in range(world))
     return _Plan(world, size, owned, tuple(tuple(tuple(c) for c in row) for row in pieces))
 
 
@@ -211,7 +211,7 @@ def tensors_of(
         tuple(leaf.name for leaf in layout.leaves),
         tuple(leaf.shape for leaf in layout.leaves),
         tuple(ranks),
-        _plan(layout) if sharded else None,
+        layout if sharded else None,
         exchange if sharded else None,
     )
 
