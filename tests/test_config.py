@@ -286,8 +286,6 @@ UNSUPPORTED = [
     ({"zero_optimization": {"zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
     ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
-    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
     ({"optimizer": {"type": "muadamw", "params": {"lr": 1e-3}}}, "optimizer.type"),
     ({"optimizer": {"type": "Lamb", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),

@@ -18,6 +18,7 @@ loss scale, and the ZeRO preset chain.
 | `fp16` / `bf16` | `precision="fp16"` / `"bf16"` (+ `communication_data_type`, `data_types.grad_accum_dtype`) |
 | `fp16.loss_scale` 0 (dynamic) / > 0 | `DynamicLossScale.create(...)` / a static scale |
 | `bf16.check_grad_overflow` | `skip_nonfinite` |
+| `bf16.bf16_master_weights_and_grads` (+ `bf16_optimizer_states`) | bf16 `param_dtype`, `accum_dtype`; `stored_in` |
 | `gradient_clipping` | `clip` |
 | `zero_optimization.offload_optimizer.device: cpu` | `shard_update(..., offload="cpu")` with the CPU Adam |
 """
@@ -236,7 +237,9 @@ def group_keys(kind: str) -> tuple[str, ...]:
 
 
 _NATIVE = ("adam", "adamw", "lion", "adagrad")  # the optimizers with a CPU kernel (`fzero.cpu_<kind>`)
-_KINDS = {"SGD": "sgd", "Lamb": "lamb", "Lion": "lion", "Adagrad": "adagrad", "Muon": "muon"}
+_KINDS = {"SGD": "sgd", "Lamb": "lamb", "Lion": "lion", "Adagrad": "adagrad", "Muon": "muon", "MuAdam": "adam",
+          "MuAdamW": "adamw", "MuSGD": "sgd"}  # fmt: skip
+MUP = ("MuAdam", "MuAdamW", "MuSGD")  # built by the `mup` package on the model's parameters (fzero.engine)
 _OPTIONS = {"lamb": ("bias_correction", "eps_inside_sqrt"), "muon": ("ns_method",)}  # keywords not a group's
 
 
@@ -269,6 +272,9 @@ def optimizer_spec(
     kind = optimizer_kind(cfg)
     if kind is None:
         return None
+    if cfg["optimizer"]["type"] in MUP:
+        raise ConfigError("optimizer.type", f"{cfg['optimizer']['type']} scales each parameter's lr by its width "
+                          "multiplier (mup.set_base_shapes on the model): build it with fzero.initialize")  # fmt: skip
     p = cfg["optimizer"]["params"]
     if kind == "muon":  # DeepSpeed's two halves: `lr` shared unless `muon_lr` / `adam_lr` (0.19.8's engine)
         muon_lr = p["muon_lr"] if p["muon_lr"] is not None else p["lr"] if p["lr"] is not None else 0.02
@@ -318,6 +324,8 @@ def build_policy(cfg: Config) -> Policy:
     """The precision policy: `fp16` / `bf16` / the model's dtype, with `communication_data_type` and
     `data_types.grad_accum_dtype` overriding the reduce and accumulation dtypes."""
     policy = get_policy(None if cfg.precision == "fp32" else cfg.precision)
+    if cfg["bf16"]["bf16_master_weights_and_grads"]:  # bf16 master weights, their gradients accumulated in bf16
+        policy = replace(policy, param_dtype=torch.bfloat16, accum_dtype=torch.bfloat16)
     reduce, accum = cfg["communication_data_type"], cfg["data_types"]["grad_accum_dtype"]
     if reduce is not None:
         policy = replace(policy, reduce_dtype=_DTYPES[reduce])
@@ -368,6 +376,9 @@ def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
     preset compute the same values. `offload_optimizer.device: cpu` is the preset's `offload="cpu"`.
     """
     policy = build_policy(cfg)
+    if cfg["bf16"]["bf16_master_weights_and_grads"]:  # float32 arithmetic, bf16 storage (DeepSpeed's CPU Adam's)
+        states = torch.bfloat16 if cfg["bf16"]["bf16_optimizer_states"] else None
+        optimizer = optim.stored_in(optimizer, torch.bfloat16, states)
     loss_scale = build_loss_scale(cfg)
     clip = cfg.gradient_clipping or None
     skip = cfg["bf16"]["check_grad_overflow"] if cfg.precision == "bf16" else True

@@ -98,8 +98,10 @@ BF16 = Section(
         "enabled": Field(Bool(), False),
         "immediate_grad_update": Field(Bool(), False, effect="no effect: gradients are accumulated in fp32"),
         "check_grad_overflow": Field(Bool(), True, effect="skip steps with inf/nan gradients (every stage)"),
-        "bf16_master_weights_and_grads": off("master weights and gradients are kept in fp32"),
-        "bf16_optimizer_states": off("optimizer states are kept in fp32"),
+        "bf16_master_weights_and_grads": Field(
+            Bool(), False, effect="bf16 master weights and gradients, float32 arithmetic (fzero.optim.stored_in)"
+        ),
+        "bf16_optimizer_states": Field(Bool(), False, effect="with bf16_master_weights_and_grads: bf16 state too"),
     }
 )
 
@@ -342,6 +344,32 @@ AUTOTUNING = Section(
 def _top_checks(values: dict[str, Any], path: str) -> None:
     if values["fp16"]["enabled"] and values["bf16"]["enabled"]:
         raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled")
+    _bf16_master_checks(values)
+
+
+def _bf16_master_checks(values: dict[str, Any]) -> None:
+    """DeepSpeed 0.19.8's rules (`DeepSpeedConfig._do_error_check`, `ZeROOptimizer._configure_master_weights`)."""
+    bf16, zero = values["bf16"], values["zero_optimization"]
+    if bf16["bf16_optimizer_states"] and not bf16["bf16_master_weights_and_grads"]:
+        raise ConfigError("bf16.bf16_optimizer_states", "requires bf16_master_weights_and_grads to be enabled")
+    if not bf16["bf16_master_weights_and_grads"]:
+        return
+    where = "bf16.bf16_master_weights_and_grads"
+    if not bf16["enabled"]:
+        raise ConfigError(where, "needs bf16.enabled")
+    if zero["stage"] not in (1, 2, 3):
+        raise ConfigError(where, "is only supported with ZeRO stage 1, 2 or 3 (DeepSpeed's rule)")
+    offload = zero["offload_optimizer"]["device"] == "cpu"
+    if not bf16["bf16_optimizer_states"] or offload:
+        opt = values["optimizer"]
+        cpu_adam = opt is not None and opt["type"] in ("Adam", "AdamW") and not opt["params"]["torch_adam"]
+        if not (offload and cpu_adam):
+            raise ConfigError(
+                where,
+                "with float32 optimizer states (bf16_optimizer_states false), or with offload, needs "
+                "zero_optimization.offload_optimizer.device 'cpu' and optimizer.type Adam or AdamW (DeepSpeed's CPU "
+                "Adam): DeepSpeed's rule",
+            )
 
 
 _MONITOR = "monitors are not implemented; use fzero_metrics.jsonl"

@@ -17,6 +17,7 @@ from .lion import lion
 from .muon import muon
 from .schedules import constant, one_cycle, one_cycle_momentum, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from .sgd import SGDState, sgd
+from .stored import stored_in
 
 __all__ = [
     "AdagradState",
@@ -42,6 +43,7 @@ __all__ = [
     "one_cycle_momentum",
     "param_groups",
     "sgd",
+    "stored_in",
     "warmup_cosine_lr",
     "warmup_decay_lr",
     "warmup_lr",
