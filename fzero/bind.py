@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Unavailable", "bound"]
+__all__ = ["Unavailable", "bound", "carry_attributes"]
 
 
 def _slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:
@@ -48,15 +48,28 @@ def _slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:
     raise KeyError(f"{type(model).__name__} has no parameter or buffer {name!r}")
 
 
+def carry_attributes(original: Any, value: Any) -> None:
+    """Give the tensor bound in a parameter's place the attributes a user (or a library) set on the parameter,
+    which the module's forward may read: mup's `MuReadout` reads `self.weight.infshape`, DeepSpeed's Muon tags
+    `use_muon`. Placeholders (`Unavailable`) stay bare."""
+    extra = getattr(original, "__dict__", None)
+    if extra and isinstance(value, Tensor) and not isinstance(value, Unavailable) and value is not original:
+        for key, attr in extra.items():
+            if not hasattr(value, key):
+                setattr(value, key, attr)
+
+
 @contextlib.contextmanager
 def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
     """Put `tensors` (parameter and buffer names of `model`, tied names included) in place of the module's own,
-    and put the module's own back on exit, in reverse order."""
+    with the parameters' own attributes (`carry_attributes`), and put the module's own back on exit, in reverse
+    order."""
     saved: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for name, value in tensors.items():
             table, key = _slot(model, name)
             saved.append((table, key, table[key]))
+            carry_attributes(table[key], value)
             table[key] = value
         yield
     finally:

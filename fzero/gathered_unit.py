@@ -23,6 +23,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor, nn
 
+from .bind import carry_attributes
 from .layout import ROOT_UNIT, Layout, unit_views
 from .mesh import Work
 from .ranks import Ranks
@@ -281,6 +282,7 @@ class GatheredUnit:
             owner = module.get_submodule(owner_path) if owner_path else module
             table: dict[str, Any] = owner._parameters  # (typed for Parameters; a view stands in, as in functional_call)
             self.originals.append((owner, pname, table[pname]))
+            carry_attributes(table[pname], view)
             table[pname] = view
 
     def unswap(self, every: bool = False) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .schema import (
+    REQUIRED,
     Bool,
     ConfigError,
     Field,
@@ -151,7 +152,23 @@ MUON_PARAMS = Section(
     }
 )
 
-_NOT_OPTIMIZERS = "fzero implements Adam, AdamW, SGD, Lamb, Lion, Adagrad and Muon"
+
+def _mu_params(sgd: bool) -> Section:
+    """The params DeepSpeed hands `mup.MuAdam` / `MuAdamW` / `MuSGD` (then torch's Adam / AdamW / SGD); `lr` is
+    required (mup reads it for every group)."""
+    fields: dict[str, Field] = {"lr": Field(Num(0), REQUIRED), "weight_decay": Field(Num(0), 0.0)}
+    if sgd:
+        fields.update({"momentum": Field(Num(0), 0.0), "dampening": Field(Num(0), 0.0),
+                       "nesterov": Field(Bool(), False)})  # fmt: skip
+    else:
+        fields.update({"betas": Field(ListOf(BETA, 2), [0.9, 0.999]), "eps": Field(Num(0), 1e-8),
+                       "amsgrad": Field(Bool(), False)})  # fmt: skip
+    fields.update({"foreach": Field(Nullable(Bool()), None, effect="no effect"), "maximize": off("maximize"),
+                   "max_grad_norm": _MAX_GRAD_NORM})  # fmt: skip
+    return Section(fields)
+
+
+_NOT_OPTIMIZERS = "fzero implements Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon and MuAdam, MuAdamW, MuSGD"
 OPTIMIZER = Tagged(
     {
         "Adam": _adam_params(True),
@@ -161,6 +178,9 @@ OPTIMIZER = Tagged(
         "Lion": LION_PARAMS,
         "Adagrad": ADAGRAD_PARAMS,
         "Muon": MUON_PARAMS,
+        "MuAdam": _mu_params(False),
+        "MuAdamW": _mu_params(False),
+        "MuSGD": _mu_params(True),
     },
     unsupported={
         name: _NOT_OPTIMIZERS
@@ -168,9 +188,6 @@ OPTIMIZER = Tagged(
             "OneBitAdam",
             "ZeroOneAdam",
             "OneBitLamb",
-            "MuAdam",
-            "MuAdamW",
-            "MuSGD",
             "RMSprop",
             "Adamax",
             "NAdam",

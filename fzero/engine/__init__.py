@@ -26,7 +26,15 @@ from torch import nn
 
 from .. import optim, process_group
 from ..config import Config, ConfigError, ConfigWarning, parse_config
-from ..config.build import OptimizerSpec, build_policy, build_transform, group_keys, optimizer_kind, optimizer_spec
+from ..config.build import (
+    MUP,
+    OptimizerSpec,
+    build_policy,
+    build_transform,
+    group_keys,
+    optimizer_kind,
+    optimizer_spec,
+)
 from ..config.build import scheduled as with_schedule
 from ..mesh import DistMesh, Mesh, SimMesh
 from ..precision import round_params
@@ -141,6 +149,10 @@ def _optimizer(
 ) -> tuple[OptimizerSpec, OptimizerView | torch.optim.Optimizer, list[dict[str, Any]]]:
     """The optimizer to build (before any schedule), the object `initialize` returns as the optimizer, and the param
     group dicts that map to fzero's groups (one per group with parameters)."""
+    if optimizer is None and cfg["optimizer"] is not None and cfg["optimizer"]["type"] in MUP:
+        optimizer = _mup_optimizer(model, cfg, model_parameters)
+        spec, groups = client_spec(model, optimizer)
+        return spec, optimizer, groups
     if optimizer is None:
         return _config_optimizer(model, cfg, model_parameters)
     if cfg["optimizer"] is not None:
@@ -157,6 +169,29 @@ def _optimizer(
         )
     spec, groups = client_spec(model, optimizer)
     return spec, optimizer, groups
+
+
+def _mup_optimizer(model: nn.Module, cfg: Config, model_parameters: Any) -> torch.optim.Optimizer:
+    """What DeepSpeed builds for `MuAdam` / `MuAdamW` / `MuSGD`: the `mup` package's, on `model_parameters`, with the
+    config's params: a torch Adam / AdamW / SGD whose groups scale each matrix's lr (and weight decay) by its width
+    multiplier (`mup.set_base_shapes`), which fzero then runs as that client optimizer, bitwise torch's."""
+    kind = cfg["optimizer"]["type"]
+    try:
+        import mup  # type: ignore[import-untyped]  # (an optional dependency without type information)
+    except ImportError:
+        raise ConfigError(
+            "optimizer.type",
+            f"{kind} needs the mup package: pip install --no-deps mup==1.0.0 (its other "
+            "requirements, e.g. torchvision and seaborn, are not needed for its optimizers)",
+        ) from None
+    params = {k: v for k, v in cfg["optimizer"]["params"].items() if v is not None and k != "max_grad_norm"}
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    source = model_parameters if model_parameters is not None else trainable_params(model)
+    try:
+        return getattr(mup, kind)(source, **params)
+    except AssertionError as e:  # mup's "Did you forget to call `mup.set_base_shapes` on the model?"
+        raise ConfigError("optimizer.type", f"{kind}: {e}") from None
 
 
 def _live(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> OptimizerSpec:

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from ..bind import bound
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
@@ -248,7 +249,8 @@ class Engine(ConfigAccessors, nn.Module):
             frozen = frozen_params(state, self.mesh)
             named = named_tensors(state.layout, compute, None if frozen is None else self._local(frozen), buffers)
         try:
-            out = torch.func.functional_call(module, named, args, kwargs)
+            with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
+                out = torch.func.functional_call(module, named, args, kwargs)
         finally:
             if gathering is not None:
                 gathering.close()
