@@ -142,6 +142,45 @@ def test_stages_agree_bitwise_and_the_ledger_counts_the_exchange(world):
     assert results["zero0"][1]["comm"].get("all_to_all") is None
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_groups_give_each_half_its_values(world):
+    """Param groups (DeepSpeed 0.19.8 splits each into its Muon and Adam halves): the whole-tensor step with each
+    tensor's group's values, bitwise, at any world."""
+    from fzero.optim.groups import segments as make_segments
+
+    shapes = {"a.w": (4, 6), "a.b": (4,), "c.w": (6, 4), "c.b": (6,)}
+    over = {"lr": 0.01, "adam_lr": 1e-3, "weight_decay": 0.0, "adam_weight_decay": 0.0, "momentum": 0.9}
+    groups = fzero.param_groups({"c.*": over})
+    base = {"lr": 0.05, "momentum": 0.95, "weight_decay": 0.1, "adam_lr": 1e-2, "adam_betas": (0.9, 0.95),
+            "adam_eps": 1e-10, "adam_weight_decay": 0.1}  # fmt: skip
+    opt = fzero.muon(**base, groups=groups)
+    layout = make_layout([(n, s, torch.float32) for n, s in shapes.items()], world=world, align=1)
+    resolved = groups.resolve(list(shapes), set(opt.defaults))
+    segs = make_segments(layout, resolved, full=world == 1, ranks=range(world))
+    tensors = tensors_of(layout, full=world == 1, ranks=range(world), exchange=fzero.SimMesh(world).all_to_all)
+    g = torch.Generator().manual_seed(world)
+    full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    flat = torch.zeros(layout.numel)
+    for leaf in layout.leaves:
+        flat[leaf.offset : leaf.offset + leaf.numel] = full[leaf.name].reshape(-1)
+    shards = flat.view(world, -1)
+    state = opt.init(shards)
+    ref, ref_state = {n: t.clone() for n, t in full.items()}, {n: (torch.zeros_like(t), torch.zeros_like(t))
+                                                               for n, t in full.items()}  # fmt: skip
+    for t in range(1, 3):
+        grads = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        gflat = torch.zeros(layout.numel)
+        for leaf in layout.leaves:
+            gflat[leaf.offset : leaf.offset + leaf.numel] = grads[leaf.name].reshape(-1)
+        shards, state = opt.update(gflat.view_as(shards), state, shards, segments=segs, tensors=tensors)
+        for name in shapes:
+            h = {**base, **(over if name.startswith("c.") else {}), "ns_method": "gram"}
+            reference_step({name: ref[name]}, {name: grads[name]}, {name: ref_state[name]}, t, h)
+    got = shards.reshape(-1)
+    for leaf in layout.leaves:
+        assert torch.equal(got[leaf.offset : leaf.offset + leaf.numel], ref[leaf.name].reshape(-1)), leaf.name
+
+
 def test_owners_balance_the_matrices():
     numels = [30, 30, 20, 10, 10, 5]
     owner = owners(numels, 3)
@@ -154,10 +193,10 @@ def test_muon_errors():
         fzero.muon(ns_method="svd")
     with pytest.raises(ValueError, match="invalid momentum: 1.5"):
         fzero.muon(momentum=1.5)
-    with pytest.raises(ValueError, match="muon: parameter groups are not supported"):
+    with pytest.raises(ValueError, match="muon needs each tensor's place"):
         opt = fzero.muon()
         p = torch.zeros(4)
-        opt.update(p, opt.init(p), p, segments=fzero.optim.groups.Segments((4,), (0,), ({},)))
+        opt.update(p, opt.init(p), p)
 
 
 def test_the_config_maps_deepspeeds_muon():
@@ -200,3 +239,31 @@ def test_the_config_maps_deepspeeds_muon():
     assert differing(got, state) == []
     with pytest.raises(fzero.config.UnsupportedConfigError, match="optimizer.params.per_head_muon"):
         spec({"per_head_muon": True})
+
+
+def test_the_engine_takes_deepspeeds_param_groups_for_muon():
+    """`model_parameters` groups with Muon, as DeepSpeed 0.19.8 takes them: a group's `lr` and `weight_decay` for
+    both its halves, `betas` / `eps` for its Adam half; the engine trains as the core optimizer with those groups,
+    bitwise, and a scheduler drives every half from its own lr."""
+    model = mlp([6, 5, 3], 0)
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.01, "betas": [0.8, 0.9]}]
+    cfg = {"train_batch_size": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "Muon", "params": {"lr": 0.05, "weight_decay": 0.1}}}  # fmt: skip
+    engine, *_ = fzero.initialize(model=model, model_parameters=groups, config=cfg)
+    over = {"weight_decay": 0.0, "adam_weight_decay": 0.0, "lr": 0.01, "adam_lr": 0.01, "adam_betas": (0.8, 0.9)}
+    core = fzero.muon(0.05, weight_decay=0.1, adam_lr=0.05, adam_weight_decay=0.1,
+                      groups=fzero.param_groups({"*.bias": over}))  # fmt: skip
+    batches = regression_batches(model, 1, 1, 4, 2, 3)
+    state, _ = run("zero2", 1, batches, mlp([6, 5, 3], 0), core)
+    for batch in batches:
+        engine.backward(torch.nn.functional.mse_loss(engine(batch["x"][0]), batch["y"][0]))
+        engine.step()
+    assert differing(engine.module_state_dict(), state) == []
+    from fzero.config import parse_config
+    from fzero.config.build import optimizer_spec
+
+    warm = optimizer_spec(parse_config({**cfg, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}),
+                          [(["0.weight"], {}), (["0.bias"], {"lr": 0.01})])  # fmt: skip
+    assert [g.hypers["adam_lr"](9) for g in warm.groups] == [0.05, 0.01]

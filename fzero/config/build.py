@@ -214,12 +214,14 @@ def scheduled(spec: OptimizerSpec, cfg: Config) -> OptimizerSpec:
     `scheduler` block, `spec` itself."""
     if cfg["scheduler"] is None:
         return spec
-    if spec.kind == "muon":  # DeepSpeed schedules its two halves as two param groups: Muon's, then Adam's
-        if spec.groups is not None:
-            raise ConfigError("optimizer", "Muon with param groups is not supported")
-        (mu, ad), _ = build_schedules(cfg, [hyper_value(spec.lr, 0), hyper_value(spec.hypers["adam_lr"], 0)],
-                                      betas=False)  # fmt: skip
-        return replace(spec, lr=mu, hypers={**spec.hypers, "adam_lr": ad})
+    if spec.kind == "muon":  # DeepSpeed schedules each group's two halves as two param groups: Muon's, then Adam's
+        groups = spec.per_group()
+        if spec.groups is not None and any(isinstance(v, list) for v in cfg["scheduler"]["params"].values()):
+            raise ConfigError("scheduler.params", "per-group lists with Muon's param groups are not supported "
+                              "(DeepSpeed counts a half only where the group has such parameters)")  # fmt: skip
+        bases = [hyper_value(h[k], 0) for h in groups for k in ("lr", "adam_lr")]
+        lrs, _ = build_schedules(cfg, bases, betas=False)
+        return spec.with_per_group([{**h, "lr": lrs[2 * i], "adam_lr": lrs[2 * i + 1]} for i, h in enumerate(groups)])
     groups = spec.per_group()
     lrs, moms = build_schedules(cfg, [hyper_value(h["lr"], 0) for h in groups], betas="betas" in groups[0])
     out = []
@@ -232,8 +234,31 @@ def scheduled(spec: OptimizerSpec, cfg: Config) -> OptimizerSpec:
 
 
 def group_keys(kind: str) -> tuple[str, ...]:
-    """The hyper-parameters a param group may set for optimizer `kind` ("adamw", "adam", "sgd", ...)."""
+    """The hyper-parameters a param group (`model_parameters`) may set for optimizer `kind` ("adamw", "adam", "sgd",
+    ...), by DeepSpeed's names: Muon's groups take DeepSpeed 0.19.8's (`lr`, `weight_decay` for both halves,
+    `momentum` for the Muon half, `betas` and `eps` for the Adam half); see `group_hypers`."""
+    if kind == "muon":
+        return _MUON_GROUP
     return tuple(getattr(optim, kind)().defaults)
+
+
+_MUON_GROUP = ("lr", "weight_decay", "momentum", "betas", "eps")
+
+
+def group_hypers(kind: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's values (DeepSpeed's names) as the optimizer's keywords: for Muon, `lr` and `weight_decay` go
+    to both halves, `betas` and `eps` to the Adam half (0.19.8's `_muon_param_groups`); others as they are."""
+    if kind != "muon":
+        return dict(overrides)
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key in ("lr", "weight_decay"):
+            out[key] = out["adam_" + key] = value
+        elif key in ("betas", "eps"):
+            out["adam_" + key] = tuple(value) if key == "betas" else value
+        else:
+            out[key] = value
+    return out
 
 
 _NATIVE = ("adam", "adamw", "lion", "adagrad")  # the optimizers with a CPU kernel (`fzero.cpu_<kind>`)
@@ -300,17 +325,18 @@ def optimizer_spec(
             options["amsgrad"] = True
         spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], torch_adam=torch_adam, options=options)
     if groups is not None and len(groups) > 1:
-        allowed = set(group_keys(spec.kind))
         base = spec.per_group()[0]
+        allowed = set(base)  # the optimizer's keywords (group_hypers translated DeepSpeed's names)
         specs = []
-        for names, over in groups:
+        for names, given in groups:
+            over = group_hypers(kind, given)
             unknown = sorted(set(over) - allowed)
             if unknown:
                 raise KeyError(f"a param group sets {', '.join(unknown)}: not hyper-parameters of {kind}")
             specs.append(GroupSpec(tuple(names), {**base, **over}))
         spec = replace(spec, groups=tuple(specs))
     elif groups:
-        spec = spec.with_per_group([{**spec.per_group()[0], **groups[0][1]}])
+        spec = spec.with_per_group([{**spec.per_group()[0], **group_hypers(kind, groups[0][1])}])
     return scheduled(spec, cfg) if schedule else spec
 
 

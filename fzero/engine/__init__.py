@@ -31,6 +31,7 @@ from ..config.build import (
     OptimizerSpec,
     build_policy,
     build_transform,
+    group_hypers,
     group_keys,
     optimizer_kind,
     optimizer_spec,
@@ -133,7 +134,7 @@ def _config_optimizer(
         for group in groups:
             overrides, _ = split_options(group, allowed, cfg["optimizer"]["type"], "model_parameters")
             try:  # the values, checked as the optimizer's constructor checks them, naming the group
-                getattr(optim, kind)(**{**defaults, **overrides})
+                getattr(optim, kind)(**{**defaults, **group_hypers(kind, overrides)})
             except (TypeError, ValueError) as e:
                 raise type(e)(f"model_parameters[{group.index}]: {e}") from None
             pairs.append((group.names, overrides))

@@ -22,6 +22,7 @@ treat the state as Adam's: `AdamState(count, exp_avg, exp_avg_sq)`, with `exp_av
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -114,14 +115,12 @@ def muon(
       ns_dtype: the iteration's dtype. DeepSpeed picks bf16 ("standard") or fp16 ("gram") where its accelerator
         supports them; float32 here (exact to float32 rounding on the CPU), bf16/fp16 on request.
       use_muon: which tensors Muon updates, from the parameter's name and shape.
-      groups: not supported yet (DeepSpeed 0.19.8 splits each param group into its Muon and Adam halves): None.
+      groups: parameter groups (`fzero.param_groups`): other values of any of the above but the `ns_*` for the
+        parameters they name (DeepSpeed 0.19.8 splits each group into its Muon and its Adam half).
 
     Returns:
       An `Optimizer` with the `"tensors"` feature (it needs each tensor's place and whole matrices).
     """
-    if groups is not None:
-        raise ValueError("muon: parameter groups are not supported yet (its two groups are the Muon and the Adam "
-                         "tensors: set lr, adam_lr, ...)")  # fmt: skip
     if ns_method not in ("gram", "standard"):
         raise ValueError(f"muon: ns_method must be 'gram' or 'standard', got {ns_method!r}")
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
@@ -140,9 +139,6 @@ def muon(
         segments: Segments | None = None,
         tensors: Tensors | None = None,
     ) -> tuple[Tensor, AdamState]:
-        if segments is not None:
-            raise ValueError("muon: parameter groups are not supported (its two groups are the Muon and the Adam "
-                             "tensors; set adam_lr etc.)")  # fmt: skip
         if tensors is None:
             raise ValueError("muon needs each tensor's place in the buffer: run it through shard_update")
         applied = int(state.count)
@@ -152,38 +148,57 @@ def muon(
         else:
             p, m, v = params.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
         flat_p, flat_g, flat_m, flat_v = (x.reshape(-1) for x in (p, grads, m, v))
+        segs = segments or Segments((flat_p.numel(),), (0,), ({},))
+        hypers = [{**defaults, **o} for o in segs.overrides]
         chosen = [k for k in range(tensors.count) if use_muon(tensors.names[k], tensors.shapes[k])]
         is_muon = set(chosen)
-        mu_runs = [(a, b) for a, b, k in tensors.runs if k in is_muon]
-        ad_runs = [(a, b) for a, b, k in tensors.runs if k not in is_muon]
-        lr_t, adam_lr_t = hyper_value(lr, applied), hyper_value(adam_lr, applied)
-        if ad_runs:
-            ps, gs, ms, vs = ([x[a:b] for a, b in ad_runs] for x in (flat_p, flat_g, flat_m, flat_v))
-            b1, b2 = adam_betas
-            torch._foreach_lerp_(ms, gs, 1 - b1)
-            torch._foreach_lerp_(vs, torch._foreach_mul(gs, gs), 1 - b2)
-            mc = torch._foreach_div(ms, 1 - b1**t)
-            denom = torch._foreach_div(vs, 1 - b2**t)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, adam_eps)
-            torch._foreach_div_(mc, denom)
-            if adam_weight_decay != 0:
-                torch._foreach_mul_(ps, 1 - adam_lr_t * adam_weight_decay)
-            torch._foreach_add_(ps, mc, alpha=-adam_lr_t)
-        if mu_runs:
-            gs, ms = ([x[a:b] for a, b in mu_runs] for x in (flat_g, flat_m))
-            torch._foreach_lerp_(ms, gs, 1 - momentum)
-            x = torch.zeros_like(flat_p)
-            for (a, b), g_i, m_i in zip(mu_runs, gs, ms, strict=True):
-                torch.lerp(g_i, m_i, momentum, out=x[a:b])
-            o = tensors.whole(x.view_as(p), chosen, _orthogonalise(ns_steps, ns_method, ns_dtype)).reshape(-1)
-            ps = [flat_p[a:b] for a, b in mu_runs]
-            if weight_decay != 0:
-                torch._foreach_mul_(ps, 1 - lr_t * weight_decay)
-            torch._foreach_add_(ps, [o[a:b] for a, b in mu_runs], alpha=-lr_t)
+        # each run's group (a tensor is in one group: groups are by name), Muon's and Adam's runs per group
+        mu: dict[int, list[tuple[int, int]]] = {}
+        ad: dict[int, list[tuple[int, int]]] = {}
+        for a, b, k in tensors.runs:
+            group = segs.group[bisect.bisect_right(segs.ends, a)]
+            (mu if k in is_muon else ad).setdefault(group, []).append((a, b))
+        for group, runs in ad.items():
+            _adam_half(hypers[group], applied, t, runs, flat_p, flat_g, flat_m, flat_v)
+        if not mu:
+            return p, adam_core.next_state(t, m, v)
+        x = torch.zeros_like(flat_p)
+        for group, runs in mu.items():
+            gs, ms = ([y[a:b] for a, b in runs] for y in (flat_g, flat_m))
+            mom = hypers[group]["momentum"]
+            torch._foreach_lerp_(ms, gs, 1 - mom)
+            for (a, b), g_i, m_i in zip(runs, gs, ms, strict=True):
+                torch.lerp(g_i, m_i, mom, out=x[a:b])
+        o = tensors.whole(x.view_as(p), chosen, _orthogonalise(ns_steps, ns_method, ns_dtype)).reshape(-1)
+        for group, runs in mu.items():
+            h = hypers[group]
+            lr_t = hyper_value(h["lr"], applied)
+            ps = [flat_p[a:b] for a, b in runs]
+            if h["weight_decay"] != 0:
+                torch._foreach_mul_(ps, 1 - lr_t * h["weight_decay"])
+            torch._foreach_add_(ps, [o[a:b] for a, b in runs], alpha=-lr_t)
         return p, adam_core.next_state(t, m, v)
 
-    return Optimizer(adam_core.init_state, update, frozenset({"tensors"}), defaults=defaults, check=_check)
+    return Optimizer(adam_core.init_state, update, frozenset({"tensors"}), defaults=defaults, groups=groups,
+                     check=_check)  # fmt: skip
+
+
+def _adam_half(h: Mapping[str, Any], applied: int, t: int, runs: list[tuple[int, int]], *flat: Tensor) -> None:
+    """DeepSpeed's inline `adam_update` on the runs of one group's Adam tensors, in place."""
+    flat_p, flat_g, flat_m, flat_v = flat
+    ps, gs, ms, vs = ([x[a:b] for a, b in runs] for x in (flat_p, flat_g, flat_m, flat_v))
+    b1, b2 = h["adam_betas"]
+    lr = hyper_value(h["adam_lr"], applied)
+    torch._foreach_lerp_(ms, gs, 1 - b1)
+    torch._foreach_lerp_(vs, torch._foreach_mul(gs, gs), 1 - b2)
+    mc = torch._foreach_div(ms, 1 - b1**t)
+    denom = torch._foreach_div(vs, 1 - b2**t)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, h["adam_eps"])
+    torch._foreach_div_(mc, denom)
+    if h["adam_weight_decay"] != 0:
+        torch._foreach_mul_(ps, 1 - lr * h["adam_weight_decay"])
+    torch._foreach_add_(ps, mc, alpha=-lr)
 
 
 def _orthogonalise(steps: int, method: str, dtype: torch.dtype) -> Callable[[int, Tensor], Tensor]:
