@@ -26,12 +26,11 @@ from torch import Tensor
 from .. import native
 from .adagrad import checker
 from .base import AdagradState, Hyper, Optimizer, hyper_value
-from .cpu_lion import FEATURES, _check_params
 from .groups import ParamGroups, Segments
+from .native_common import FEATURES, scalars
+from .native_common import check_params as _check_params
 
 __all__ = ["cpu_adagrad"]
-
-_PerGroup = float | list[float]  # one value for the whole buffer, or one per parameter group
 
 
 def cpu_adagrad(
@@ -60,8 +59,8 @@ def cpu_adagrad(
       The `Optimizer`; its state is `AdagradState(count, sum)`.
 
     Raises:
-      ValueError: a hyper-parameter is negative, a group sets another `initial_accumulator_value`, or `eps` and
-        `initial_accumulator_value` are both 0 (`0 / 0` wherever the gradients have been 0, padding included).
+      ValueError: as `fzero.adagrad` (a negative hyper-parameter, `eps` 0, a group's own
+        `initial_accumulator_value`).
       TypeError: a hyper-parameter is not a number (only `lr` may be a schedule).
 
     Example:
@@ -99,17 +98,7 @@ def cpu_adagrad(
     ) -> tuple[Tensor, AdagradState]:
         _check_params("cpu_adagrad", params)
         applied = int(state.count)
-        lr_t: _PerGroup
-        decay_t: _PerGroup
-        eps_t: _PerGroup
-        wd_t: _PerGroup
-        if segments is None:
-            lr_t, decay_t, eps_t, wd_t = values(defaults, applied)
-            table = None
-        else:  # one value per group, each the group's own (schedules evaluated here)
-            per = [values({**defaults, **o}, applied) for o in segments.overrides]
-            lr_t, decay_t, eps_t, wd_t = ([v[i] for v in per] for i in range(4))
-            table = segments.tensors()
+        (lr_t, decay_t, eps_t, wd_t), table = scalars(values, defaults, applied, segments)
         if donate:
             p, s = params, state.sum
             p_out = s_out = None

@@ -21,15 +21,13 @@ import torch
 from torch import Tensor
 
 from .. import native
-from . import adam_core
+from . import adam_core, native_common
 from .base import AdamState, Hyper, Optimizer
 from .groups import ParamGroups, Segments
 
 __all__ = ["cpu_adam", "cpu_adamw"]
 
-FEATURES = frozenset({"grad_scale", "grad_dtype", "out"})
-
-_PerGroup = float | list[float]  # one value for the whole buffer, or one per parameter group
+FEATURES = native_common.FEATURES
 
 
 def _cpu_adam(
@@ -46,13 +44,7 @@ def _cpu_adam(
     native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
 
     def check_params(params: Tensor) -> None:
-        if not isinstance(params, Tensor):
-            raise TypeError(f"{name}: params must be a tensor, got {type(params).__name__}")
-        if params.dtype != torch.float32 or params.device.type != "cpu":
-            raise ValueError(
-                f"{name} keeps float32 master weights in CPU memory, got params of dtype {params.dtype} on "
-                f"{params.device}: use shard_update(..., dtype=torch.float32, offload='cpu'), or fzero.adamw"
-            )
+        native_common.check_params(name, params)
 
     def init(params: Tensor) -> AdamState:
         check_params(params)
@@ -70,18 +62,9 @@ def _cpu_adam(
     ) -> tuple[Tensor, AdamState]:
         check_params(params)
         applied = int(state.count)
-        if segments is None:
-            h = adam_core.step_values(defaults, applied)
-            lr_t: _PerGroup = h.lr
-            betas_t: tuple[_PerGroup, _PerGroup] = (h.beta1, h.beta2)
-            eps_t: _PerGroup = h.eps
-            wd_t: _PerGroup = h.weight_decay
-            table = None
-        else:  # one value per group, each the group's own (schedules evaluated here)
-            per = [adam_core.step_values({**defaults, **o}, applied) for o in segments.overrides]
-            lr_t, eps_t, wd_t = [h.lr for h in per], [h.eps for h in per], [h.weight_decay for h in per]
-            betas_t = ([h.beta1 for h in per], [h.beta2 for h in per])
-            table = segments.tensors()
+        (lr_t, b1_t, b2_t, eps_t, wd_t), table = native_common.scalars(adam_core.step_values, defaults, applied,
+                                                                         segments)  # fmt: skip
+        betas_t = (b1_t, b2_t)
         if donate:
             p, m, v = params, state.exp_avg, state.exp_avg_sq
             p_out = m_out = v_out = None

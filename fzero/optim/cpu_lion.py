@@ -27,12 +27,10 @@ from .. import native
 from .base import Hyper, LionState, Optimizer, hyper_value
 from .groups import ParamGroups, Segments
 from .lion import check
+from .native_common import FEATURES, scalars
+from .native_common import check_params as _check_params
 
 __all__ = ["cpu_lion"]
-
-FEATURES = frozenset({"grad_scale", "grad_dtype", "out"})
-
-_PerGroup = float | list[float]  # one value for the whole buffer, or one per parameter group
 
 
 def _values(h: Mapping[str, Any], applied: int) -> tuple[float, float, float, float]:
@@ -95,17 +93,7 @@ def cpu_lion(
     ) -> tuple[Tensor, LionState]:
         check_params(params)
         applied = int(state.count)
-        lr_t: _PerGroup
-        b1_t: _PerGroup
-        b2_t: _PerGroup
-        wd_t: _PerGroup
-        if segments is None:
-            lr_t, b1_t, b2_t, wd_t = _values(defaults, applied)
-            table = None
-        else:  # one value per group, each the group's own (schedules evaluated here)
-            per = [_values({**defaults, **o}, applied) for o in segments.overrides]
-            lr_t, b1_t, b2_t, wd_t = ([v[i] for v in per] for i in range(4))
-            table = segments.tensors()
+        (lr_t, b1_t, b2_t, wd_t), table = scalars(_values, defaults, applied, segments)
         if donate:
             p, m = params, state.exp_avg
             p_out = m_out = None
@@ -118,13 +106,3 @@ def cpu_lion(
         return p, LionState(torch.tensor(applied + 1, dtype=torch.int64), m)
 
     return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=check)
-
-
-def _check_params(name: str, params: object) -> None:
-    if not isinstance(params, Tensor):
-        raise TypeError(f"{name}: params must be a tensor, got {type(params).__name__}")
-    if params.dtype != torch.float32 or params.device.type != "cpu":
-        raise ValueError(
-            f"{name} keeps float32 master weights in CPU memory, got params of dtype {params.dtype} on "
-            f"{params.device}: use shard_update(..., dtype=torch.float32, offload='cpu')"
-        )
