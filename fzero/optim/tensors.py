@@ -47,6 +47,10 @@ class Tensors:
       count: the number of tensors.
       total: `[rows, count]` partial sums of each row -> `[rows, count]` every tensor's sums over the ranks that
         hold a piece of it (the identity where each row holds whole tensors).
+      names, shapes: each tensor's parameter name and shape.
+      ranks: each row's rank along the sharding axis.
+      layout: the layout, where the rows hold shards (None: whole tensors), for `whole`'s owner plan.
+      exchange: the mesh's all-to-all, `[rows, world * s] -> [rows, world, s]`, for `whole` on shards.
     """
 
     runs: tuple[tuple[int, int, int], ...]
