@@ -36,6 +36,7 @@ _ADAGRAD = {"type": "Adagrad", "params": {"lr": 5e-2, "lr_decay": 0.05, "initial
 _ADAM_NO_BC = {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False, "weight_decay": 0.05}}
 _AMSGRAD = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "amsgrad": True, "weight_decay": 0.05}}
 _ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}}
+_MUON = {"type": "Muon", "params": {"lr": 2e-2, "adam_lr": 1e-3, "weight_decay": 0.05}}
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -51,6 +52,8 @@ CASES: dict[str, tuple[int, dict, dict, bool, str, tuple[str, ...]]] = {
     "adamw-torch-amsgrad-2": (2, _AMSGRAD, {}, True, "adam", (*_MOMENTS, "max_exp_avg_sq")),
     "adamw-prescale-2": (2, _ADAMW, {"prescale_gradients": True}, True, "cpu_adam", _MOMENTS),
     "adamw-predivide-2": (2, _ADAMW, {"gradient_predivide_factor": 3.0}, False, "cpu_adam", _MOMENTS),
+    "muon-2": (2, _MUON, {}, True, "muon", ("exp_avg",)),  # (exp_avg_sq: zero on the Muon tensors)
+    "muon-3": (3, _MUON, {}, True, "muon", ("exp_avg",)),
 }
 
 

@@ -1,7 +1,8 @@
 """Each optimizer's DeepSpeed config through the engine (tests/engine_optim_worker.py: Lamb with weight decay and a
 non-default max_coeff at stages 2 and 3, Lion with weight decay at stages 2 and 3, Adagrad with lr_decay and
 initial_accumulator_value, Adam with bias_correction false, AdamW with torch_adam and amsgrad, AdamW with
-prescale_gradients, AdamW with gradient_predivide_factor 3) trains a tiny Hugging Face GPT-2 on 2 gloo processes
+prescale_gradients, AdamW with gradient_predivide_factor 3, Muon at stages 2 and 3: each matrix orthogonalised whole by
+its owner rank) trains a tiny Hugging Face GPT-2 on 2 gloo processes
 (gradient accumulation 2, WarmupLR, clipping, two param groups but in the last case), and a checkpoint resumes
 bitwise like the uninterrupted run: on 2 processes, and at world 1 from the world-2 checkpoint.
 
