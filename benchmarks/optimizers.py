@@ -41,12 +41,11 @@ on buffers beyond the last-level cache. No timing is asserted.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from adam import measure  # (run as a script: benchmarks/ is on the path) the same interleaved timing
 
 import fzero
 from fzero import native
@@ -140,23 +139,6 @@ def update_variants(p, g, m, v) -> dict[str, Callable[[], None]]:
     except (RuntimeError, ValueError) as e:  # no fused AdamW on this build's CPU
         print(f"  (torch AdamW fused unavailable: {e})")
     return variants
-
-
-def measure(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one per round, after a warm-up call; rounds visit the variants in a
-    shuffled order."""
-    for f in variants.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    order = list(variants)
-    shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def report_updates(n: int, times: dict[str, list[float]]) -> None:

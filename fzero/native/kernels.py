@@ -8,7 +8,7 @@ are computed once per call in double and rounded once to float32 (`hyper`). The 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -16,9 +16,36 @@ from torch import Tensor
 from . import binding, twin
 from .checks import DTYPE, F32, LOW, check_aliasing, check_tensor
 from .hyper import adam_hyper
-from .segments import PerGroup, Segments, check_table, per_group, segment_arrays
+from .segments import PerGroup, PerGroupValues, Segments, check_table, per_group, segment_arrays
 
 __all__ = ["adam_step", "ceiling", "grad_stats", "sumsq"]
+
+
+def resolve_groups(
+    where: str, values: Mapping[str, object], segments: Segments | None, n: int
+) -> tuple[PerGroupValues, tuple[Tensor, Tensor] | None]:
+    """The per-group values and the segment table (None: one group), for every kernel.
+
+    The table's contents (order, last end, group range) are checked by the kernel itself, in C, before it writes
+    anything: a Python check costs ~10 torch calls per step (6% of a 2^20-element Adam step), so it runs here only
+    where the kernel will not check it (the twin, a call with nothing to update, and a table whose groups all share
+    one set of values: the ungrouped kernel then runs).
+
+    Raises:
+      ValueError: per-group values without a table, or (where checked here) a bad table.
+    """
+    groups = per_group(where, values)
+    table = None
+    if segments is not None:
+        table = segment_arrays(where, segments)
+        if groups.ngroups is None or n == 0 or binding.isa() == "torch":
+            check_table(where, *table, n, groups.ngroups, groups.first)
+        if groups.ngroups is None:
+            table = None
+    elif groups.ngroups is not None:
+        raise ValueError(f"{where}: {groups.first} has one value per group ({groups.ngroups}), but no segments "
+                         "were given: pass segments=(ends, group), or a float")  # fmt: skip
+    return groups, table
 
 
 def adam_step(
@@ -88,21 +115,7 @@ def adam_step(
     if not isinstance(betas, Sequence) or len(betas) != 2:
         raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
     values = {"lr": lr, "betas[0]": betas[0], "betas[1]": betas[1], "eps": eps, "weight_decay": weight_decay}
-    groups = per_group(where, values)
-    table = None
-    if segments is not None:
-        table = segment_arrays(where, segments)
-        # The table's contents (order, last end, group range) are checked by the kernel itself, in C, before it
-        # writes anything: a Python check costs ~10 torch calls per step (6% of a 2^20-element step); it runs
-        # only to explain a refusal. The twin, a call with nothing to update, and a table whose groups all share
-        # one set of values (the ungrouped kernel then runs) are checked here.
-        if groups.ngroups is None or n == 0 or binding.isa() == "torch":
-            check_table(where, *table, n, groups.ngroups, groups.first)
-        if groups.ngroups is None:
-            table = None
-    elif groups.ngroups is not None:
-        raise ValueError(f"{where}: {groups.first} has one value per group ({groups.ngroups}), but no segments "
-                         "were given: pass segments=(ends, group), or a float")  # fmt: skip
+    groups, table = resolve_groups(where, values, segments, n)
     hypers = [
         adam_hyper(step, lr_g, b1, b2, eps_g, wd, decoupled, bias_correction, grad_scale)
         for lr_g, b1, b2, eps_g, wd in groups.rows

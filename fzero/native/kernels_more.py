@@ -8,7 +8,7 @@ elements and release the GIL.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,8 @@ from torch import Tensor
 from . import binding, twin
 from .checks import DTYPE, LOW, check_step
 from .hyper import adagrad_hyper, lion_hyper
-from .segments import PerGroup, PerGroupValues, Segments, check_table, per_group, segment_arrays
+from .kernels import resolve_groups
+from .segments import PerGroup, PerGroupValues, Segments, check_table
 
 __all__ = ["adagrad_step", "lion_step"]
 
@@ -70,7 +71,7 @@ def lion_step(
         raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
     n = params.numel()
     values = {"lr": lr, "betas[0]": betas[0], "betas[1]": betas[1], "weight_decay": weight_decay}
-    groups, table = _groups(where, values, segments, n)
+    groups, table = resolve_groups(where, values, segments, n)
     hypers = [lion_hyper(lr_g, b1, b2, wd, grad_scale) for lr_g, b1, b2, wd in groups.rows]
     p_out, m_out = checked.outputs.values()
     if binding.isa() == "torch":
@@ -131,7 +132,7 @@ def adagrad_step(
     checked = check_step(where, params, grads, {"state_sum": state_sum}, outputs, out)
     n = params.numel()
     values = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay}
-    groups, table = _groups(where, values, segments, n)
+    groups, table = resolve_groups(where, values, segments, n)
     hypers = [adagrad_hyper(step, lr_g, decay, eps_g, wd, grad_scale) for lr_g, decay, eps_g, wd in groups.rows]
     p_out, s_out = checked.outputs.values()
     if binding.isa() == "torch":
@@ -140,26 +141,6 @@ def adagrad_step(
                           s_out, segments=segs)  # fmt: skip
         return
     _call(where, "adagrad", hypers, table, groups, n, (params, grads, state_sum, p_out, s_out), checked.out)
-
-
-def _groups(
-    where: str, values: Mapping[str, object], segments: Segments | None, n: int
-) -> tuple[PerGroupValues, tuple[Tensor, Tensor] | None]:
-    """The per-group values and the segment table (None: one group), as `adam_step` finds them: a table is checked
-    here where the kernel will not check it itself (the twin, nothing to update, or one set of values for all
-    groups, where the ungrouped kernel runs)."""
-    groups = per_group(where, values)
-    table = None
-    if segments is not None:
-        table = segment_arrays(where, segments)
-        if groups.ngroups is None or n == 0 or binding.isa() == "torch":
-            check_table(where, *table, n, groups.ngroups, groups.first)
-        if groups.ngroups is None:
-            table = None
-    elif groups.ngroups is not None:
-        raise ValueError(f"{where}: {groups.first} has one value per group ({groups.ngroups}), but no segments "
-                         "were given: pass segments=(ends, group), or a float")  # fmt: skip
-    return groups, table
 
 
 def _call(
