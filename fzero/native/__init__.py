@@ -40,7 +40,7 @@ tables), `hyper` (a step's scalars), `twin` (the pure-torch path), `ops` (the `t
 from __future__ import annotations
 
 from . import binding, ops  # noqa: F401  (ops registers the torch.library custom ops on import)
-from .binding import ISAS, available, isa, openmp, parallel_threshold, set_isa, supported_isas
+from .binding import ISAS, Extension, available, extension, isa, openmp, parallel_threshold, set_isa, supported_isas
 from .hyper import AdagradHyper, AdamHyper, LionHyper, adagrad_hyper, adam_hyper, lion_hyper
 from .kernels import adam_step, ceiling, grad_stats, sumsq
 from .kernels_more import adagrad_step, lion_step
@@ -52,6 +52,7 @@ __all__ = [
     "ISAS",
     "AdagradHyper",
     "AdamHyper",
+    "Extension",
     "LionHyper",
     "adagrad_hyper",
     "adagrad_step",
@@ -59,6 +60,7 @@ __all__ = [
     "adam_step",
     "available",
     "ceiling",
+    "extension",
     "grad_stats",
     "isa",
     "lion_hyper",

@@ -7,10 +7,23 @@ missing. The choice is made at first use (`FZERO_ISA`, else the best the CPU sup
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import warnings
+from typing import NamedTuple
 
-__all__ = ["ISAS", "available", "isa", "openmp", "parallel_threshold", "set_isa", "supported_isas"]
+__all__ = [
+    "ISAS",
+    "Extension",
+    "available",
+    "extension",
+    "isa",
+    "openmp",
+    "parallel_threshold",
+    "set_isa",
+    "supported_isas",
+]
 
 try:
     from ._kernel import ffi, lib
@@ -31,6 +44,32 @@ _warned = False
 def available() -> bool:
     """Whether the compiled extension is installed (whatever path is chosen)."""
     return lib is not None
+
+
+class Extension(NamedTuple):
+    """The compiled extension's file and why it did not load (`extension()`)."""
+
+    path: str | None
+    """The file imported; or, when the import failed, the file the import system found (a broken build); or None
+    when there is none (installed without a compiler)."""
+    error: str | None
+    """The import's error message; None when the extension loaded."""
+
+
+def extension() -> Extension:
+    """Where the compiled extension is and whether it loaded, for diagnostics (`fzero report`).
+
+    Returns:
+      `Extension(path, error)`: the loaded file and None, or (the file found or None) and the import's error.
+    """
+    name = f"{__package__}._kernel"
+    if lib is not None:
+        return Extension(getattr(sys.modules.get(name), "__file__", None), None)
+    try:  # the import failed: is a file there at all (a broken build) or none (no build)?
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # (ValueError: the module is blocked in sys.modules)
+        spec = None
+    return Extension(spec.origin if spec is not None else None, str(IMPORT_ERROR))
 
 
 def supported_isas() -> tuple[str, ...]:
