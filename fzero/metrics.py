@@ -24,10 +24,13 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .monitors import Event, MonitorMaster
 
 __all__ = [
     "Monitor",
@@ -199,6 +202,7 @@ class Monitor:
       flops_per_sample: training FLOPs per sample (enables TFLOPS), e.g. `transformer_flops(..., batch=1)`.
       enabled: whether this process reports at all (rank 0 only, normally).
       printer: where lines go (`print`; `tqdm.write` under a progress bar).
+      writers: DeepSpeed's monitors (`fzero.monitors.MonitorMaster`) that `write_events` feeds, if any.
     """
 
     def __init__(
@@ -213,6 +217,7 @@ class Monitor:
         flops_per_sample: float | None = None,
         enabled: bool = True,
         printer: Callable[[str], Any] = print,
+        writers: MonitorMaster | None = None,
     ) -> None:
         self.samples_per_step = samples_per_step
         self.world = world
@@ -221,6 +226,7 @@ class Monitor:
         self.flops_per_sample = flops_per_sample
         self.enabled = enabled
         self.printer = printer
+        self.writers = writers
         self.throughput = Throughput(warmup_steps)
         self.losses: list[float] = []
         self.skipped = 0
@@ -287,7 +293,16 @@ class Monitor:
         out.update(self.rates(out["step_time"]))
         return out
 
+    def write_events(self, events: Sequence[Event]) -> None:
+        """Write `(name, value, global_samples)` events to the config's monitors (TensorBoard, W&B, CSV, Comet) on
+        the process that writes them (DeepSpeed's `engine.monitor.write_events`); nothing without monitors."""
+        if self.writers is not None:
+            self.writers.write_events(events)
+
     def close(self) -> None:
+        """Close the JSONL file and flush and close the monitors."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.writers is not None:
+            self.writers.close()

@@ -2,6 +2,7 @@
 
     fzero train --nproc 2 --stage 3 --steps 50                  # launches torchrun itself (gloo on CPU)
     fzero train --config ds_config.json --precision bf16        # a DeepSpeed JSON config; flags override it
+    fzero train --tensorboard runs/tb --wandb                   # DeepSpeed's monitors (pip install "fzero[monitor]")
 
 Without `--config` the run's DeepSpeed config is built from the flags; with it, the file is the base and only the
 flags given explicitly override it. Each rank draws its own batches (seeded by rank). Rank 0 shows a progress bar,
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"a collective waiting longer for another rank fails (default {d['timeout']:g}; config key "
            "comms_config.timeout)")  # fmt: skip
     a("--no-progress", action="store_true", help="no progress bar")
+    a("--tensorboard", metavar="DIR",
+      help="TensorBoard events in DIR/<job_name> (config block tensorboard; needs fzero[monitor])")  # fmt: skip
+    a("--wandb", action="store_true", default=None,
+      help="log to Weights & Biases (config block wandb; WANDB_MODE=offline works; needs fzero[monitor])")  # fmt: skip
 
 
 _SEED_LIMIT = 2**53  # the data generator is seeded with seed * 1000 + rank, which must stay a valid 64-bit seed
@@ -173,6 +178,10 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
     comms = cfg.setdefault("comms_config", {})
     if isinstance(comms, dict) and (_given(args, "timeout") or comms.get("timeout") is None):
         comms["timeout"] = _opt(args, "timeout")  # a file's own timeout stays unless the flag is given
+    if _given(args, "tensorboard"):  # the file's job_name and other keys stay
+        section("tensorboard").update(enabled=True, output_path=args.tensorboard)
+    if _given(args, "wandb"):
+        section("wandb")["enabled"] = True
     out = Path(_opt(args, "out"))
     metrics = cfg.setdefault("fzero_metrics", {})
     metrics.update(
@@ -188,12 +197,15 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
     """The command line for each torchrun worker: the same flags, without `--nproc`."""
     argv = []
     for action_name in ("stage", "precision", "steps", "config", "batch", "accumulate", "lr", "warmup", "layers",
-                        "d_model", "heads", "seq_len", "seed", "threads", "out", "print_every", "timeout"):  # fmt: skip
+                        "d_model", "heads", "seq_len", "seed", "threads", "out", "print_every", "timeout",
+                        "tensorboard"):  # fmt: skip
         value = getattr(args, action_name, None)
         if value is not None:
             argv += [f"--{action_name.replace('_', '-')}", str(value)]
     if args.offload:
         argv.append("--offload")
+    if getattr(args, "wandb", None):
+        argv.append("--wandb")
     if args.no_progress:
         argv.append("--no-progress")
     return argv

@@ -3,7 +3,8 @@
 Three kinds of keys:
 
 - keys fzero implements (the batch triad, `zero_optimization.stage`, `fp16`, `bf16`, `optimizer`, `scheduler`,
-  `gradient_clipping`, `steps_per_print`, `wall_clock_breakdown`, ...): DeepSpeed's meaning and default;
+  `gradient_clipping`, `steps_per_print`, `wall_clock_breakdown`, the monitors `tensorboard`, `wandb`,
+  `csv_monitor` and `comet`, ...): DeepSpeed's meaning and default;
 - keys that tune how DeepSpeed schedules its communication: `overlap_comm` (each unit's gradient reduction
   overlaps the backward; default, as DeepSpeed's, on at stage 3 only) and `reduce_bucket_size` (with it, the most
   gradient elements in flight) take effect through `fzero.GatherPolicy`, as do stage 3's prefetch, persistence and
@@ -11,7 +12,7 @@ Three kinds of keys:
   `contiguous_gradients`, ...) have no effect, because fzero's unit of communication is the unit of its flat buffer
   (one collective per unit): values are still checked;
 - known features fzero does not implement (parameter offload, NVMe, quantized or hierarchical ZeRO, MiCS, 1-bit
-  optimizers, AMP, pipeline/tensor/sequence parallelism, monitors, ...): only their disabled value is accepted,
+  optimizers, AMP, pipeline/tensor/sequence parallelism, ...): only their disabled value is accepted,
   anything else is an `UnsupportedConfigError` naming the key.
 
 `fzero_metrics` and `fzero_precision` are fzero's own blocks (DeepSpeed ignores them): the JSONL metrics file and
@@ -29,6 +30,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .monitors import COMET, CSV_MONITOR, TENSORBOARD, WANDB
 from .optimizers import BETA, OPTIMIZER
 from .schema import (
     REQUIRED,
@@ -372,7 +374,6 @@ def _bf16_master_checks(values: dict[str, Any]) -> None:
             )
 
 
-_MONITOR = "monitors are not implemented; use fzero_metrics.jsonl"
 SCHEMA = Section(
     {
         "train_batch_size": Field(Nullable(Int()), None),
@@ -413,10 +414,10 @@ SCHEMA = Section(
         "optimizer": Field(Nullable(OPTIMIZER), None),
         "scheduler": Field(Nullable(SCHEDULER), None),
         "flops_profiler": _feature("the FLOPs profiler; fzero_metrics estimates TFLOPS of dense transformers"),
-        "tensorboard": _feature(_MONITOR),
-        "wandb": _feature(_MONITOR),
-        "csv_monitor": _feature(_MONITOR),
-        "comet": _feature(_MONITOR),
+        "tensorboard": TENSORBOARD,
+        "wandb": WANDB,
+        "csv_monitor": CSV_MONITOR,
+        "comet": COMET,
         "comms_logger": _feature("the communication logger; Mesh.record() gives fzero's ledger"),
         "elasticity": _feature("elastic training"),
         "autotuning": AUTOTUNING,

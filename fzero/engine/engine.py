@@ -52,6 +52,7 @@ from ..layout import unflatten
 from ..mesh import Mesh
 from ..metrics import Monitor, transformer_flops
 from ..microstep import MicroStep, compute_params, frozen_params, loss_scale, named_tensors, scaled
+from ..monitors import MonitorMaster, boundary_events
 from ..optim import Hyper, hyper_value
 from ..state import TrainState
 from ..step import init
@@ -538,6 +539,8 @@ class Engine(ConfigAccessors, nn.Module):
             flops_per_sample=flops,
             enabled=self.global_rank == 0,
             printer=printer,
+            # DeepSpeed's tensorboard / wandb / csv_monitor / comet blocks: written on global rank 0 only
+            writers=MonitorMaster(self.config.values, write=self.global_rank == 0),
         )
 
     def _report(self, lr: list[float], metrics: dict[str, Any]) -> None:
@@ -555,10 +558,21 @@ class Engine(ConfigAccessors, nn.Module):
         }
         if len(lr) > 1:
             values["lr_groups"] = lr  # DeepSpeed's progress line prints get_lr(): every group's
-        if self.config.wall_clock_breakdown:
-            values.update({f"{k}_ms": v * 1e3 for k, v in self._times.items()})
+        times_ms = {k: v * 1e3 for k, v in self._times.items()} if self.config.wall_clock_breakdown else None
+        if times_ms is not None:
+            values.update({f"{k}_ms": v for k, v in times_ms.items()})
         self._times = dict.fromkeys(self._times, 0.0)
         self.last_record = self.monitor.record(self.global_steps, step_time, **values)
+        writers = self.monitor.writers
+        if writers is not None and writers.writers:  # every boundary, whatever steps_per_print, as DeepSpeed
+            # DeepSpeed logs get_lr()[0] and the loss scale as they are after the step (the next update's)
+            fp16 = self.config.precision == "fp16"
+            self.monitor.write_events(
+                boundary_events(
+                    self.global_samples, self.get_lr()[0], values["loss"],
+                    loss_scale=self.loss_scale if fp16 else None, times_ms=times_ms,
+                )
+            )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- the user's model
     def _sync_module(self) -> None:
@@ -603,7 +617,7 @@ class Engine(ConfigAccessors, nn.Module):
         return self.monitor.summary()
 
     def close(self) -> None:
-        """Close the metrics file."""
+        """Close the metrics file; flush and close the monitors (TensorBoard, W&B, CSV, Comet)."""
         self.monitor.close()
 
     def __repr__(self) -> str:
