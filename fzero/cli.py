@@ -11,6 +11,8 @@ import sys
 COMMANDS = {
     "train": "train the small GPT on the bundled corpus (the main job)",
     "consolidate": "write a checkpoint's consolidated parameters to one safetensors file",
+    "import-deepspeed": "convert a DeepSpeed ZeRO checkpoint (stage 1-3, any world size) to an fzero checkpoint",
+    "report": "what this installation can run: versions, the C kernel, CPU, distributed backends (exit 1 if broken)",
 }
 
 
@@ -20,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     modules, parsers = {}, {}
     for name, help_text in COMMANDS.items():
         try:
-            module = importlib.import_module(f"fzero.commands.{name}")
+            module = importlib.import_module(f"fzero.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name != f"fzero.commands.{name}":
+            if e.name != f"fzero.commands.{name.replace('-', '_')}":
                 raise
             continue  # not built yet
         modules[name] = module

@@ -1,0 +1,42 @@
+"""`fzero import-deepspeed CKPT_DIR OUT [--tag TAG]`: a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, any world size)
+as an fzero checkpoint that `engine.load_checkpoint(OUT)` / `fzero.load` resume at any world size and stage.
+
+Nothing in the DeepSpeed files is executed: they are read with `torch.load(weights_only=True)` and an allowlist of
+the few non-tensor types DeepSpeed stores (`fzero.interop.ds_files`); a file needing more is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt", metavar="CKPT_DIR", help="the directory DeepSpeed's engine.save_checkpoint wrote")
+    parser.add_argument("out", metavar="OUT", help="the fzero checkpoint directory to write (OUT/<tag>, OUT/latest)")
+    parser.add_argument("--tag", default=None, help="which checkpoint (default: the one DeepSpeed's 'latest' names)")
+    parser.add_argument(
+        "--config", default=None, metavar="JSON", help="the DeepSpeed config to build the state with (default: the "
+        "one saved in the checkpoint; needed when the run used a client optimizer)"
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+    from ..interop import import_deepspeed
+
+    start = time.perf_counter()
+    try:
+        config = None
+        if args.config is not None:
+            with open(args.config) as f:
+                config = json.load(f)
+        path = import_deepspeed(args.ckpt, args.out, tag=args.tag, config=config)
+    except (CheckpointError, ConfigError, OSError, json.JSONDecodeError) as e:
+        print(f"fzero import-deepspeed: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{path}: imported from {args.ckpt} in {time.perf_counter() - start:.2f}s")
+    return 0

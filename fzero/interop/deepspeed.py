@@ -1,0 +1,173 @@
+"""`import_deepspeed`: a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, any world size) as an fzero checkpoint.
+
+    fzero.interop.import_deepspeed("ds_ckpt", "fz_ckpt")            # or: fzero import-deepspeed ds_ckpt fz_ckpt
+    engine, *_ = fzero.initialize(model=model, config=ds_config)    # any world size, any stage
+    engine.load_checkpoint("fz_ckpt")                               # continues the DeepSpeed run
+
+What is carried over: the fp32 master parameters (not the bf16/fp16 module copy: the compute copy is re-derived
+from the masters by rounding, as DeepSpeed derives it), Adam's moments and update count (and with it the config's
+LR schedule, a function of that count in both), DeepSpeed's counters (`global_steps`, `global_samples`,
+`skipped_steps`), the loss scaler's state, frozen parameters, buffers, tied parameters, the base optimizer's
+per-group hyper-parameters, a client scheduler's `state_dict()` and the `client_state`. The result is an ordinary
+fzero checkpoint (one rank, stage 0: `load` reshards it to the loading engine's world size and stage).
+
+Refused with a named error: optimizers other than Adam/AdamW (their state has other fields), a client state or
+scheduler state that JSON cannot hold (fzero checkpoints never pickle), files needing types beyond the allowlist
+(`fzero.interop.ds_files`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from ..checkpoint import IncompatibleCheckpointError
+from ..checkpoint.tree import flatten_state
+from ..engine import initialize
+from ..engine.counters import EngineCounters
+from ..layout import flatten
+from ..mesh import SimMesh
+from .ds_files import resolve_tag
+from .ds_state import MOMENTS, DeepSpeedState, read_deepspeed
+
+__all__ = ["import_deepspeed"]
+
+_ADAM = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
+# the loss scaler's fields that are fzero's scale_loss state leaves of the same meaning
+_SCALER = {"cur_scale": "value", "cur_iter": "cur_iter", "last_overflow_iter": "last_overflow_iter",
+           "cur_hysteresis": "cur_hysteresis"}  # fmt: skip
+
+
+def _skeleton(ds: DeepSpeedState) -> nn.Module:
+    """A module with the checkpoint's parameters (fp32 masters), frozen parameters and buffers at their names."""
+    root = nn.Module()
+
+    def place(name: str) -> tuple[nn.Module, str]:
+        module = root
+        *owners, leaf = name.split(".")
+        for part in owners:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        return module, leaf
+
+    for name, value in ds.params.items():
+        module, leaf = place(name)
+        module.register_parameter(leaf, nn.Parameter(value.clone()))
+    for name, value in ds.frozen.items():
+        module, leaf = place(name)
+        module.register_parameter(leaf, nn.Parameter(value.clone(), requires_grad=False))
+    for alias, source in ds.shared.items():
+        module, leaf = place(alias)
+        module.register_parameter(leaf, root.get_parameter(source))
+    for name, value in ds.buffers.items():
+        module, leaf = place(name)
+        module.register_buffer(leaf, value.clone())
+    return root
+
+
+def _config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]:
+    """The config to build the one-rank state with: the run's, at stage 0 with its per-rank micro-batch."""
+    cfg = copy.deepcopy(ds.config if config is None else config)
+    optimizer = cfg.get("optimizer")
+    if not isinstance(optimizer, dict):
+        raise IncompatibleCheckpointError(
+            f"{ds.path}: the DeepSpeed config has no 'optimizer' block (a client optimizer?): pass config= (the "
+            "config to train with, its optimizer block included) to import the optimizer state"
+        )
+    kind = str(optimizer.get("type", "")).lower()
+    if kind not in _ADAM:
+        raise IncompatibleCheckpointError(
+            f"{ds.path}: optimizer type {optimizer.get('type')!r}: only Adam/AdamW states can be imported (exp_avg, "
+            "exp_avg_sq, step); other optimizers' states have other fields"
+        )
+    gas = int(cfg.get("gradient_accumulation_steps") or 1)
+    if "train_micro_batch_size_per_gpu" not in cfg:
+        cfg["train_micro_batch_size_per_gpu"] = int(cfg["train_batch_size"]) // (gas * ds.world)
+    cfg.pop("train_batch_size", None)
+    cfg["zero_optimization"] = {"stage": 0}
+    return cfg
+
+
+def _state(engine: Any, ds: DeepSpeedState) -> Any:
+    """The engine's one-rank state with the checkpoint's optimizer state, loss scale and micro-step count."""
+    state = engine.state
+    layout, flat = state.layout, flatten_state(state)
+    update = state.plan.path_of("update")
+    prefix = "/".join(("tx_state", *(update or ()))) + "/"
+    values = {f"{prefix}{k}": flatten(layout, ds.moments[k]).unsqueeze(0) for k in MOMENTS}
+    values[f"{prefix}count"] = torch.tensor(ds.step, dtype=torch.int64)
+    values["step"] = torch.tensor(ds.counters["global_steps"] * engine.config.gas, dtype=torch.int64)
+    for field, leaf in _SCALER.items():
+        if field in ds.loss_scaler:
+            values[f"tx_state/scale_loss/{leaf}"] = torch.tensor(ds.loss_scaler[field])
+    leaves = []
+    for entry, old in zip(flat.entries, flat.leaves, strict=True):
+        new = values.pop(entry.key, None)
+        leaves.append(old if new is None else new.to(old.dtype).reshape(old.shape))
+    unused = [k for k in values if not k.startswith("tx_state/scale_loss/")]
+    if unused:
+        raise IncompatibleCheckpointError(
+            f"{ds.path}: the fzero state built from its config has no leaf {unused[0]!r} for the DeepSpeed optimizer "
+            "state (is the config's optimizer Adam/AdamW?)"
+        )
+    return optree.tree_unflatten(flat.treespec, leaves)
+
+
+def import_deepspeed(
+    ckpt_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """Write the DeepSpeed checkpoint `ckpt_dir/tag` as an fzero checkpoint under `out` (same tag).
+
+    Args:
+      ckpt_dir: the directory DeepSpeed's `engine.save_checkpoint(ckpt_dir)` wrote.
+      out: the fzero checkpoint directory to write (`out/<tag>/`, and `out/latest`).
+      tag: which checkpoint (default: the one DeepSpeed's `latest` file names).
+      config: the DeepSpeed config to build the state with (default: the one saved in the checkpoint).
+
+    Returns:
+      The fzero checkpoint's path, for `engine.load_checkpoint` / `fzero.load` at any world size and stage.
+
+    Raises:
+      fzero.checkpoint.CheckpointError: see `read_deepspeed` and the module docstring.
+    """
+    ds = read_deepspeed(resolve_tag(ckpt_dir, tag))
+    engine, *_ = initialize(model=_skeleton(ds), config=_config(ds, config), mesh=SimMesh(1), printer=lambda _: None)
+    scheduled = ds.config.get("scheduler") is not None
+    counters = EngineCounters(
+        global_steps=ds.counters["global_steps"],
+        global_samples=ds.counters["global_samples"],
+        micro_steps=ds.counters["global_steps"] * engine.config.gas,
+        skipped_steps=ds.counters["skipped_steps"],
+        applied=ds.step,
+    )
+    engine.restore(_state(engine, ds), counters)
+    for group, saved in zip(engine.optimizer.param_groups, ds.param_groups, strict=False):
+        group.update({k: saved[k] for k in ("lr", "betas") if k in saved})
+    if not scheduled and ds.lr_scheduler is not None:  # a client scheduler: restored by the caller's on load
+        engine.client_scheduler = _Saved(ds.lr_scheduler)
+    try:
+        engine.save_checkpoint(out, tag=ds.path.name, client_state=ds.client_state)
+    except (TypeError, ValueError) as e:  # a client state or scheduler state JSON cannot hold
+        raise IncompatibleCheckpointError(f"{ds.path}: {e}") from None
+    return Path(out) / ds.path.name
+
+
+class _Saved:
+    """A scheduler's saved `state_dict()`, handed to the engine's checkpoint record as a scheduler would."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
