@@ -18,21 +18,33 @@ from fzero import process_group
 from tests.spawn import init_worker
 
 GLOBAL, SAVE_AT, STEPS = 12, 10, 20
-CASES = [(2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")]  # DeepSpeed's stage and precision
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CASES = [
+    (2, "fp32"),
+    (3, "fp32"),
+    (2, "bf16"),
+    (3, "bf16"),
+    (1, "fp32"),
+]  # stage, precision (fp16: DeepSpeed refuses it on the CPU)
 
 
 class Net(nn.Module):
-    """Two linear layers around a LayerNorm, a buffer, and a head tied to nothing."""
+    """Linear layers around a LayerNorm whose bias is frozen, two layers sharing (tying) one weight, a buffer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Linear(6, 10)
         self.ln = nn.LayerNorm(10)
+        self.ln.bias.requires_grad_(False)
+        self.mid = nn.Linear(10, 10)
+        self.mid2 = nn.Linear(10, 10, bias=False)
+        self.mid2.weight = self.mid.weight
         self.head = nn.Linear(10, 3)
         self.register_buffer("scale", torch.tensor([1.5]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.ln(self.emb(x)) * self.scale.to(x.dtype)))
+        h = torch.tanh(self.ln(self.emb(x)) * self.scale.to(x.dtype))
+        return self.head(torch.tanh(self.mid2(torch.tanh(self.mid(h)))))
 
 
 def config(stage: int, precision: str, world: int) -> dict:
@@ -47,8 +59,8 @@ def config(stage: int, precision: str, world: int) -> dict:
         },
         "steps_per_print": 10**9,
     }
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
     return cfg
 
 
@@ -66,7 +78,7 @@ def train(engine, precision: str, steps: range, rank: int, world: int) -> tuple[
     for step in steps:
         x, y = batch(step, rank, world)
         lrs.append(float(engine.get_lr()[0]).hex())
-        out = engine(x.to(torch.bfloat16 if precision == "bf16" else torch.float32))
+        out = engine(x.to(DTYPES[precision]))
         loss = (out.float() - y).square().mean()
         engine.backward(loss)
         engine.step()

@@ -15,7 +15,6 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import fzero
 from fzero.checkpoint import (
@@ -31,7 +30,7 @@ from tests.spawn import spawn
 
 # fzero resumes: (DeepSpeed case, fzero stage) per world size
 RUNS = {
-    2: [(w.case_name(s, p), stage, None) for s, p in w.CASES for stage in sorted({s, 5 - s})]  # also 2 <-> 3
+    2: [(w.case_name(s, p), stage, None) for s, p in w.CASES for stage in (s, 2 if s == 3 else 3)]  # and another
     + [(w.case_name(s, "bf16"), s, "bf16") for s in (2, 3)],  # DeepSpeed's reduction dtype under bf16
     3: [(w.case_name(s, p), s, None) for s, p in w.CASES],
 }
@@ -81,8 +80,10 @@ def test_the_imported_run_continues_the_deepspeed_run(runs):
 @pytest.mark.timeout(900)
 def test_steps_11_to_20_within_deepspeeds_own_stage_to_stage_spread(runs):
     """Where fzero's arithmetic is DeepSpeed's (world 2), every loss of steps 11-20 is within the spread of
-    DeepSpeed's own stage-2 and stage-3 runs of the same precision (max over those steps of |loss_z2 - loss_z3|;
-    measured: 1.2e-7 in fp32, 0 in bf16, and fzero's bf16 runs with bf16 reduction are bitwise DeepSpeed's)."""
+    DeepSpeed's own stage-2 and stage-3 runs of the same precision (max over those steps of |loss_z2 - loss_z3|).
+    Measured here: that spread is 0 in fp32 and in bf16, and so is fzero's difference (stages 1-3, resumed at the
+    saved stage or another, bf16 with DeepSpeed's bf16 gradient reduction): the continuation is bitwise
+    DeepSpeed's."""
     _, ds, fz = runs
     spread = {}
     for p in ("fp32", "bf16"):
@@ -96,13 +97,15 @@ def test_steps_11_to_20_within_deepspeeds_own_stage_to_stage_spread(runs):
             diff = max(abs(x - y) for x, y in zip(got, ref, strict=True))
             assert diff <= spread[name.split("-")[1]], (key, diff, spread)
             checked += 1
-    assert checked == 6
+    assert checked == sum(deepspeed_arithmetic(key) for key in fz[2]) > 0
 
 
-# A wrong import moves the loss by about lr per step (a lost moment restarts Adam's normalisation; a lost step
-# count its bias correction and the schedule): 1e-2 here, against the mean loss of about 1. Rounding differences
-# (another reduction order at world 3, float32 rather than bf16 reduction) stay far below. This is a detection
-# threshold (what a bug does), not a rounding bound; `test_a_wrong_import_exceeds_the_threshold` shows it fires.
+# Other arithmetic: at world 3 (the ranks' sums in another order) the losses differ by 1.2e-7 (fp32) and 1.5e-4
+# (bf16) at most, and with fzero's default float32 gradient reduction under bf16 by 2.8e-4, relative to a loss of
+# about 1.15. A wrong import moves the loss by about lr per step (a lost moment restarts Adam's normalisation, a lost
+# step count its bias correction and the schedule): Adam's second moment zeroed, 0.10 relative. The threshold between
+# is a detection threshold (what a bug does), not a rounding bound; `test_a_wrong_import_exceeds_the_threshold`
+# shows it fires.
 THRESHOLD = 1e-2
 
 
@@ -126,7 +129,7 @@ def one_rank_losses(path: Path, precision: str, break_it: bool = False) -> list[
     losses = []
     for step in range(w.SAVE_AT + 1, w.STEPS + 1):
         x, y = w.batch(step, 0, 1)
-        out = engine(x.to(torch.bfloat16 if precision == "bf16" else torch.float32))
+        out = engine(x.to(w.DTYPES[precision]))
         loss = (out.float() - y).square().mean()
         engine.backward(loss)
         engine.step()
@@ -159,10 +162,13 @@ def test_the_consolidated_parameters_are_deepspeeds_masters(runs):
     """`read_deepspeed` puts the stage-2 and stage-3 partitions back together as DeepSpeed's own zero_to_fp32 does:
     the same run's masters from both stages (equal up to their runs' spread) and the imported checkpoint's."""
     tmp, _, _ = runs
-    for name in ("z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16"):
+    names = {n for n, p in w.Net().named_parameters() if p.requires_grad}
+    for stage, precision in w.CASES:
+        name = w.case_name(stage, precision)
         state = read_deepspeed(resolve_tag(tmp / name, None))
-        assert state.step == w.SAVE_AT and state.world == 2 and state.stage == int(name[1])
-        assert set(state.params) == {n for n, _ in w.Net().named_parameters()}
+        assert state.step == w.SAVE_AT and state.world == 2 and state.stage == stage
+        assert set(state.params) == names and set(state.frozen) == {"ln.bias"}
+        assert state.shared == {"mid2.weight": "mid.weight"}
         assert state.buffers == {"scale": torch.tensor([1.5])}
         consolidated = fzero.consolidate(tmp / f"{name}-fzero")
         for k, v in state.params.items():
@@ -171,17 +177,17 @@ def test_the_consolidated_parameters_are_deepspeeds_masters(runs):
     for name in ("z2-fp32", "z3-bf16"):
         out = tmp / f"{name}-zero_to_fp32"
         script = tmp / name / "zero_to_fp32.py"
-        done = subprocess.run(
-            [sys.executable, str(script), str(tmp / name), str(out), "--safe_serialization"],
+        done = subprocess.run(  # (its --safe_serialization fails on tied weights: "Some tensors share memory")
+            [sys.executable, str(script), str(tmp / name), str(out)],
             capture_output=True,
             text=True,
             timeout=300,
             env={**os.environ, "DS_ACCELERATOR": "cpu"},
         )
         assert done.returncode == 0, done.stderr
-        theirs = load_file(out / "model.safetensors")
+        theirs = torch.load(out / "pytorch_model.bin", weights_only=True)
         ours = read_deepspeed(resolve_tag(tmp / name, None))
-        assert theirs.keys() == {*ours.params, *ours.buffers}
+        assert theirs.keys() == {*ours.params, *ours.buffers, *ours.frozen, *ours.shared}
         for k, v in ours.params.items():
             assert torch.equal(theirs[k], v), (name, k)
 

@@ -62,7 +62,9 @@ def _skeleton(ds: DeepSpeedState) -> nn.Module:
         module.register_parameter(leaf, nn.Parameter(value.clone()))
     for name, value in ds.frozen.items():
         module, leaf = place(name)
-        module.register_parameter(leaf, nn.Parameter(value.clone(), requires_grad=False))
+        # float32, as the model a run starts from has them (DeepSpeed's bf16/fp16 module rounded them: exact)
+        value = value.float() if value.is_floating_point() else value.clone()
+        module.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
     for alias, source in ds.shared.items():
         module, leaf = place(alias)
         module.register_parameter(leaf, root.get_parameter(source))

@@ -213,7 +213,11 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
                for key in MOMENTS}  # fmt: skip
     module = _need(model, "module", mfiles[0])
     buffer_names = model.get("buffer_names", [])
+    shared = dict(model.get("shared_params") or {})
     frozen_shapes = {k: torch.Size(v) for k, v in (model.get("frozen_param_shapes") or {}).items()}
+    if model.get("frozen_param_shapes") is None and stage < 3:  # stage 1 records none: what the module has beyond
+        frozen_shapes = {k: v.shape for k, v in module.items() if k not in params and k not in buffer_names
+                         and k not in shared}  # fmt: skip
     if stage == 3 and frozen_shapes:
         frozen = _zipped([torch.cat([m["frozen_param_fragments"][k].flatten() for k in frozen_shapes]) for m in models],
                          [frozen_shapes], path)  # fmt: skip
@@ -229,7 +233,7 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
         step=_step([b[0] for b in bases], path),
         frozen=frozen,
         buffers={k: module[k].clone() for k in buffer_names if k in module},
-        shared={k: v for k, v in (model.get("shared_params") or {}).items()},
+        shared=shared,
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in bases[0][1]],
         loss_scaler=_scaler(optims[0]),
         counters={k: int(model.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")},
