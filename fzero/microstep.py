@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from .agreement import agree
 from .bind import bound
 from .layout import Layout, unflatten
-from .mesh import Mesh
+from .mesh import CollectiveError, Mesh
 from .state import TrainState
 from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
 from .transforms.scaling import current_loss_scale
@@ -253,6 +253,21 @@ class MicroStep:
             new = new.replace(compute=gathered.detach())
         metrics["comm"] = self.ledger.as_dict()
         return new, metrics
+
+    def fail(self, error: BaseException) -> None:
+        """This rank's forward or backward raised `error` (the shell's): complete the step's collectives (zero
+        gradients for what it did not reach), then agree with the others, which raises `DesyncError` on every rank,
+        in this step, before any update. On a mesh that needs no agreement (one process) nothing is issued and
+        `error` propagates as it is (the caller re-raises it), as after a failed collective."""
+        try:
+            if self.mesh.stacked or self.mesh.world == 1 or isinstance(error, CollectiveError):
+                return  # one process: nothing to pair; a collective failed: issuing more cannot help
+            if self._gathering is not None:
+                self._gathering.complete(abandoned=True)
+            with record_function("fzero.agree"):
+                agree(self.mesh, int(self.state.step), self.ledger.total("calls"), error)
+        finally:
+            self.abandon()
 
     def abandon(self) -> None:
         """End the micro-step without an update: unbind, stop counting, free what is gathered."""

@@ -468,6 +468,12 @@ class UnitGathering:
         """Per-unit forward and backward seconds, with `GatherPolicy(timings=True)`."""
         return self._g.times
 
+    def complete(self, abandoned: bool = False) -> None:
+        """Issue the collectives this rank's forward (and backward) did not reach, in the others' order, so that
+        theirs pair with them: the gathers of units an early exit skipped, and after an exception (`abandoned`)
+        zero gradients for the units no backward reached (`Gatherer.complete`)."""
+        self._g.complete(abandoned)
+
     def finish(self) -> Tensor:
         """Reduce what no gradient reached, free everything, remove the hooks; this rank's gradient shard."""
         try:

@@ -104,6 +104,59 @@ def run(rank: int, world: int, out_dir: str) -> None:
     process_group.shutdown()
 
 
+class Failing(Drop):
+    """`Drop` whose forward raises when asked to (a bad batch on one rank)."""
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        out = super().forward(x, skip)
+        if fail:
+            raise ValueError("a bad batch on this rank")
+        return out
+
+
+def shell_config(stage: int, world: int) -> dict:
+    """Each block its own unit, gathered when the forward reaches it (no unit is small enough to persist)."""
+    return {
+        "train_batch_size": 3 * world,
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def shell_train(stage: int, rank: int, world: int, data: list[dict], fail_at: int | None) -> tuple[dict, list]:
+    """An engine over `data` (rank `rank`'s rows) whose forward raises on the last rank at step `fail_at`; the
+    consolidated parameters and, per step, the DesyncError's (type of its cause, in_step, text) or None."""
+    engine, *_ = fzero.initialize(model=Failing(), config=shell_config(stage, world), printer=lambda _: None)
+    errors = []
+    for s, batch in enumerate(data):
+        try:
+            fail = s == fail_at and rank == world - 1
+            engine.backward(engine(batch["x"][rank], batch["skip"][rank], fail=fail).square().mean())
+            engine.step()
+            errors.append(None)
+        except fzero.DesyncError as e:
+            errors.append([type(e.__cause__).__name__, e.in_step, str(e)])
+    return {k: v.tolist() for k, v in engine.module_state_dict().items()}, errors
+
+
+def shell_eval(stage: int, rank: int, world: int, data: list[dict]) -> dict:
+    """Evaluation forwards (no_grad) in which the last rank exits early (skips the last two blocks) while the others
+    run every block, between training steps: each rank's outputs, and those with no rank exiting early."""
+    engine, *_ = fzero.initialize(model=Failing(), config=shell_config(stage, world), printer=lambda _: None)
+    out: dict = {"early": [], "full": []}
+    for batch in data:
+        x, none = batch["x"][rank], torch.zeros(4, dtype=torch.bool)
+        early = torch.tensor([False, False, True, True]) if rank == world - 1 else none
+        with torch.no_grad():
+            out["early"].append(engine(x, early).tolist())
+            out["full"].append(engine(x, none).tolist())
+        engine.backward(engine(x, none).square().mean())  # the collectives still pair: training goes on
+        engine.step()
+    out["params"] = {k: v.tolist() for k, v in engine.module_state_dict().items()}
+    return out
+
+
 def shell(rank: int, world: int, out_dir: str) -> None:
     """The shell's half: `fzero.initialize` engines whose ranks are at different micro-steps (as after resuming
     from different checkpoints) at stages 0-3; per stage and step, the `DesyncError` raised (in_step, text)."""
@@ -131,6 +184,10 @@ def shell(rank: int, world: int, out_dir: str) -> None:
                 engine.zero_grad()
                 errors.append([e.in_step, str(e)])
         results[str(stage)] = {"errors": errors, "micro_steps": engine.micro_steps}
+        data = batches(world, [[[], []]] * 4)
+        results[f"fail {stage}"] = shell_train(stage, rank, world, data, fail_at=1)
+        results[f"without {stage}"] = shell_train(stage, rank, world, [data[0], data[2], data[3]], None)
+        results[f"eval {stage}"] = shell_eval(stage, rank, world, data[:2])
     with open(os.path.join(out_dir, f"shell-{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()

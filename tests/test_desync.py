@@ -4,7 +4,9 @@
   are gathered and reduced with zero gradients, as the ranks that ran them are);
 - a rank whose forward raises makes every rank raise `fzero.DesyncError` in that step, before any update; a loop
   that catches it on every rank goes on in step, as if the step had never been taken;
-- ranks at different steps raise `DesyncError` on every rank, in the first step.
+- ranks at different steps raise `DesyncError` on every rank, in the first step;
+- the same in the shell (`fzero.initialize` engines, stages 0-3), and an evaluation forward in which one rank exits
+  early stays paired with the others'.
 """
 
 from __future__ import annotations
@@ -89,3 +91,31 @@ def test_the_shell_checks_the_ranks_agree_as_the_core_does(shell_runs, stage):
         for in_step, text in run["errors"]:
             assert in_step is False
             assert "out of step (rank 0: micro-step 0" in text and "rank 1: micro-step 1" in text
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_shell_rank_whose_forward_raises_fails_the_step_on_every_rank(shell_runs, stage):
+    """The shell as the core: rank 1's `engine(...)` raises in step 2 (caught by a skip-the-bad-batch loop); every
+    rank raises `DesyncError` in that step (rank 1 from its forward, rank 0 from `engine.step()`), still in step,
+    nothing updated: the run equals one that never saw that batch, bitwise."""
+    for rank in (0, 1):
+        got, errors = shell_runs[rank][f"fail {stage}"]
+        assert [e is None for e in errors] == [True, False, True, True], errors
+        cause, in_step, text = errors[1]
+        assert cause == ("ValueError" if rank == 1 else "NoneType") and in_step
+        assert "rank 1: ValueError: a bad batch on this rank" in text and "still in step" in text
+        assert got == shell_runs[rank][f"without {stage}"][0]
+    assert shell_runs[0][f"fail {stage}"][0] == shell_runs[1][f"fail {stage}"][0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_shell_evaluation_where_one_rank_exits_early(shell_runs, stage):
+    """`engine(...)` under no_grad in which rank 1 skips the last blocks (at stage 3 it gathers them all the same,
+    as the core's `eval_step` does): no hang, rank 0's outputs are those of a forward where nobody exits early, and
+    training goes on with the ranks in step (the same parameters on both)."""
+    early, full = (shell_runs[r][f"eval {stage}"] for r in (0, 1))
+    assert early["early"] == early["full"]  # rank 0 ran every block either way
+    assert full["early"] != full["full"]  # rank 1 did exit early
+    assert early["params"] == full["params"]

@@ -14,11 +14,13 @@ in two halves:
     engine.step()          state, metrics = micro.close(g, loss)    the ranks' agreement, then the chain
 
 so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset, through the
-same code: the desync check (`fzero.DesyncError`), the loss scale and the per-unit path included. From the first
+same code: the desync check (`fzero.DesyncError`; a rank whose forward or backward raises completes the step's
+collectives and fails it on every rank, `MicroStep.fail`), the loss scale and the per-unit path included. From the first
 forward of a micro-step to its `step()` the views stay bound into the model (`fzero.bind`), so that an
 activation-checkpoint recompute in the backward computes with them. A forward under `torch.no_grad()` (or
 `inference_mode`), e.g. an evaluation between steps, starts no micro-step: it computes with the current parameters
-(stage 3 gathering one unit at a time and freeing each after its module ran) and leaves training untouched, except
+(stage 3 gathering one unit at a time and freeing each after its module ran, then gathering the units an early
+exit skipped, as the other ranks do) and leaves training untouched, except
 for the buffers a train-mode forward updates, as in plain PyTorch.
 
 Gradient accumulation: DeepSpeed divides each micro-batch's gradients by `gradient_accumulation_steps` (GAS) in a
@@ -49,7 +51,7 @@ from ..bind import bound
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
-from ..mesh import Mesh
+from ..mesh import CollectiveError, Mesh
 from ..metrics import Monitor, transformer_flops
 from ..microstep import MicroStep, compute_params, frozen_params, loss_scale, named_tensors, scaled
 from ..monitors import MonitorMaster, boundary_events
@@ -215,9 +217,22 @@ class Engine(ConfigAccessors, nn.Module):
             self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
             self._micro.open_shell(self.module, self._compute(), self._local)
         with record_function("fzero.forward"):
-            out = torch.func.functional_call(self.module, self._micro.named, args, kwargs)
+            try:
+                out = torch.func.functional_call(self.module, self._micro.named, args, kwargs)
+            except Exception as e:
+                self._fail(e)
+                raise
         self._times["forward"] += time.perf_counter() - t0
         return out
+
+    def _fail(self, error: Exception) -> None:
+        """This rank's forward or backward raised: the micro-step is abandoned on every rank, as the core abandons
+        it (`MicroStep.fail`: the step's collectives completed, then `DesyncError` on every rank, nothing
+        updated); on one process `error` propagates."""
+        micro, self._micro = self._micro, None
+        self._grad = self._loss = None
+        if micro is not None:
+            micro.fail(error)
 
     def _compute(self) -> Tensor | None:
         """This rank's full compute parameters for the next forward, or None at stage 3 (gathered unit by unit).
@@ -250,8 +265,15 @@ class Engine(ConfigAccessors, nn.Module):
             frozen = frozen_params(state, self.mesh)
             named = named_tensors(state.layout, compute, None if frozen is None else self._local(frozen), buffers)
         try:
-            with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
-                out = torch.func.functional_call(module, named, args, kwargs)
+            try:
+                with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
+                    out = torch.func.functional_call(module, named, args, kwargs)
+            except Exception as e:
+                if gathering is not None and not isinstance(e, CollectiveError):  # the others' gathers pair with them
+                    gathering.complete(abandoned=True)
+                raise
+            if gathering is not None:  # the units an early exit skipped: the other ranks gather them
+                gathering.complete()
         finally:
             if gathering is not None:
                 gathering.close()
@@ -300,7 +322,12 @@ class Engine(ConfigAccessors, nn.Module):
             )
         earlier, micro.leaf.grad = micro.leaf.grad, None  # a manual loss.backward() before this one
         with record_function("fzero.backward"):  # not autograd.grad: reentrant checkpointing refuses it
-            self.scale(loss).backward(retain_graph=retain_graph)
+            try:
+                self.scale(loss).backward(retain_graph=retain_graph)
+            except Exception as e:
+                micro.leaf.grad = earlier
+                self._fail(e)
+                raise
         grad, micro.leaf.grad = micro.leaf.grad, earlier
         gas = self.config.gas
         if micro.per_unit:  # the units' gradients were reduced into the gathering during the backward
