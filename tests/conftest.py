@@ -16,7 +16,9 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 # set by pytest itself, and by torch's inductor on its first compile (a cache location, no effect on arithmetic)
-_OWN_VARIABLES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+# pytest's own; and what `import deepspeed` sets once, with setdefault (transformers imports DeepSpeed when it is
+# installed, as the test extra installs it): it only makes torch's CUDA availability check use NVML
+_OWN_VARIABLES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 @pytest.fixture
