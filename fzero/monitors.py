@@ -73,7 +73,8 @@ def boundary_events(
     loss_scale: float | None = None,
     times_ms: Mapping[str, float] | None = None,
 ) -> list[Event]:
-    """The events of one optimizer step, as DeepSpeed 0.19.8 names them.
+    """The events of one optimizer step, with DeepSpeed 0.19.8's names (its non-pipeline engine writes all but
+    `train_loss`, which fzero adds with the pipeline engine's definition).
 
     Args:
       samples: the engine's `global_samples` after the step (the x-axis of every event).
@@ -83,7 +84,7 @@ def boundary_events(
       times_ms: `forward`, `backward`, `step` -> the window's milliseconds (`wall_clock_breakdown`), or None.
 
     Returns:
-      The events, in DeepSpeed's order: lr, loss_scale, the wall-clock times, train_loss.
+      The events, in DeepSpeed's order (lr, loss_scale, the wall-clock times), then train_loss.
     """
     events: list[Event] = [("Train/Samples/lr", float(lr), samples)]
     if loss_scale is not None:

@@ -19,13 +19,9 @@ from tests.spawn import init_worker
 
 GLOBAL, SAVE_AT, STEPS = 12, 10, 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CASES = [
-    (2, "fp32"),
-    (3, "fp32"),
-    (2, "bf16"),
-    (3, "bf16"),
-    (1, "fp32"),
-]  # stage, precision (fp16: DeepSpeed refuses it on the CPU)
+# stage, precision (fp16: DeepSpeed refuses it on the CPU); "-groups": two param groups (weight decay on the
+# matrices only) with AMSGrad and round-robin gradients at stage 2, and small sub-groups at stage 3
+CASES = [(2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"), (1, "fp32"), (2, "fp32-groups"), (3, "fp32-groups")]
 
 
 class Net(nn.Module):
@@ -47,7 +43,22 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.mid2(torch.tanh(self.mid(h)))))
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on the matrices, none on vectors (biases, LayerNorm), as transformer recipes do."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for _, p in trainable if p.ndim > 1], "weight_decay": 0.05},
+        {"params": [p for _, p in trainable if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+
+
+def parameters(model: nn.Module, precision: str):
+    return param_groups(model) if precision.endswith("-groups") else model.parameters()
+
+
 def config(stage: int, precision: str, world: int) -> dict:
+    grouped = precision.endswith("-groups")
+    precision = precision.removesuffix("-groups")
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL // world,
         "gradient_accumulation_steps": 1,
@@ -59,6 +70,9 @@ def config(stage: int, precision: str, world: int) -> dict:
         },
         "steps_per_print": 10**9,
     }
+    if grouped:
+        cfg["optimizer"]["params"]["amsgrad"] = True
+        cfg["zero_optimization"].update({"round_robin_gradients": True} if stage < 3 else {"sub_group_size": 64})
     if precision != "fp32":
         cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
     return cfg
@@ -78,7 +92,7 @@ def train(engine, precision: str, steps: range, rank: int, world: int) -> tuple[
     for step in steps:
         x, y = batch(step, rank, world)
         lrs.append(float(engine.get_lr()[0]).hex())
-        out = engine(x.to(DTYPES[precision]))
+        out = engine(x.to(DTYPES[precision.removesuffix("-groups")]))
         loss = (out.float() - y).square().mean()
         engine.backward(loss)
         engine.step()
@@ -105,7 +119,7 @@ def deepspeed_run(rank: int, world: int, out_dir: str) -> None:
     for stage, precision in CASES:
         torch.manual_seed(0)
         model = Net()
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, precision),
                                           config=config(stage, precision, world))  # fmt: skip
         name = case_name(stage, precision)
         losses, lrs = train(engine, precision, range(1, SAVE_AT + 1), rank, world)
@@ -128,12 +142,14 @@ def fzero_run(rank: int, world: int, out_dir: str, runs: list[tuple[str, int, st
     init_worker(rank, world, f"{out_dir}/store-fz{world}")
     results = {}
     for name, stage, comm in runs:
-        precision = name.split("-")[1]
+        precision = name.split("-", 1)[1]
         cfg = config(stage, precision, world)
         if comm is not None:
             cfg["communication_data_type"] = comm
         torch.manual_seed(123)  # another initialisation: the checkpoint must replace it
-        engine, *_ = fzero.initialize(model=Net(), config=cfg, printer=lambda _: None)
+        model = Net()
+        engine, *_ = fzero.initialize(model=model, model_parameters=parameters(model, precision), config=cfg,
+                                      printer=lambda _: None)  # fmt: skip
         _, client = engine.load_checkpoint(os.path.join(out_dir, f"{name}-fzero"))
         start = (engine.global_steps, engine.global_samples, engine.skipped_steps)
         losses, lrs = train(engine, precision, range(SAVE_AT + 1, STEPS + 1), rank, world)

@@ -104,34 +104,52 @@ def run(rank: int, world: int, out_dir: str) -> None:
     process_group.shutdown()
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a bad batch on this rank")
+
+
 class Failing(Drop):
-    """`Drop` whose forward raises when asked to (a bad batch on one rank)."""
+    """`Drop` whose forward (`fail="forward"`) or backward (`fail="backward"`, halfway: after the last two blocks'
+    gradients are complete) raises when asked to (a bad batch on one rank)."""
 
-    def forward(self, x: torch.Tensor, skip: torch.Tensor, fail: bool = False) -> torch.Tensor:
-        out = super().forward(x, skip)
-        if fail:
+    def forward(self, x: torch.Tensor, skip: torch.Tensor, fail: str = "") -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if fail == "backward" and i == 2:
+                h = _RaiseInBackward.apply(h)
+            if not skip[i]:
+                h = h + torch.tanh(block(h))
+        if fail == "forward":
             raise ValueError("a bad batch on this rank")
-        return out
+        return self.out(h)
 
 
-def shell_config(stage: int, world: int) -> dict:
+def shell_config(stage: int, world: int, gas: int = 1) -> dict:
     """Each block its own unit, gathered when the forward reaches it (no unit is small enough to persist)."""
     return {
-        "train_batch_size": 3 * world,
+        "train_batch_size": 3 * world * gas,
         "train_micro_batch_size_per_gpu": 3,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
 
 
-def shell_train(stage: int, rank: int, world: int, data: list[dict], fail_at: int | None) -> tuple[dict, list]:
-    """An engine over `data` (rank `rank`'s rows) whose forward raises on the last rank at step `fail_at`; the
-    consolidated parameters and, per step, the DesyncError's (type of its cause, in_step, text) or None."""
-    engine, *_ = fzero.initialize(model=Failing(), config=shell_config(stage, world), printer=lambda _: None)
+def shell_train(stage: int, rank: int, world: int, data: list[dict], fail_at: int | None, how: str = "forward",
+                gas: int = 1) -> tuple[dict, list]:  # fmt: skip
+    """An engine over `data` (rank `rank`'s rows) whose forward or backward (`how`) raises on the last rank at
+    micro-step `fail_at`; the consolidated parameters and, per micro-step, the DesyncError's (type of its cause,
+    in_step, text) or None."""
+    engine, *_ = fzero.initialize(model=Failing(), config=shell_config(stage, world, gas), printer=lambda _: None)
     errors = []
     for s, batch in enumerate(data):
         try:
-            fail = s == fail_at and rank == world - 1
+            fail = how if s == fail_at and rank == world - 1 else ""
             engine.backward(engine(batch["x"][rank], batch["skip"][rank], fail=fail).square().mean())
             engine.step()
             errors.append(None)
@@ -187,6 +205,11 @@ def shell(rank: int, world: int, out_dir: str) -> None:
         data = batches(world, [[[], []]] * 4)
         results[f"fail {stage}"] = shell_train(stage, rank, world, data, fail_at=1)
         results[f"without {stage}"] = shell_train(stage, rank, world, [data[0], data[2], data[3]], None)
+        results[f"fail backward {stage}"] = shell_train(stage, rank, world, data, fail_at=1, how="backward")
+        # gradient accumulation over 2 micro-steps: the second of the first window fails
+        more = batches(world, [[[], []]] * 6)
+        results[f"fail gas {stage}"] = shell_train(stage, rank, world, more, fail_at=1, gas=2)
+        results[f"without gas {stage}"] = shell_train(stage, rank, world, more[:1] + more[2:], None, gas=2)
         results[f"eval {stage}"] = shell_eval(stage, rank, world, data[:2])
     with open(os.path.join(out_dir, f"shell-{rank}.json"), "w") as f:
         json.dump(results, f)

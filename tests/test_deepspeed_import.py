@@ -18,6 +18,7 @@ import torch
 
 import fzero
 from fzero.checkpoint import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -173,8 +174,18 @@ def test_the_consolidated_parameters_are_deepspeeds_masters(runs):
         consolidated = fzero.consolidate(tmp / f"{name}-fzero")
         for k, v in state.params.items():
             assert torch.equal(consolidated[k], v), (name, k)
+    # the same run's moments put back together from stage 2's layout and from stage 3's are the same (the runs are
+    # bitwise alike: test_steps_11_to_20_within_deepspeeds_own_stage_to_stage_spread)
+    for case in ("fp32", "bf16", "fp32-groups"):
+        two, three = (read_deepspeed(resolve_tag(tmp / f"z{s}-{case}", None)) for s in (2, 3))
+        assert two.moments.keys() == three.moments.keys()
+        for key, moment in two.moments.items():
+            assert moment.keys() == three.moments[key].keys()
+            assert all(torch.equal(v, three.moments[key][k]) for k, v in moment.items()), (case, key)
+        assert all(torch.equal(v, three.params[k]) for k, v in two.params.items()), case
+    assert "max_exp_avg_sq" in two.moments  # AMSGrad's, in the -groups runs
     # DeepSpeed's own zero_to_fp32.py (the copy it saves next to the checkpoint, in a process of its own) agrees
-    for name in ("z2-fp32", "z3-bf16"):
+    for name in ("z2-fp32", "z3-bf16", "z2-fp32-groups", "z3-fp32-groups"):
         out = tmp / f"{name}-zero_to_fp32"
         script = tmp / name / "zero_to_fp32.py"
         done = subprocess.run(  # (its --safe_serialization fails on tied weights: "Some tensors share memory")
@@ -233,9 +244,14 @@ def test_damaged_missing_and_foreign_checkpoints_are_refused(runs, tmp_path):
     part.write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptCheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt.*truncated"):
         import_deepspeed(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
     part.write_bytes(data)
     (step / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CorruptCheckpointError, match="one model file per rank"):
+        import_deepspeed(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (ckpt / "latest").write_text("../../elsewhere")  # a pointer out of the checkpoint is not followed
+    with pytest.raises(CheckpointError, match="does not hold a checkpoint tag"):
         import_deepspeed(ckpt, tmp_path / "out")
     with pytest.raises(CheckpointNotFoundError, match="no such checkpoint directory"):
         import_deepspeed(ckpt, tmp_path / "out", tag="global_step99")

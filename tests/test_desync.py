@@ -111,6 +111,23 @@ def test_a_shell_rank_whose_forward_raises_fails_the_step_on_every_rank(shell_ru
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("case", ["backward", "gas"])
+def test_a_shell_rank_that_fails_midway_fails_the_step_on_every_rank(shell_runs, stage, case):
+    """As above, with rank 1 failing in its backward after the last blocks' gradients were complete (at stages 2-3
+    already reduced: the rest are reduced as zeros), and failing in the second micro-step of an accumulation window
+    of 2 (the window goes on with the next batch: bitwise a run that never saw the failed one)."""
+    for rank in (0, 1):
+        got, errors = shell_runs[rank][f"fail {case} {stage}"]
+        assert [e is None for e in errors] == [i != 1 for i in range(len(errors))], errors
+        cause, in_step, text = errors[1]
+        assert cause == ("ValueError" if rank == 1 else "NoneType") and in_step
+        assert "rank 1: ValueError: a bad batch on this rank" in text
+        assert got == shell_runs[rank][f"without gas {stage}" if case == "gas" else f"without {stage}"][0]
+    assert shell_runs[0][f"fail {case} {stage}"][0] == shell_runs[1][f"fail {case} {stage}"][0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_shell_evaluation_where_one_rank_exits_early(shell_runs, stage):
     """`engine(...)` under no_grad in which rank 1 skips the last blocks (at stage 3 it gathers them all the same,
     as the core's `eval_step` does): no hang, rank 0's outputs are those of a forward where nobody exits early, and

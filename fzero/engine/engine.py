@@ -358,6 +358,9 @@ class Engine(ConfigAccessors, nn.Module):
         self._micro = None
         try:
             grads = self._take_grads(micro)
+        except Exception as e:  # e.g. no backward on this rank: the others must not wait for it
+            micro.fail(e)
+            raise
         except BaseException:
             micro.abandon()
             raise

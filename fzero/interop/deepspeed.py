@@ -34,7 +34,7 @@ from ..engine.counters import EngineCounters
 from ..layout import flatten
 from ..mesh import SimMesh
 from .ds_files import resolve_tag
-from .ds_state import MOMENTS, DeepSpeedState, read_deepspeed
+from .ds_state import DeepSpeedState, read_deepspeed
 
 __all__ = ["import_deepspeed"]
 
@@ -45,32 +45,34 @@ _SCALER = {"cur_scale": "value", "cur_iter": "cur_iter", "last_overflow_iter": "
 
 
 def _skeleton(ds: DeepSpeedState) -> nn.Module:
-    """A module with the checkpoint's parameters (fp32 masters), frozen parameters and buffers at their names."""
+    """A module with the checkpoint's parameters (fp32 masters), frozen parameters and buffers at their names,
+    registered in the model's own order (so that a tied weight keeps the name the model gives it first)."""
     root = nn.Module()
-
-    def place(name: str) -> tuple[nn.Module, str]:
+    kinds = {**dict.fromkeys(ds.buffers, "buffer"), **dict.fromkeys(ds.frozen, "frozen"),
+             **dict.fromkeys(ds.shared, "alias"), **dict.fromkeys(ds.params, "param")}  # fmt: skip
+    order = [k for k in ds.order if k in kinds] + [k for k in kinds if k not in set(ds.order)]
+    for name in order:
         module = root
         *owners, leaf = name.split(".")
         for part in owners:
             if not hasattr(module, part):
                 module.add_module(part, nn.Module())
             module = getattr(module, part)
-        return module, leaf
-
-    for name, value in ds.params.items():
-        module, leaf = place(name)
-        module.register_parameter(leaf, nn.Parameter(value.clone()))
-    for name, value in ds.frozen.items():
-        module, leaf = place(name)
-        # float32, as the model a run starts from has them (DeepSpeed's bf16/fp16 module rounded them: exact)
-        value = value.float() if value.is_floating_point() else value.clone()
-        module.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
-    for alias, source in ds.shared.items():
-        module, leaf = place(alias)
+        kind = kinds[name]
+        if kind == "param":
+            module.register_parameter(leaf, nn.Parameter(ds.params[name].clone()))
+        elif kind == "frozen":  # float32, as a model starts (DeepSpeed's bf16 module rounded them: exact)
+            value = ds.frozen[name]
+            value = value.float() if value.is_floating_point() else value.clone()
+            module.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+        elif kind == "buffer":
+            module.register_buffer(leaf, ds.buffers[name].clone())
+    for alias, source in ds.shared.items():  # once every source exists
+        module, leaf = root, alias
+        if "." in alias:
+            owner, _, leaf = alias.rpartition(".")
+            module = root.get_submodule(owner)
         module.register_parameter(leaf, root.get_parameter(source))
-    for name, value in ds.buffers.items():
-        module, leaf = place(name)
-        module.register_buffer(leaf, value.clone())
     return root
 
 
@@ -89,6 +91,12 @@ def _config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]
             f"{ds.path}: optimizer type {optimizer.get('type')!r}: only Adam/AdamW states can be imported (exp_avg, "
             "exp_avg_sq, step); other optimizers' states have other fields"
         )
+    # not for this one-rank conversion: the run's monitors and metrics file (it would write into the run's
+    # dashboards), and rounding the masters (they are the checkpoint's, exactly)
+    for key in ("tensorboard", "wandb", "csv_monitor", "comet", "fzero_metrics"):
+        cfg.pop(key, None)
+    if isinstance(cfg.get("fzero_precision"), dict):
+        cfg["fzero_precision"] = {**cfg["fzero_precision"], "round_initial_master": False}
     gas = int(cfg.get("gradient_accumulation_steps") or 1)
     if "train_micro_batch_size_per_gpu" not in cfg:
         cfg["train_micro_batch_size_per_gpu"] = int(cfg["train_batch_size"]) // (gas * ds.world)
@@ -103,13 +111,14 @@ def _state(engine: Any, ds: DeepSpeedState) -> Any:
     layout, flat = state.layout, flatten_state(state)
     update = state.plan.path_of("update")
     prefix = "/".join(("tx_state", *(update or ()))) + "/"
-    values = {f"{prefix}{k}": flatten(layout, ds.moments[k]).unsqueeze(0) for k in MOMENTS}
+    aliased = {k: {**m, **{a: m[src] for a, src in ds.shared.items() if src in m}} for k, m in ds.moments.items()}
+    values = {f"{prefix}{k}": flatten(layout, m).unsqueeze(0) for k, m in aliased.items()}
     values[f"{prefix}count"] = torch.tensor(ds.step, dtype=torch.int64)
     values["step"] = torch.tensor(ds.counters["global_steps"] * engine.config.gas, dtype=torch.int64)
     for field, leaf in _SCALER.items():
         if field in ds.loss_scaler:
             values[f"tx_state/scale_loss/{leaf}"] = torch.tensor(ds.loss_scaler[field])
-    leaves = []
+    leaves, taken = [], set(values)
     for entry, old in zip(flat.entries, flat.leaves, strict=True):
         new = values.pop(entry.key, None)
         leaves.append(old if new is None else new.to(old.dtype).reshape(old.shape))
@@ -117,7 +126,13 @@ def _state(engine: Any, ds: DeepSpeedState) -> Any:
     if unused:
         raise IncompatibleCheckpointError(
             f"{ds.path}: the fzero state built from its config has no leaf {unused[0]!r} for the DeepSpeed optimizer "
-            "state (is the config's optimizer Adam/AdamW?)"
+            "state (is the config's optimizer Adam/AdamW, with amsgrad as the run had it?)"
+        )
+    missed = [e.key for e in flat.entries if e.key.startswith(prefix) and f"{e.key}" not in taken]
+    if missed:  # e.g. AMSGrad's maximum in the config but not in the checkpoint: it would start at zero
+        raise IncompatibleCheckpointError(
+            f"{ds.path}: the optimizer state has nothing for {missed[0]!r}: was the run's optimizer configured as "
+            "the config given says?"
         )
     return optree.tree_unflatten(flat.treespec, leaves)
 
@@ -144,7 +159,15 @@ def import_deepspeed(
       fzero.checkpoint.CheckpointError: see `read_deepspeed` and the module docstring.
     """
     ds = read_deepspeed(resolve_tag(ckpt_dir, tag))
-    engine, *_ = initialize(model=_skeleton(ds), config=_config(ds, config), mesh=SimMesh(1), printer=lambda _: None)
+    model = _skeleton(ds)
+    named = dict(model.named_parameters())
+    groups = [{"params": [named[n] for n in names if n in named]} for names in ds.groups]
+    try:
+        engine, *_ = initialize(model=model, model_parameters=[g for g in groups if g["params"]],
+                                config=_config(ds, config), mesh=SimMesh(1), printer=lambda _: None)  # fmt: skip
+        state = _state(engine, ds)
+    except (KeyError, ValueError, TypeError) as e:  # the checkpoint's names and shapes do not make one model
+        raise IncompatibleCheckpointError(f"{ds.path}: {e}") from None
     scheduled = ds.config.get("scheduler") is not None
     counters = EngineCounters(
         global_steps=ds.counters["global_steps"],
@@ -153,9 +176,13 @@ def import_deepspeed(
         skipped_steps=ds.counters["skipped_steps"],
         applied=ds.step,
     )
-    engine.restore(_state(engine, ds), counters)
-    for group, saved in zip(engine.optimizer.param_groups, ds.param_groups, strict=False):
-        group.update({k: saved[k] for k in ("lr", "betas") if k in saved})
+    engine.restore(state, counters)
+    groups = engine.optimizer.param_groups
+    # stage 3 keeps one base-optimizer group per sub-group: then every group takes the first's (a schedule moves
+    # them alike)
+    saved = ds.param_groups if len(ds.param_groups) == len(groups) else ds.param_groups[:1] * len(groups)
+    for group, hypers in zip(groups, saved, strict=False):
+        group.update({k: hypers[k] for k in ("lr", "betas") if k in hypers})
     if not scheduled and ds.lr_scheduler is not None:  # a client scheduler: restored by the caller's on load
         engine.client_scheduler = _Saved(ds.lr_scheduler)
     try:

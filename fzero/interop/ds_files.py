@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch.serialization import safe_globals
 
 from ..checkpoint import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..checkpoint.atomic import check_tag, read_latest
 
 __all__ = ["UnsafeCheckpointError", "load_file", "model_files", "optim_files", "resolve_tag"]
 
@@ -81,24 +81,35 @@ def load_file(path: Path) -> dict[str, Any]:
       UnsafeCheckpointError: the file needs another global to load (named in the message); nothing was executed.
       CorruptCheckpointError: the file is not a complete `torch.save` archive (truncated, damaged, not one).
     """
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.6":
+        raise CheckpointError(
+            f"reading DeepSpeed checkpoints safely needs torch >= 2.6 (weights_only loading with named allowed "
+            f"types); this is torch {torch.__version__}"
+        )
     try:
         with safe_globals(_ALLOWED):
             out = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = _GLOBAL.search(str(e))
-        what = f"the global {found.group(1)!r}" if found else "a construct weights_only loading refuses"
+        if found is None:  # not a refused type: a damaged pickle
+            raise CorruptCheckpointError(f"{path}: not a readable torch.save archive ({_first_line(e)})") from None
         raise UnsafeCheckpointError(
-            f"{path}: loading it needs {what}, which is not among the types a DeepSpeed ZeRO checkpoint stores "
-            f"({', '.join(name for _, name in _ALLOWED)}, tensors and containers); refused without executing it"
+            f"{path}: loading it needs the global {found.group(1)!r}, which is not among the types a DeepSpeed ZeRO "
+            f"checkpoint stores ({', '.join(name for _, name in _ALLOWED)}, tensors and containers); refused "
+            "without executing it"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+    except Exception as e:  # truncated zip, bad tensor records, an allowed type given arguments it does not take
         raise CorruptCheckpointError(
-            f"{path}: not a readable torch.save archive ({type(e).__name__}: {str(e).splitlines()[0]}): truncated "
-            "or damaged?"
+            f"{path}: not a readable torch.save archive ({type(e).__name__}: {_first_line(e)}): truncated or damaged?"
         ) from None
     if not isinstance(out, dict):
         raise CorruptCheckpointError(f"{path}: holds a {type(out).__name__}; a DeepSpeed checkpoint file holds a dict")
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def resolve_tag(ckpt_dir: str | os.PathLike[str], tag: str | None) -> Path:
@@ -106,17 +117,17 @@ def resolve_tag(ckpt_dir: str | os.PathLike[str], tag: str | None) -> Path:
 
     Raises:
       CheckpointNotFoundError: no such directory, or no `latest` file without a tag.
+      CheckpointError: `latest` or `tag` is not a plain tag name (a path, damaged text).
     """
     root = Path(ckpt_dir)
     if tag is None:
-        latest = root / "latest"
-        if not latest.is_file():
+        tag = read_latest(root)  # bounded, checked: a crafted pointer cannot lead out of the root
+        if tag is None:
             raise CheckpointNotFoundError(
                 f"{root}: no 'latest' file (DeepSpeed writes it with save_latest=True); pass the tag, e.g. "
                 "--tag global_step10"
             )
-        tag = latest.read_text().strip()
-    path = root / tag
+    path = root / check_tag(tag)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory (tag {tag!r})")
     return path
@@ -125,7 +136,13 @@ def resolve_tag(ckpt_dir: str | os.PathLike[str], tag: str | None) -> Path:
 def _ranked(path: Path, pattern: str, what: str) -> list[Path]:
     """The files `pattern` (with one `(\\d+)` rank group) matches in `path`, by rank; ranks 0..N-1 all present."""
     regex = re.compile(pattern)
-    found = {int(m.group(1)): p for p in path.iterdir() if (m := regex.fullmatch(p.name))}
+    found: dict[int, Path] = {}
+    for p in sorted(path.iterdir()):
+        if m := regex.fullmatch(p.name):
+            rank = int(m.group(1))
+            if rank in found:  # e.g. bf16_zero_pp_rank_0_... beside zero_pp_rank_0_...: which one is meant?
+                raise CorruptCheckpointError(f"{path}: two {what} files for rank {rank}: {found[rank].name}, {p.name}")
+            found[rank] = p
     if not found:
         raise CheckpointNotFoundError(f"{path}: no {what} files ({pattern}): not a DeepSpeed ZeRO checkpoint?")
     missing = sorted(set(range(max(found) + 1)) - set(found))

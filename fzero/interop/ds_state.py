@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,14 @@ from .ds_files import load_file, model_files, optim_files
 
 __all__ = ["DeepSpeedState", "read_deepspeed"]
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # Adam's, and AMSGrad's running maximum
 # what DeepSpeed itself puts in the model file: everything else there is the caller's client_state
 _ENGINE_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "autoep_layers", "ds_autotp_universal_checkpoint_metadata",
+    "universal_checkpoint_info",
 })  # fmt: skip
 
 
@@ -48,11 +49,14 @@ class DeepSpeedState:
       path: the tag directory read.
       stage, world: the ZeRO stage and data-parallel world size it was saved at.
       params: the fp32 master parameters by name (tied ones once, under the name DeepSpeed kept).
-      moments: `{"exp_avg": {name: tensor}, "exp_avg_sq": {...}}` (Adam's), same names.
+      moments: `{"exp_avg": {name: tensor}, "exp_avg_sq": {...}}` (Adam's; and `max_exp_avg_sq` with AMSGrad),
+        same names.
       step: the optimizer's update count (Adam's `step`).
       frozen: parameters without gradients, by name. buffers: the module's buffers, by name.
       shared: `{name: the name it is tied to}`.
+      groups: per parameter group, the names of its parameters (DeepSpeed's `param_shapes` order).
       param_groups: per group, the base optimizer's hyper-parameters (lr, betas, eps, weight_decay, ...).
+      order: every name of the module's state_dict, in the model's own order.
       loss_scaler: the loss scaler's fields (`cur_scale`, and with dynamic scaling `cur_iter`, ...).
       counters: `global_steps`, `global_samples`, `skipped_steps`.
       lr_scheduler: the scheduler's `state_dict()` (None without one).
@@ -69,14 +73,15 @@ class DeepSpeedState:
     frozen: dict[str, Tensor]
     buffers: dict[str, Tensor]
     shared: dict[str, str]
+    groups: list[list[str]]
     param_groups: list[dict[str, Any]]
+    order: list[str]
     loss_scaler: dict[str, Any]
     counters: dict[str, int]
     lr_scheduler: dict[str, Any] | None
     client_state: dict[str, Any]
     config: dict[str, Any]
     version: str
-    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 def _need(d: dict[str, Any], key: str, where: Path) -> Any:
@@ -142,15 +147,21 @@ def _base_state(osd: dict[str, Any], stage: int, where: Path) -> tuple[list[dict
     return [states[i] for i in sorted(states)], groups
 
 
-def _moment(states: list[dict[str, Any]], key: str, where: Path) -> list[Tensor]:
-    for s in states:
-        if key not in s:
-            have = sorted(s)
-            raise IncompatibleCheckpointError(
-                f"{where}: the optimizer state has no {key!r} (it has {have}): only Adam/AdamW states (exp_avg, "
-                "exp_avg_sq, step) can be imported"
-            )
-    return [s[key].float().flatten() for s in states]
+def _moments_of(states_per_rank: list[list[dict[str, Any]]], where: Path) -> tuple[str, ...]:
+    """The moments the states hold (Adam's two, and AMSGrad's maximum when present), every state the same."""
+    if not any(states_per_rank):
+        raise IncompatibleCheckpointError(
+            f"{where}: the optimizer has no state yet (saved before its first update?): nothing to import beyond the "
+            "weights; load the weights with load_module_only from a consolidated file instead"
+        )
+    keys = {frozenset(s) for states in states_per_rank for s in states}
+    if len(keys) != 1 or not {"exp_avg", "exp_avg_sq", "step"} <= next(iter(keys)) <= {*MOMENTS, "step"}:
+        have = sorted(set().union(*keys))
+        raise IncompatibleCheckpointError(
+            f"{where}: the optimizer state holds {have}: only Adam/AdamW states (exp_avg, exp_avg_sq, step, and "
+            "AMSGrad's max_exp_avg_sq) can be imported"
+        )
+    return tuple(k for k in MOMENTS if k in next(iter(keys)))
 
 
 def _step(states_per_rank: list[list[dict[str, Any]]], where: Path) -> int:
@@ -178,6 +189,19 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
     models = [load_file(p) for p in mfiles]
     optims = [_need(load_file(p), "optimizer_state_dict", p) for p in ofiles]
     model, world = models[0], len(optims)
+    parallel = model.get("checkpoint_parallel_dimensions") or {}
+    if model.get("mp_world_size", 1) != 1 or any(parallel.get(k, 1) != 1 for k in ("pp_degree", "tp_degree")):
+        raise IncompatibleCheckpointError(
+            f"{mfiles[0]}: saved with tensor or pipeline parallelism (mp_world_size {model.get('mp_world_size')}, "
+            f"{parallel}): fzero imports data-parallel ZeRO checkpoints only"
+        )
+    if not isinstance(model.get("module"), dict):
+        raise IncompatibleCheckpointError(f"{mfiles[0]}: holds no module state_dict (a pipeline-parallel checkpoint?)")
+    if "zero_stage" not in optims[0] and ofiles[0].name.startswith("bf16_"):
+        raise IncompatibleCheckpointError(
+            f"{ofiles[0]}: DeepSpeed's BF16_Optimizer (bf16 at stage 0-1 with fp32 gradient accumulation) lays its "
+            "partitions out otherwise; importing it is not supported"
+        )
     stage = int(_need(optims[0], "zero_stage", ofiles[0]))
     if stage not in (1, 2, 3):
         raise IncompatibleCheckpointError(f"{ofiles[0]}: ZeRO stage {stage}; stages 1, 2 and 3 can be imported")
@@ -209,8 +233,8 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
             ]
             return _sliced([torch.cat(g) for g in zip(*lean, strict=True)], shapes, paddings, world, path)
 
-    moments = {key: join([_moment(states, key, p) for (states, _), p in zip(bases, ofiles, strict=True)])
-               for key in MOMENTS}  # fmt: skip
+    moments = {key: join([[st[key].float().flatten() for st in states] for states, _ in bases])
+               for key in _moments_of([b[0] for b in bases], path)}  # fmt: skip
     module = _need(model, "module", mfiles[0])
     buffer_names = model.get("buffer_names", [])
     shared = dict(model.get("shared_params") or {})
@@ -234,12 +258,13 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
         frozen=frozen,
         buffers={k: module[k].clone() for k in buffer_names if k in module},
         shared=shared,
+        groups=[list(g) for g in shapes],
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in bases[0][1]],
+        order=list(module),
         loss_scaler=_scaler(optims[0]),
         counters={k: int(model.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")},
         lr_scheduler=model.get("lr_scheduler"),
         client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS},
         config=ds_config,
         version=str(model.get("ds_version", "unknown")),
-        dtypes={k: v.dtype for k, v in module.items() if v.numel() or stage != 3},
     )
