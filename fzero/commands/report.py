@@ -53,7 +53,7 @@ OPTIONAL = {
     "tensorboard": "the config's `tensorboard` monitor",
     "wandb": "the config's `wandb` monitor",
     "comet_ml": "the config's `comet` monitor",
-    "deepspeed": "benchmarks/compare.py's side-by-side runs",
+    "deepspeed": "benchmarks/compare.py's side-by-side runs; the tests of fzero import-deepspeed and the monitors",
     "hypothesis": "the property tests",
 }
 """The optional packages fzero (or its tests and benchmarks) uses, with what for."""
