@@ -1,7 +1,7 @@
 """fzero against DDP, FSDP2 and DeepSpeed: step time and peak memory, side by side, on 2 gloo processes.
 
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
-                                            [--memory] [--threads 1] [--profile]
+                                            [--memory] [--threads 1] [--profile] [--floor]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -18,7 +18,10 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
 
 Every trainer lives in the same two processes and runs in rotating order, round after round (machine noise hits
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
-ratio to DDP's, and with `--memory` the peak resident memory per rank of each trainer run alone in a fresh pair of
+ratio to DDP's, with `--floor` its ratio to the floor (the same model's forward + backward alone, without
+communication or optimizer, plus the update alone over a 1/W share of the parameters: the physical limit of a ZeRO
+step on this machine; `floor-fwdbwd` and `floor-update` are timed in the same rotation), and with `--memory` the
+peak resident memory per rank of each trainer run alone in a fresh pair of
 processes. `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
 optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
 time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
@@ -170,6 +173,36 @@ def fzero_shell(stage: int) -> Callable[[nn.Module, str], Step]:
     return build
 
 
+def floor_forward_backward(model: nn.Module, precision: str) -> Step:
+    """The model's forward and backward on this rank's micro-batch alone: no communication, no optimizer (bf16:
+    under autocast, as `ddp`)."""
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            loss = lm_loss(model(batch["x"]), batch["y"])
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def floor_update(model: nn.Module, precision: str) -> Step:
+    """The update alone, as ZeRO shares it: torch's fused AdamW over a 1/W share of the parameters (fp32 master)."""
+    share = -(-sum(p.numel() for p in model.parameters()) // dist.get_world_size())
+    flat = torch.zeros(share, requires_grad=True)
+    flat.grad = torch.full((share,), 1e-3)
+    opt = torch.optim.AdamW([flat], lr=LR, weight_decay=WD, fused=True)
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        opt.step()
+
+    return step
+
+
+FLOOR = ("floor-fwdbwd", "floor-update")
+
+
 def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp": ddp}
     for stage in (2, 3):
@@ -182,6 +215,7 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
         out[f"fzero-zero{stage}-overlap"] = fzero_core(stage, overlap=True)
     for stage in (0, 1, 2, 3):
         out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
+    out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
     return out
 
 
@@ -307,10 +341,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--only", nargs="+", default=list(trainers()), choices=list(trainers()))
+    parser.add_argument(
+        "--only", nargs="+", default=[n for n in trainers() if n not in FLOOR], choices=list(trainers())
+    )
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the floor (forward + backward alone, ZeRO's share of the update alone) and "
+                        "print every row's ratio to their sum")  # fmt: skip
     parser.add_argument("--memory", action="store_true", help="also peak RSS per rank, each trainer alone")
     parser.add_argument("--profile", action="store_true", help="instead of timing: rank 0's per-phase profile")
     args = parser.parse_args()
+    if args.floor:
+        args.only = [*args.only, *(n for n in FLOOR if n not in args.only)]
     psi = sum(p.numel() for p in make_model().parameters())
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precision:
@@ -336,14 +377,18 @@ def main() -> None:
 def report(times: dict, memory: dict, precision: str, psi: int, args: argparse.Namespace) -> None:
     median = times["median"]
     base = median.get("ddp")
+    floor = sum(median[n] for n in FLOOR) if all(n in median for n in FLOOR) else None
     print(f"\n{precision}: {psi / 1e6:.1f}M parameters, 2 gloo ranks x {args.threads} thread(s), micro-batch {MICRO} x "
           f"{CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps")  # fmt: skip
-    print(f"| trainer | step s | vs DDP |{' peak RSS MiB/rank |' if memory else ''}")
-    print(f"|---|---|---|{'---|' if memory else ''}")
+    if floor is not None:
+        print(f"floor (forward + backward alone, plus ZeRO's 1/2 share of the update alone): {floor:.3f} s")
+    print(f"| trainer | step s | vs DDP |{' vs floor |' if floor else ''}{' peak RSS MiB/rank |' if memory else ''}")
+    print(f"|---|---|---|{'---|' if floor else ''}{'---|' if memory else ''}")
     for name, t in median.items():
         ratio = f"{t / base:.2f}x" if base else "-"
+        over = f" {t / floor:.2f}x |" if floor else ""
         mem = f" {memory[name]:.0f} |" if memory and memory.get(name) else (" - |" if memory else "")
-        print(f"| {name} | {t:.3f} | {ratio} |{mem}")
+        print(f"| {name} | {t:.3f} | {ratio} |{over}{mem}")
     for name, why in times["skipped"].items():
         print(f"| {name} | {why} | | {'|' if memory else ''}")
 
