@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
+from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
@@ -264,7 +265,7 @@ def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, pre
             with open(os.path.join(os.path.dirname(store), f"times-{precision}.json"), "w") as f:
                 json.dump({"median": result, "all": times, "skipped": skipped}, f)
     finally:
-        dist.destroy_process_group()
+        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
 
 PHASES = {  # torch profiler event names -> phase; the first matching pattern wins
@@ -316,7 +317,7 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
                 if ranges:
                     print(f"|   fzero phases | {' | '.join(f'{k} {v:.0f} ms' for k, v in sorted(ranges.items()))} |")
     finally:
-        dist.destroy_process_group()
+        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
 
 def memory_worker(rank: int, world: int, store: str, name: str, precision: str) -> None:
@@ -332,7 +333,7 @@ def memory_worker(rank: int, world: int, store: str, name: str, precision: str) 
             with open(os.path.join(os.path.dirname(store), f"mem-{name}-{precision}.json"), "w") as f:
                 json.dump(float(peak) if name in steps else None, f)
     finally:
-        dist.destroy_process_group()
+        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
 
 def main() -> None:
@@ -367,6 +368,7 @@ def main() -> None:
             memory = {}
             if args.memory:
                 for name in times["median"]:
+                    print(f"peak memory: {name} ({precision})", flush=True)  # a worker that dies is named
                     store = os.path.join(tmp, f"store-mem-{name}-{precision}")
                     mp.start_processes(memory_worker, args=(2, store, name, precision), nprocs=2, start_method="spawn")
                     with open(os.path.join(tmp, f"mem-{name}-{precision}.json")) as f:
