@@ -34,7 +34,7 @@ from ..checkpoint import save as fzero_save
 from ..checkpoint.coord import Coordinator
 from .counters import Checkpointable, EngineCounters
 
-__all__ = ["ENGINE_FORMAT", "check_json", "load_checkpoint", "save_checkpoint"]
+__all__ = ["ENGINE_FORMAT", "check_json", "load_checkpoint", "optimizer_prefix", "save_checkpoint"]
 
 ENGINE_FORMAT = "fzero-engine"
 ENGINE_VERSION = 1
@@ -166,10 +166,16 @@ def _is_module(key: str) -> bool:
     return key.split("/", 1)[0] in _MODULE_ROOTS
 
 
-def _optimizer_keys(state: Any) -> Any:
-    """Whether a checkpoint key is the optimizer's state (the plan's `update` role, whatever its name)."""
+def optimizer_prefix(state: Any) -> str | None:
+    """The checkpoint keys' prefix of the optimizer's state (the plan's `update` role, whatever its name), e.g.
+    ``"tx_state/shard_update/"``; None for a chain without one."""
     path = state.plan.path_of("update")
-    prefix = None if path is None else "/".join(("tx_state", *path)) + "/"
+    return None if path is None else "/".join(("tx_state", *path)) + "/"
+
+
+def _optimizer_keys(state: Any) -> Any:
+    """Whether a checkpoint key is the optimizer's state."""
+    prefix = optimizer_prefix(state)
     return lambda key: prefix is not None and key.startswith(prefix)
 
 

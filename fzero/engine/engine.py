@@ -220,19 +220,18 @@ class Engine(ConfigAccessors, nn.Module):
             try:
                 out = torch.func.functional_call(self.module, self._micro.named, args, kwargs)
             except Exception as e:
-                self._fail(e)
+                self._fail(self._micro, e)
                 raise
         self._times["forward"] += time.perf_counter() - t0
         return out
 
-    def _fail(self, error: Exception) -> None:
-        """This rank's forward or backward raised: the micro-step is abandoned on every rank, as the core abandons
-        it (`MicroStep.fail`: the step's collectives completed, then `DesyncError` on every rank, nothing
+    def _fail(self, micro: MicroStep, error: Exception) -> None:
+        """This rank's forward, backward or step raised: the micro-step is abandoned on every rank, as the core
+        abandons it (`MicroStep.fail`: the step's collectives completed, then `DesyncError` on every rank, nothing
         updated); on one process `error` propagates."""
-        micro, self._micro = self._micro, None
+        self._micro = None
         self._grad = self._loss = None
-        if micro is not None:
-            micro.fail(error)
+        micro.fail(error)
 
     def _compute(self) -> Tensor | None:
         """This rank's full compute parameters for the next forward, or None at stage 3 (gathered unit by unit).
@@ -326,7 +325,7 @@ class Engine(ConfigAccessors, nn.Module):
                 self.scale(loss).backward(retain_graph=retain_graph)
             except Exception as e:
                 micro.leaf.grad = earlier
-                self._fail(e)
+                self._fail(micro, e)
                 raise
         grad, micro.leaf.grad = micro.leaf.grad, earlier
         gas = self.config.gas
@@ -359,7 +358,7 @@ class Engine(ConfigAccessors, nn.Module):
         try:
             grads = self._take_grads(micro)
         except Exception as e:  # e.g. no backward on this rank: the others must not wait for it
-            micro.fail(e)
+            self._fail(micro, e)
             raise
         except BaseException:
             micro.abandon()

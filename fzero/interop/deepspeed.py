@@ -30,6 +30,7 @@ from torch import nn
 from ..checkpoint import IncompatibleCheckpointError
 from ..checkpoint.tree import flatten_state
 from ..engine import initialize
+from ..engine.checkpointing import optimizer_prefix
 from ..engine.counters import EngineCounters
 from ..layout import flatten
 from ..mesh import SimMesh
@@ -105,16 +106,15 @@ def _config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]
     return cfg
 
 
-def _state(engine: Any, ds: DeepSpeedState) -> Any:
+def _state(engine: Any, ds: DeepSpeedState, micro_steps: int) -> Any:
     """The engine's one-rank state with the checkpoint's optimizer state, loss scale and micro-step count."""
     state = engine.state
     layout, flat = state.layout, flatten_state(state)
-    update = state.plan.path_of("update")
-    prefix = "/".join(("tx_state", *(update or ()))) + "/"
+    prefix = optimizer_prefix(state) or "tx_state/"
     aliased = {k: {**m, **{a: m[src] for a, src in ds.shared.items() if src in m}} for k, m in ds.moments.items()}
     values = {f"{prefix}{k}": flatten(layout, m).unsqueeze(0) for k, m in aliased.items()}
     values[f"{prefix}count"] = torch.tensor(ds.step, dtype=torch.int64)
-    values["step"] = torch.tensor(ds.counters["global_steps"] * engine.config.gas, dtype=torch.int64)
+    values["step"] = torch.tensor(micro_steps, dtype=torch.int64)
     for field, leaf in _SCALER.items():
         if field in ds.loss_scaler:
             values[f"tx_state/scale_loss/{leaf}"] = torch.tensor(ds.loss_scaler[field])
@@ -128,7 +128,7 @@ def _state(engine: Any, ds: DeepSpeedState) -> Any:
             f"{ds.path}: the fzero state built from its config has no leaf {unused[0]!r} for the DeepSpeed optimizer "
             "state (is the config's optimizer Adam/AdamW, with amsgrad as the run had it?)"
         )
-    missed = [e.key for e in flat.entries if e.key.startswith(prefix) and f"{e.key}" not in taken]
+    missed = [e.key for e in flat.entries if e.key.startswith(prefix) and e.key not in taken]
     if missed:  # e.g. AMSGrad's maximum in the config but not in the checkpoint: it would start at zero
         raise IncompatibleCheckpointError(
             f"{ds.path}: the optimizer state has nothing for {missed[0]!r}: was the run's optimizer configured as "
@@ -165,17 +165,17 @@ def import_deepspeed(
     try:
         engine, *_ = initialize(model=model, model_parameters=[g for g in groups if g["params"]],
                                 config=_config(ds, config), mesh=SimMesh(1), printer=lambda _: None)  # fmt: skip
-        state = _state(engine, ds)
+        counters = EngineCounters(
+            global_steps=ds.counters["global_steps"],
+            global_samples=ds.counters["global_samples"],
+            micro_steps=ds.counters["global_steps"] * engine.config.gas,
+            skipped_steps=ds.counters["skipped_steps"],
+            applied=ds.step,
+        )
+        state = _state(engine, ds, counters.micro_steps)
     except (KeyError, ValueError, TypeError) as e:  # the checkpoint's names and shapes do not make one model
         raise IncompatibleCheckpointError(f"{ds.path}: {e}") from None
     scheduled = ds.config.get("scheduler") is not None
-    counters = EngineCounters(
-        global_steps=ds.counters["global_steps"],
-        global_samples=ds.counters["global_samples"],
-        micro_steps=ds.counters["global_steps"] * engine.config.gas,
-        skipped_steps=ds.counters["skipped_steps"],
-        applied=ds.step,
-    )
     engine.restore(state, counters)
     groups = engine.optimizer.param_groups
     # stage 3 keeps one base-optimizer group per sub-group: then every group takes the first's (a schedule moves

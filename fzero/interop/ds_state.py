@@ -233,9 +233,10 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
             ]
             return _sliced([torch.cat(g) for g in zip(*lean, strict=True)], shapes, paddings, world, path)
 
-    moments = {key: join([[st[key].float().flatten() for st in states] for states, _ in bases])
-               for key in _moments_of([b[0] for b in bases], path)}  # fmt: skip
-    module = _need(model, "module", mfiles[0])
+    states = [b[0] for b in bases]
+    moments = {key: join([[st[key].float().flatten() for st in s] for s in states])
+               for key in _moments_of(states, path)}  # fmt: skip
+    module = model["module"]  # (a dict: checked above)
     buffer_names = model.get("buffer_names", [])
     shared = dict(model.get("shared_params") or {})
     frozen_shapes = {k: torch.Size(v) for k, v in (model.get("frozen_param_shapes") or {}).items()}
@@ -254,7 +255,7 @@ def read_deepspeed(path: Path) -> DeepSpeedState:
         world=world,
         params=params,
         moments=moments,
-        step=_step([b[0] for b in bases], path),
+        step=_step(states, path),
         frozen=frozen,
         buffers={k: module[k].clone() for k in buffer_names if k in module},
         shared=shared,
