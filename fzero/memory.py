@@ -28,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 import optree
-from torch import SymInt, Tensor
+from torch import Tensor
 
 from .plan import Role
 from .state import TrainState
+from .storage import Offloaded
 
 __all__ = ["state_bytes"]
 
@@ -43,16 +44,26 @@ _CATEGORIES: dict[Role, str] = {"update": "optimizer", "accumulate": "accumulato
 def state_bytes(state: TrainState) -> dict[str, int]:
     """Bytes one rank holds, by category: `master`, `compute` (not counted again where it is the master tensor
     itself), `optimizer`, `accumulator`, `frozen` (frozen parameters: all of them, or this rank's shard at stage
-    3), `other` (buffers, counters, the loss scale, the random seed), `total`.
+    3), `other` (buffers, counters, the loss scale, the random seed), `staging` (the NVMe tier's I/O buffers),
+    `total` (the sum: memory); and `offloaded`, the bytes of the leaves kept on disk (`fzero.Offload("nvme")`;
+    one version, not in the total).
 
     Args:
       state: a `TrainState`; on a `SimMesh` the leading world axis is divided out.
     """
     per_rank = state.layout.world if state.simulated else 1
-    seen: set[tuple[int, int | SymInt]] = set()
-    out = dict.fromkeys(("master", "compute", "optimizer", "accumulator", "frozen", "other"), 0)
+    seen: set[tuple[int, Any]] = set()
+    out = dict.fromkeys(("master", "compute", "optimizer", "accumulator", "frozen", "other", "staging"), 0)
+    offloaded, stores = 0, {}
 
-    def add(category: str, t: Tensor) -> None:
+    def add(category: str, t: Tensor | Offloaded) -> None:
+        nonlocal offloaded
+        if isinstance(t, Offloaded):
+            if (id(t.store), t.name) not in seen:
+                seen.add((id(t.store), t.name))
+                offloaded += t.nbytes // (per_rank if t.store.stacked else 1)
+                stores[id(t.store)] = t.store
+            return
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
         if key in seen:
             return
@@ -65,7 +76,7 @@ def state_bytes(state: TrainState) -> dict[str, int]:
 
     def walk(node: Any, category: str) -> None:
         for leaf in optree.tree_leaves(node, namespace="fzero"):
-            if isinstance(leaf, Tensor):  # a leaf that is no tensor (a number in a custom state) holds no memory
+            if isinstance(leaf, (Tensor, Offloaded)):  # a leaf that is neither (a number) holds no memory
                 add(category if leaf.ndim else "other", leaf)
 
     for role, category in _CATEGORIES.items():
@@ -75,5 +86,7 @@ def state_bytes(state: TrainState) -> dict[str, int]:
         add("frozen", state.frozen)
     for rest in (state.buffers, state.step, state.seed):
         walk(rest, "other")
+    out["staging"] = sum(s.staging_bytes // (per_rank if s.stacked else 1) for s in stores.values())
     out["total"] = sum(out.values())
+    out["offloaded"] = offloaded
     return out

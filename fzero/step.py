@@ -48,6 +48,7 @@ from .mesh import Mesh
 from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
 from .ranks import ranks_of
 from .state import TrainState, count
+from .storage import in_memory
 from .transforms import Context, Flow, Transform, gather_params, plan_of, unit_reducer
 from .transforms.collective import sharding_world
 from .units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
@@ -466,7 +467,8 @@ def state_dict(state: TrainState, mesh: Mesh | None = None) -> dict[str, Tensor]
     layout, plan = state.layout, state.plan
     first = (lambda t: t[0]) if state.simulated else (lambda t: t)
     tensors = {}
-    spaces = ((layout, state.params, plan.sharded and layout.world > 1), (layout.frozen_layout, state.frozen,
+    params = in_memory(state.params)
+    spaces = ((layout, params, plan.sharded and layout.world > 1), (layout.frozen_layout, state.frozen,
               plan.sharded_at_rest))  # fmt: skip
     for lay, flat, sharded in spaces:
         if flat is None:

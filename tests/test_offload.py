@@ -106,8 +106,13 @@ def test_cpu_adam_errors():
         fzero.cpu_adamw(-1.0)
     with pytest.raises(ValueError, match="cpu_adamw keeps float32 master weights .* dtype torch.float64"):
         fzero.cpu_adamw().init(torch.zeros(3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="offload must be None or 'cpu', got 'nvme'"):
+    with pytest.raises(
+        ValueError,
+        match=r"offload='nvme' needs a directory for its swap files: offload=fzero.Offload\('nvme', path=...\)",
+    ):
         shard_update(fzero.cpu_adamw(), offload="nvme")
+    with pytest.raises(ValueError, match="offload must be None, 'cpu' or an fzero.Offload, got 'disk'"):
+        shard_update(fzero.cpu_adamw(), offload="disk")
     with pytest.raises(TypeError, match="compute_dtype must be a floating torch.dtype"):
         shard_update(fzero.cpu_adamw(), compute_dtype=torch.int8)
     with pytest.raises(ValueError, match="chunk must be a positive number"):

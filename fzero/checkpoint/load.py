@@ -8,11 +8,12 @@ file or leaf at fault, and changes nothing (the state is built anew; the generat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 
+from ..storage import Offloaded, Store
 from . import rng
 from .coord import Coordinator
 from .hybrid import expand_hybrid, hybrid_mesh, shard_group
@@ -21,6 +22,21 @@ from .reshard import build_leaves, check_compatible
 from .tree import flatten_state
 
 __all__ = ["load"]
+
+
+def offload_like(like: Sequence[Any], leaves: list[Any]) -> list[Any]:
+    """The loaded `leaves`, with those whose counterpart in `like` is offloaded to disk written to its store (a
+    new version of all of a store's leaves at once) and replaced by their handles."""
+    stores: dict[int, tuple[Store, dict[str, int]]] = {}
+    for i, x in enumerate(like):
+        if isinstance(x, Offloaded):
+            stores.setdefault(id(x.store), (x.store, {}))[1][x.name] = i
+    out = list(leaves)
+    for store, where in stores.values():
+        written = store.write({name: leaves[i] for name, i in where.items()})
+        for name, i in where.items():
+            out[i] = written[name]
+    return out
 
 
 def load(
@@ -88,7 +104,7 @@ def load(
     except Exception as e:
         error = e
     coord.agree(error, "loading the checkpoint")
-    state = optree.tree_unflatten(flat.treespec, leaves)
+    state = optree.tree_unflatten(flat.treespec, offload_like(flat.leaves, leaves))
     m = ckpt.manifest
     if restore_rng:
         rng.restore(states)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..layout import Layout, dtype_of
+from ..storage import in_memory
 from .errors import IncompatibleCheckpointError
 from .manifest import StoredEntry
 from .safetensors_io import tensor_sha256
@@ -173,6 +174,7 @@ def decide_storage(flat: FlatState, digests_of_all_ranks: Any = None) -> dict[st
         if e.kind == SHARD:
             storage[e.key] = "split"
             continue
+        x = in_memory(x)  # (a full buffer offloaded to disk: stage 0's master)
         whole = "split" if e.kind == FULL else "rank0"
         if flat.world == 1:
             storage[e.key] = whole

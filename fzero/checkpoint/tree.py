@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..layout import Layout
+from ..storage import Offloaded
 
 __all__ = ["FULL", "REPLICATED", "SHARD", "SPACES", "Entry", "FlatState", "dtype_name", "flatten_state", "legacy_key"]
 
@@ -204,7 +205,7 @@ def flatten_state(state: Any) -> FlatState:
     keys = _keys(accessors)
     entries = []
     for key, acc, leaf in zip(keys, accessors, leaves, strict=True):
-        if not isinstance(leaf, Tensor):
+        if not isinstance(leaf, (Tensor, Offloaded)):
             what = type(leaf).__name__
             raise TypeError(f"state leaf {acc.codify('state')} is a {what}; a checkpoint holds tensors only")
         world_axis = simulated and leaf.ndim >= 1 and leaf.shape[0] == layout.world
@@ -224,5 +225,8 @@ def flatten_state(state: Any) -> FlatState:
 
 
 def rank_value(flat_leaf: Tensor, entry: Entry, rank: int) -> Tensor:
-    """Rank `rank`'s value of a leaf of this process (the world-axis row on a `SimMesh`, else the leaf)."""
+    """Rank `rank`'s value of a leaf of this process (the world-axis row on a `SimMesh`, else the leaf); an
+    offloaded leaf's is read from its files (one row of one leaf in memory at a time)."""
+    if isinstance(flat_leaf, Offloaded):
+        return flat_leaf.read(rank if entry.world_axis else None)
     return flat_leaf[rank] if entry.world_axis else flat_leaf

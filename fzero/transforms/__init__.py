@@ -23,6 +23,7 @@ from .base import (
 )
 from .clipping import clip_by_global_norm
 from .collective import Average, GatherState, all_reduce, gather, gather_params, reduce_scatter
+from .offload import Offload
 from .planning import plan_of
 from .presets import zero0, zero1, zero2, zero3
 from .quantize import quantized_gather, quantized_reduce_scatter
@@ -40,6 +41,7 @@ __all__ = [
     "GatherState",
     "GradStats",
     "InitFn",
+    "Offload",
     "Transform",
     "UnitFn",
     "UpdateFn",

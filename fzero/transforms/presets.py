@@ -27,7 +27,8 @@ owned slice, twice the traffic.) Every preset takes:
 - `average`: where the gradients' mean divides by the world size (`fzero.Average`: after the sum by default,
   DeepSpeed's `prescale_gradients` and `gradient_predivide_factor` otherwise);
 - `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
-  (ZeRO-Offload; pair it with `fzero.cpu_adamw`), the compute copy written in the same pass.
+  (ZeRO-Offload; pair it with `fzero.cpu_adamw`), the compute copy written in the same pass;
+  `fzero.Offload("nvme", path=...)` keeps them in swap files on disk (ZeRO-Infinity's optimizer tier).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _preset(
     loss_scale: Any,
     clip: float | None,
     skip_nonfinite: bool,
-    offload: str | None,
+    offload: Any,
     hybrid: bool | tuple[str, str] = False,
     qgz: bool = False,
     qwz: bool = False,
@@ -111,7 +112,7 @@ def _hybrid_axes(hybrid: bool | tuple[str, str]) -> tuple[str | None, str | None
 
 
 def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
           *, average: Average | None = None) -> Transform:  # fmt: skip
     """Plain data parallelism: gradients all-reduced, everything replicated.
 
@@ -124,7 +125,7 @@ def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
           *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
@@ -140,7 +141,7 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
           *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
@@ -156,7 +157,7 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
-          clip: float | None = None, skip_nonfinite: bool = True, offload: str | None = None,
+          clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
           *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and

@@ -30,12 +30,13 @@ from ..layout import Layout
 from ..optim import Optimizer
 from ..optim.groups import ParamGroups, Resolved, Segments, segments
 from ..optim.tensors import Tensors, rank_ordered_total, tensors_of
+from ..storage import Offloaded
 from .base import Context, Does, Flow, Transform
+from .offload import Offload, nvme_init, nvme_update, offload_of
 
 __all__ = ["shard_update"]
 
 _LOW = (torch.bfloat16, torch.float16)
-_OFFLOAD = (None, "none", "cpu")
 
 
 def _pinned() -> bool:
@@ -57,7 +58,7 @@ def shard_update(
     optimizer: Optimizer,
     dtype: torch.dtype | None = None,
     *,
-    offload: str | None = None,
+    offload: str | Offload | None = None,
     compute_dtype: torch.dtype | None = None,
     chunk: int = 1 << 22,
 ) -> Transform:
@@ -67,7 +68,8 @@ def shard_update(
       optimizer: a functional optimizer (`fzero.adamw(...)`, `fzero.cpu_adamw(...)`, ...).
       dtype: the master dtype (the policy's `param_dtype`).
       offload: `"cpu"` keeps the master parameters and the optimizer state in CPU memory and runs the optimizer
-        there (use `fzero.cpu_adamw`: the native kernel); None keeps them where the gradients are.
+        there (use `fzero.cpu_adamw`: the native kernel); `fzero.Offload("nvme", path=...)` keeps them in swap
+        files on disk (ZeRO-Infinity; `fzero.transforms.offload`); None keeps them where the gradients are.
       compute_dtype: the dtype of the compute copy `gather` will make (the policy's `compute_dtype`; must equal
         `gather`'s). When it differs from the master dtype and the optimizer has the `"out"` feature, the
         optimizer writes the copy in its own pass and `gather` only communicates it. Under offload the copy (in
@@ -84,18 +86,15 @@ def shard_update(
       >>> state.tx_state["shard_update"].exp_avg.shape      # Adam's moments: this rank's shard only
       torch.Size([2, 16])
     """
-    _check(optimizer, offload, compute_dtype, chunk)
-    u = _ShardUpdate(optimizer, dtype, None if offload == "none" else offload, compute_dtype, chunk)
+    _check(optimizer, compute_dtype, chunk)
+    u = _ShardUpdate(optimizer, dtype, offload_of(offload), compute_dtype, chunk)
     return Transform(u.init, u.update, "shard_update", does=Does(updates=True))
 
 
-def _check(optimizer: Any, offload: Any, compute_dtype: Any, chunk: Any) -> None:
+def _check(optimizer: Any, compute_dtype: Any, chunk: Any) -> None:
     if not isinstance(optimizer, Optimizer):
         name = type(optimizer).__name__
         raise TypeError(f"shard_update needs an fzero Optimizer (e.g. fzero.adamw(...)), got {name}")
-    if offload not in _OFFLOAD:
-        raise ValueError(f"shard_update: offload must be None or 'cpu', got {offload!r} (NVMe offload is not "
-                         "supported)")  # fmt: skip
     if compute_dtype is not None and (
         not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point
     ):
@@ -107,10 +106,11 @@ def _check(optimizer: Any, offload: Any, compute_dtype: Any, chunk: Any) -> None
 class _ShardUpdate:
     """`shard_update`'s init and update (see it for the arguments)."""
 
-    def __init__(self, optimizer: Optimizer, dtype: Any, offload: str | None, compute_dtype: Any, chunk: int) -> None:
-        self.optimizer, self.dtype, self.offload, self.compute_dtype, self.chunk = (
+    def __init__(self, optimizer: Optimizer, dtype: Any, offload: Offload, compute_dtype: Any, chunk: int) -> None:
+        self.optimizer, self.dtype, self.policy, self.compute_dtype, self.chunk = (
             optimizer, dtype, offload, compute_dtype, chunk,
         )  # fmt: skip
+        self.offload = offload.optimizer
 
     def init(self, flow: Flow, ctx: Context) -> tuple[Flow, Any]:
         group_segments(self.optimizer, ctx, flow.params, flow.sharded)  # resolve the groups now: errors at init
@@ -119,6 +119,12 @@ class _ShardUpdate:
             return flow._replace(params=params, compute=None), self.optimizer.init(params)
         master = _host(params, pin=params.device.type != "cpu" and _pinned())
         compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
+        if self.offload == "nvme":
+            handle, state = nvme_init(self.optimizer, master, self.policy, _files(ctx, master),
+                                      _pieces_of(ctx, master, flow.sharded))  # fmt: skip
+            # the handle stands where the master tensor would: only shard_update reads it, and what else looks at
+            # the state's master (checkpoints, state_dict, state_bytes) knows handles
+            return flow._replace(params=cast(Tensor, handle), compute=compute), state
         return flow._replace(params=master, compute=compute), self.optimizer.init(master)
 
     def prepare(self, flow: Flow, params: Tensor) -> tuple[Tensor, dict[str, Any]]:
@@ -158,6 +164,11 @@ class _ShardUpdate:
         if "tensors" in self.optimizer.features:
             kw["tensors"] = tensor_table(ctx, flow.params, flow.sharded)
         compute: Tensor | None
+        if self.offload == "nvme":
+            handle = cast(Offloaded, flow.params)
+            new, state, compute, io = nvme_update(self.optimizer, grads, state, handle, kw, self.compute_dtype)
+            flow = flow._replace(params=cast(Tensor, new), compute=compute).with_facts(applied=True)
+            return flow.with_metrics(io={"nvme": io}), state
         if self.offload is not None:
             params, state, compute = _offload_update(self.optimizer, grads, state, flow.params, kw, ctx.donate,
                                                      self.compute_dtype, self.chunk)  # fmt: skip
@@ -167,6 +178,21 @@ class _ShardUpdate:
             compute = kw["out"] = torch.empty(flow.params.shape, dtype=cdt, device=flow.params.device)
         params, state = self.optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
         return flow._replace(params=params, compute=compute).with_facts(applied=True), state
+
+
+def _files(ctx: Context, params: Tensor) -> tuple[int, ...]:
+    """The numbers naming the swap files of the rows of `params`: a `SimMesh`'s rows, or this process's rank."""
+    return tuple(range(params.shape[0])) if params.ndim == 2 else (int(ctx.mesh.rank),)
+
+
+def _pieces_of(ctx: Context, params: Tensor, sharded: bool) -> tuple[int, ...]:
+    """Each unit's element count in a row of `params` (this rank's shard, or the full buffer)."""
+    div = ctx.layout.world if sharded else 1
+    pieces = tuple(u.size // div for u in ctx.layout.units)
+    if sum(pieces) != params.shape[-1]:
+        raise ValueError(f"shard_update: a row of {params.shape[-1]} elements is not the layout's units "
+                         f"({sum(pieces)} elements): this buffer cannot be offloaded unit by unit")  # fmt: skip
+    return pieces
 
 
 def group_segments(optimizer: Optimizer, ctx: Context, params: Tensor, sharded: bool) -> Segments | None:

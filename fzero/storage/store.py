@@ -1,0 +1,389 @@
+"""`Store` and `Offloaded`: flat per-rank buffers kept on disk, as versioned, immutable leaves of a state.
+
+A `Store` holds a family of buffers that are updated together (a `shard_update`'s master parameters and its
+optimizer's per-element state: the *leaves*), for one or more ranks' rows (a `SimMesh` holds every rank's; a
+`DistMesh` process its own). Each row is cut into the layout's units, and each (row, unit) has its own swap file
+(`SwapFile`) with two slots per leaf. An `Offloaded` is one leaf at one *version*: which slot holds it and the
+checksums of its blocks. A new version is always written to the slot the input does not occupy, so the state a
+step started from stays readable while the step writes its successor (a pure step; a speculative step rolled
+back). A version that a later write has overwritten cannot be read: `StaleStateError`, never silent garbage.
+
+Every transfer goes through staging buffers allocated once, at construction: `buffers` sets of one chunk per leaf
+(`chunk` elements, a multiple of 4096 so that every chunk starts on an aligned file offset). `stream` runs the
+three-stage pipeline over the rows' chunks: while chunk i is computed, chunk i+1 is read and chunk i-1 written.
+So the memory the store holds is, by construction,
+
+    buffers x chunk x (sum of the leaves' element sizes)        (+ the I/O threads' stacks)
+
+whatever the size of the model, and "out of buffers" cannot happen: a read waits for its set's previous write.
+
+Example:
+    >>> import tempfile, torch
+    >>> with tempfile.TemporaryDirectory() as root:
+    ...     store = Store(root, {"w": torch.float32}, rows=(0,), pieces=(5000, 3000), chunk=4096)
+    ...     x = store.write({"w": torch.arange(8000.0)})["w"]
+    ...     y = store.stream(x, lambda task, views: views["w"].mul_(2))["w"]
+    ...     bool(torch.equal(y.read(), 2 * torch.arange(8000.0))), bool(torch.equal(x.read(), torch.arange(8000.0)))
+    ...     store.close()
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .aligned import ALIGN, aligned_empty
+from .errors import StorageError
+from .pool import IOPool
+from .scratch import ScratchDir
+from .swapfile import Region, SwapFile
+
+__all__ = ["Offloaded", "StaleStateError", "Store", "Task", "in_memory"]
+
+
+class StaleStateError(StorageError):
+    """An offloaded leaf's version was overwritten by a later write (a store keeps two versions per leaf)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One chunk of the pipeline: elements `[start, stop)` of row `row` (its position in the store's rows), which
+    are elements `[offset, offset + stop - start)` of unit `unit`'s piece of that row."""
+
+    index: int
+    row: int
+    unit: int
+    offset: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, eq=False)
+class Offloaded:
+    """One leaf of a `Store` at one version: an immutable handle, the leaf a state holds where the buffer is on
+    disk. Shaped like the in-memory buffer it stands for (`[n]`, or `[rows, n]` on a `SimMesh`).
+
+    Attributes:
+      store: the store whose files hold it.
+      name: the leaf's name in the store.
+      version: the write that made it (unique within the store).
+      slot: the file slot it occupies (0 or 1).
+      crcs: per task, the crc32 of each block of its bytes.
+    """
+
+    store: Store
+    name: str
+    version: int
+    slot: int
+    crcs: tuple[tuple[int, ...], ...] = field(repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.leaves[self.name]
+
+    @property
+    def shape(self) -> torch.Size:
+        n = sum(self.store.pieces)
+        return torch.Size((len(self.store.rows), n) if self.store.stacked else (n,))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.element_size()
+
+    def read(self, row: int | None = None) -> Tensor:
+        """The leaf's values in memory (a new tensor): all of it, or the row at position `row` (`[n]`)."""
+        return self.store.read(self, row)
+
+    def __repr__(self) -> str:
+        return f"Offloaded({self.name!r}, {self.dtype}, {tuple(self.shape)}, version={self.version}, {self.store!r})"
+
+
+def in_memory(x: Any) -> Any:
+    """`x` itself, or the values of an `Offloaded` read into memory (for what needs them all: a consolidated
+    `state_dict`, a full buffer's checksum)."""
+    return x.read() if isinstance(x, Offloaded) else x
+
+
+class Store:
+    """Swap files for the leaves `leaves` of the rows `rows`, each row cut into `pieces` (see the module docstring).
+
+    Args:
+      root: the directory the run's scratch directory is made in (it must exist).
+      leaves: each leaf's name and dtype.
+      rows: the ranks whose rows the store holds (their numbers name the files).
+      pieces: each unit's element count in a row.
+      stacked: leaves are `[rows, n]` (a `SimMesh`), else `[n]` (one row).
+      chunk: elements per pipeline stage, a positive multiple of 4096.
+      buffers: staging sets (at least 3: one read ahead, one computed, one written behind).
+      threads: I/O threads.
+      block_size: bytes per I/O request and per checksum.
+      direct: O_DIRECT (None: where the filesystem supports it).
+    """
+
+    def __init__(
+        self,
+        root: Any,
+        leaves: Mapping[str, torch.dtype],
+        rows: Sequence[int],
+        pieces: Sequence[int],
+        *,
+        stacked: bool = False,
+        chunk: int = 1 << 20,
+        buffers: int = 4,
+        threads: int = 1,
+        block_size: int = 1 << 20,
+        direct: bool | None = None,
+    ) -> None:
+        if chunk <= 0 or chunk % ALIGN:
+            raise ValueError(f"Store: chunk must be a positive multiple of {ALIGN} elements, got {chunk}")
+        if buffers < 3:
+            raise ValueError(f"Store: buffers must be at least 3 (read ahead, compute, write behind), got {buffers}")
+        if not stacked and len(rows) != 1:
+            raise ValueError(f"Store: an unstacked store holds one row, got rows {tuple(rows)}")
+        self.leaves, self.rows, self.pieces = dict(leaves), tuple(rows), tuple(pieces)
+        self.stacked, self.chunk = stacked, chunk
+        self.scratch = ScratchDir(root)
+        self.pool = IOPool(threads, block_size)
+        self.files: dict[tuple[int, int], SwapFile] = {}
+        self._versions = itertools.count()
+        self._slots: list[int | None] = [None, None]  # the version each slot holds
+        self._lock = threading.Lock()
+        self.bytes_read = self.bytes_written = 0
+        try:
+            for r, rank in enumerate(self.rows):
+                for u, n in enumerate(self.pieces):
+                    regions = [Region(f"{name}.{s}", dtype, n) for name, dtype in self.leaves.items() for s in (0, 1)]
+                    self.files[r, u] = SwapFile(self.scratch.file(f"rank{rank}-unit{u}.swap"), regions, direct=direct)
+            self.tasks = self._plan()
+            # allocated once: the memory bound does not depend on the model (module docstring)
+            self.staging = [
+                {name: aligned_empty(chunk * dtype.itemsize) for name, dtype in self.leaves.items()}
+                for _ in range(buffers)
+            ]
+        except BaseException:
+            self.close()
+            raise
+
+    def _plan(self) -> tuple[Task, ...]:
+        tasks: list[Task] = []
+        for r in range(len(self.rows)):
+            start = 0
+            for u, n in enumerate(self.pieces):
+                for a in range(0, n, self.chunk):
+                    b = min(a + self.chunk, n)
+                    tasks.append(Task(len(tasks), r, u, a, start + a, start + b))
+                start += n
+        return tuple(tasks)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the files use O_DIRECT."""
+        return all(f.direct for f in self.files.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        """The memory the staging buffers hold (the store's whole footprint but for thread stacks)."""
+        return sum(b.numel() for s in getattr(self, "staging", ()) for b in s.values())
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.scratch.path)!r}, rows={self.rows})"
+
+    # ------------------------------------------------------------------------------------------------ versions
+    def _check(self, x: Offloaded) -> None:
+        if x.store is not self:
+            raise ValueError(f"{x!r} belongs to another store than {self!r}")
+        if self._slots[x.slot] != x.version:
+            raise StaleStateError(
+                f"{x!r} was overwritten by a later step: a state whose leaves are offloaded to disk keeps its two "
+                "latest versions (the state a step starts from and the one it makes); keep using the newest state, "
+                "or save a checkpoint to keep an older one"
+            )
+
+    def _new_version(self, keep: int | None) -> tuple[int, int]:
+        """A fresh version and the slot it goes to: not the slot of `keep` (the input's version)."""
+        with self._lock:
+            version = next(self._versions)
+            slot = 0 if keep is None or self._slots[1] == keep else 1
+            if keep is not None and self._slots[slot] == keep:
+                slot = 1 - slot
+            self._slots[slot] = version  # from now on the slot's old content is no version anyone may read
+        return version, slot
+
+    # ------------------------------------------------------------------------------------------------ transfers
+    def _offset(self, task: Task, name: str, slot: int) -> int:
+        return self.files[task.row, task.unit].offset(f"{name}.{slot}") + task.offset * self.leaves[name].itemsize
+
+    def _read(self, task: Task, names: Sequence[str], slots: Mapping[str, int], crcs: Mapping[str, Any],
+              staging: dict[str, Tensor]) -> list[Future]:  # fmt: skip
+        f = self.files[task.row, task.unit]
+        out = []
+        for name in names:
+            nbytes = task.size * self.leaves[name].itemsize
+            out.append(self.pool.read(f, self._offset(task, name, slots[name]), staging[name], nbytes,
+                                      crcs[name][task.index]))  # fmt: skip
+            self.bytes_read += nbytes
+        return out
+
+    def _write(self, task: Task, names: Sequence[str], slot: int, staging: dict[str, Tensor]) -> dict[str, Future]:
+        f = self.files[task.row, task.unit]
+        out = {}
+        for name in names:
+            nbytes = task.size * self.leaves[name].itemsize
+            out[name] = self.pool.write(f, self._offset(task, name, slot), staging[name], nbytes)
+            self.bytes_written += nbytes
+        return out
+
+    def _views(self, task: Task, staging: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {n: b.view(self.leaves[n])[: task.size] for n, b in staging.items()}
+
+    def stream(
+        self,
+        inputs: Offloaded | Mapping[str, Offloaded] | None,
+        compute: Callable[[Task, dict[str, Tensor]], Any],
+        *,
+        write: bool = True,
+    ) -> dict[str, Offloaded]:
+        """Run `compute(task, views)` on every chunk, in order: `views` holds each leaf's chunk (the input's
+        values where `inputs` has the leaf, else uninitialised), which `compute` updates in place; with `write`,
+        the chunks are written as a new version of every leaf (returned). Reads run ahead and writes behind on the
+        I/O threads (see the module docstring).
+
+        Args:
+          inputs: the leaves to read (one `Offloaded` stands for all leaves at its version), or None (nothing).
+          compute: called once per task, in the tasks' order.
+          write: write the results (a new version of every leaf); without, the store is only read.
+
+        Returns:
+          The new versions by leaf name ({} without `write`).
+        """
+        if isinstance(inputs, Offloaded):
+            inputs = {name: Offloaded(self, name, inputs.version, inputs.slot, ()) for name in self.leaves} | {
+                inputs.name: inputs
+            }
+        inputs = dict(inputs or {})
+        for x in inputs.values():
+            self._check(x)
+        names = list(self.leaves)
+        reads = [n for n in names if n in inputs]
+        slots = {n: x.slot for n, x in inputs.items()}
+        crcs = {n: x.crcs for n, x in inputs.items()}
+        keep = {x.version for x in inputs.values()}
+        if len(keep) > 1:
+            raise ValueError(f"{self!r}: the leaves to read are of different versions {sorted(keep)}")
+        version, slot = self._new_version(next(iter(keep), None)) if write else (-1, -1)
+        nsets = len(self.staging)
+        tasks = self.tasks
+        pending_reads: dict[int, list[Future]] = {}
+        pending_writes: dict[int, dict[str, Future]] = {}  # by task
+        out_crcs: dict[str, list[tuple[int, ...]]] = {n: [()] * len(tasks) for n in names}
+        ahead = nsets - 2 if write else nsets - 1
+
+        def finish_write(i: int) -> None:
+            for n, fut in pending_writes.pop(i).items():
+                out_crcs[n][i] = fut.result()
+
+        def start_read(j: int) -> None:
+            if j - nsets in pending_writes:  # the set's previous task must be on disk before it is overwritten
+                finish_write(j - nsets)
+            pending_reads[j] = self._read(tasks[j], reads, slots, crcs, self.staging[j % nsets]) if reads else []
+
+        try:
+            for j in range(min(ahead, len(tasks))):
+                start_read(j)
+            for i, task in enumerate(tasks):
+                if i + ahead < len(tasks):
+                    start_read(i + ahead)
+                for fut in pending_reads.pop(i):
+                    fut.result()
+                staging = self.staging[i % nsets]
+                compute(task, self._views(task, staging))
+                if write:
+                    pending_writes[i] = self._write(task, names, slot, staging)
+            for i in sorted(pending_writes):
+                finish_write(i)
+        except BaseException:
+            self._drain(pending_reads, pending_writes)
+            if write:
+                with self._lock:  # the slot holds a partial write: no version
+                    self._slots[slot] = None
+            raise
+        if not write:
+            return {}
+        return {n: Offloaded(self, n, version, slot, tuple(out_crcs[n])) for n in names}
+
+    @staticmethod
+    def _drain(reads: dict[int, list[Future]], writes: dict[int, dict[str, Future]]) -> None:
+        """Wait for every transfer in flight (their buffers must not be reused while a thread writes them)."""
+        for futs in [*reads.values(), *(w.values() for w in writes.values())]:
+            for fut in futs:
+                try:
+                    fut.result()
+                except BaseException:  # the first error is the one being raised
+                    pass
+
+    def write(self, values: Mapping[str, Tensor]) -> dict[str, Offloaded]:
+        """Write a first version of every leaf from in-memory `values` (each shaped like the leaf)."""
+        missing = set(self.leaves) - set(values)
+        if missing:
+            raise ValueError(f"{self!r}: no value for leaves {sorted(missing)}")
+
+        def fill(task: Task, views: dict[str, Tensor]) -> None:
+            for n, v in views.items():
+                src = values[n][task.row] if self.stacked else values[n]
+                v.copy_(src[task.start : task.stop])
+
+        return self.stream(None, fill)
+
+    def read(self, x: Offloaded, row: int | None = None) -> Tensor:
+        """The values of `x` in memory: all rows, or the row at position `row`."""
+        n = sum(self.pieces)
+        out = torch.empty((len(self.rows), n) if self.stacked and row is None else (n,), dtype=x.dtype)
+
+        def take(task: Task, views: dict[str, Tensor]) -> None:
+            if row is None or task.row == row:
+                dest = out[task.row] if out.ndim == 2 else out
+                dest[task.start : task.stop].copy_(views[x.name])
+
+        self.stream({x.name: x}, take, write=False)
+        return out
+
+    def take_io(self) -> dict[str, int]:
+        """Bytes read and written since the last call."""
+        out = {"read": self.bytes_read, "written": self.bytes_written}
+        self.bytes_read = self.bytes_written = 0
+        return out
+
+    def close(self) -> None:
+        """Join the I/O threads, close and remove the files (idempotent)."""
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+        for f in getattr(self, "files", {}).values():
+            f.close()
+        if getattr(self, "scratch", None) is not None:
+            self.scratch.close()

@@ -1,0 +1,191 @@
+"""`Offload`: where `shard_update` keeps the master parameters and the optimizer state (the storage tier), and the
+NVMe tier's update.
+
+`Offload("cpu")` is ZeRO-Offload (host memory; `shard_update`'s pieces overlap the transfers). `Offload("nvme",
+path=...)` is ZeRO-Infinity's optimizer tier: the master parameters and every per-element leaf of the optimizer's
+state (Adam's two moments: 12 bytes per parameter in fp32) live in swap files under `path` (`fzero.storage.Store`),
+and the state holds `fzero.storage.Offloaded` handles to them. Each update streams the shard through the store's
+pipeline, chunk by chunk: chunk i+1 is read while the optimizer runs on chunk i and chunk i-1 is written, to the
+file slot the step's input does not occupy, so the input state stays readable. The optimizer runs on each chunk
+exactly as on the whole shard (it is elementwise; the native kernel's results are bitwise the same on any piece),
+so the NVMe run equals the in-memory one bit for bit. The compute copy (what the forward computes with) stays in
+memory, written chunk by chunk as the chunks come out of the optimizer.
+
+Memory held for the tier: `buffers x chunk x (bytes per element of the master and the state's leaves)`, for any
+model size (docs/offload.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from ..optim import Optimizer
+from ..storage import Offloaded, Store, Task
+
+__all__ = ["Offload", "nvme_init", "nvme_update", "offload_of"]
+
+DEVICES = (None, "cpu", "nvme")
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where `shard_update` keeps the master parameters and the optimizer state.
+
+    Attributes:
+      optimizer: None (with the gradients), `"cpu"` (host memory) or `"nvme"` (swap files under `path`).
+      path: the directory the swap files go in (`"nvme"`; it must exist): each process makes its own scratch
+        directory there and removes it on exit.
+      buffers: staging sets of the pipeline (at least 3).
+      chunk: elements per pipeline stage (a multiple of 4096).
+      threads: I/O threads.
+      block_size: bytes per I/O request and per checksum (a multiple of 4096).
+      direct: O_DIRECT (None: where the filesystem supports it; True: required; False: buffered).
+
+    Example:
+      >>> import tempfile, torch, fzero
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     tx = fzero.zero3(fzero.cpu_adamw(), offload=fzero.Offload("nvme", path=d))
+      ...     state = fzero.init(torch.nn.Linear(4, 4), tx, fzero.SimMesh(2))
+      ...     type(state.params).__name__, fzero.state_bytes(state)["offloaded"]
+      ('Offloaded', 192)
+    """
+
+    optimizer: str | None = None
+    path: str | os.PathLike[str] | None = None
+    buffers: int = 4
+    chunk: int = 1 << 20
+    threads: int = 1
+    block_size: int = 1 << 20
+    direct: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in DEVICES:
+            raise ValueError(f"Offload: optimizer must be None, 'cpu' or 'nvme', got {self.optimizer!r}")
+        if self.optimizer == "nvme" and self.path is None:
+            raise ValueError("Offload('nvme') needs a directory for its swap files: Offload('nvme', path=...)")
+        for name, low in (("buffers", 3), ("chunk", 4096), ("threads", 1), ("block_size", 4096)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Offload: {name} must be an integer >= {low}, got {value!r}")
+        for name in ("chunk", "block_size"):
+            if getattr(self, name) % 4096:
+                raise ValueError(f"Offload: {name} must be a multiple of 4096, got {getattr(self, name)}")
+
+
+def offload_of(value: Any) -> Offload:
+    """`shard_update`'s `offload` argument as an `Offload` (a device name, an `Offload`, or None)."""
+    if isinstance(value, Offload):
+        return value
+    if value == "nvme":
+        raise ValueError("offload='nvme' needs a directory for its swap files: offload=fzero.Offload('nvme', "
+                         "path=...)")  # fmt: skip
+    if value in (None, "none", "cpu"):
+        return Offload(None if value == "none" else value)
+    raise ValueError(f"offload must be None, 'cpu' or an fzero.Offload, got {value!r}")
+
+
+def _names(state: Any, probe: Tensor | Offloaded) -> tuple[list[Any], list[str | None]]:
+    """The state's leaves, and for each per-element one (shaped like `probe`) a file-safe name (None for the rest)."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(state, namespace="fzero")
+    names: list[str | None] = []
+    for i, (acc, leaf) in enumerate(zip(accessors, leaves, strict=True)):
+        per_element = isinstance(leaf, (Tensor, Offloaded)) and leaf.ndim > 0 and leaf.shape == probe.shape
+        names.append(re.sub(r"[^A-Za-z0-9_]+", "_", acc.codify("")).strip("_") or f"leaf{i}" if per_element else None)
+    return leaves, names
+
+
+def nvme_init(optimizer: Optimizer, params: Tensor, offload: Offload, rows: tuple[int, ...],
+              pieces: tuple[int, ...]) -> tuple[Offloaded, Any]:  # fmt: skip
+    """Write `params` (this rank's master buffer, or a `SimMesh`'s `[world, n]`) and the optimizer's initial state
+    to a new store; the handles to them: the master parameters and the state with its per-element leaves
+    offloaded (the rest, e.g. Adam's step count, stays a tensor)."""
+    stacked = params.ndim == 2
+    probe = params[..., :1]
+    state = optimizer.init(probe)
+    leaves, names = _names(state, probe)
+    dtypes = {"params": params.dtype, **{n: x.dtype for n, x in zip(names, leaves, strict=True) if n is not None}}
+    if len(dtypes) != 1 + sum(n is not None for n in names):
+        raise ValueError(f"optimizer state leaves {names} do not have distinct names")
+    store = Store(offload.path, dtypes, rows, pieces, stacked=stacked, chunk=offload.chunk, buffers=offload.buffers,
+                  threads=offload.threads, block_size=offload.block_size, direct=offload.direct)  # fmt: skip
+    flat = params.reshape(len(rows), -1) if stacked else params.reshape(1, -1)
+
+    def fill(task: Task, views: dict[str, Tensor]) -> None:
+        chunk = flat[task.row, task.start : task.stop]
+        views["params"].copy_(chunk)
+        for n, x in zip(names, optree.tree_leaves(optimizer.init(chunk), namespace="fzero"), strict=True):
+            if n is not None:
+                views[n].copy_(x)
+
+    written = store.stream(None, fill)
+    handles = [x if n is None else written[n] for n, x in zip(names, leaves, strict=True)]
+    return written["params"], optree.tree_unflatten(optree.tree_structure(state, namespace="fzero"), handles)
+
+
+def nvme_update(
+    optimizer: Optimizer,
+    grads: Tensor,
+    state: Any,
+    params: Offloaded,
+    kw: dict[str, Any],
+    compute_dtype: torch.dtype | None,
+) -> tuple[Offloaded, Any, Tensor, dict[str, int]]:
+    """One update through the store: returns the new master handle, the new state, the compute copy (in memory,
+    on the gradients' device) and the bytes read and written per rank."""
+    store = params.store
+    if "tensors" in kw:
+        raise ValueError("an optimizer that needs whole parameter tensors (Lamb, Muon) cannot run on the chunks of "
+                         "an NVMe-offloaded shard; offload it to 'cpu' instead")  # fmt: skip
+    leaves, names = _names(state, params)
+    handles = {"params": params, **{n: x for n, x in zip(names, leaves, strict=True) if n is not None}}
+    for n, x in handles.items():
+        if not isinstance(x, Offloaded) or x.store is not store:
+            raise ValueError(f"shard_update: the state's leaf {n!r} is not offloaded to {store!r} (a state made "
+                             "with another offload policy?)")  # fmt: skip
+    device = grads.device
+    width = sum(store.pieces)
+    g = grads.reshape(-1)
+    cdt = compute_dtype or params.dtype
+    fused_out = cdt != params.dtype and "out" in optimizer.features
+    compute = torch.empty(params.shape, dtype=cdt)
+    flat_compute = compute.reshape(-1)
+    spec = optree.tree_structure(state, namespace="fzero")
+    rest = [x if n is None else None for n, x in zip(names, leaves, strict=True)]
+    after: list[Any] = list(rest)
+
+    def step(task: Task, views: dict[str, Tensor]) -> None:
+        a, b = task.row * width + task.start, task.row * width + task.stop
+        sub = optree.tree_unflatten(spec, [x if n is None else views[n] for n, x in zip(names, rest, strict=True)])
+        extra = dict(kw)
+        if "segments" in kw:
+            extra["segments"] = kw["segments"].slice(a, b)
+        if fused_out:
+            extra["out"] = flat_compute[a:b]
+        p = views["params"]
+        new_p, new_sub = optimizer.update(g[a:b].cpu(), sub, p, donate=True, **extra)
+        for dest, got in [(p, new_p), *[(views[n], y) for n, y in _pairs(names, new_sub)]]:
+            if got.data_ptr() != dest.data_ptr():
+                dest.copy_(got)
+        if not fused_out:
+            flat_compute[a:b].copy_(p)
+        for i, (n, y) in enumerate(zip(names, optree.tree_leaves(new_sub, namespace="fzero"), strict=True)):
+            if n is None:
+                after[i] = y
+
+    store.take_io()
+    written = store.stream(handles, step)
+    io = {k: v // len(store.rows) for k, v in store.take_io().items()}  # per rank, as the ledger counts
+    new_state = optree.tree_unflatten(spec, [after[i] if n is None else written[n] for i, n in enumerate(names)])
+    return written["params"], new_state, compute.to(device), io
+
+
+def _pairs(names: list[str | None], state: Any) -> list[tuple[str, Tensor]]:
+    leaves = optree.tree_leaves(state, namespace="fzero")
+    return [(n, x) for n, x in zip(names, leaves, strict=True) if n is not None]

@@ -1,0 +1,125 @@
+"""The multi-process and killed-process halves of tests/test_nvme.py: training with the NVMe tier against the
+same training in memory, as a functional loop (`train`) and through the DeepSpeed-style shell from a DeepSpeed
+JSON config with `offload_optimizer.device: "nvme"`."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import process_group
+from tests.spawn import init_worker, report
+from tests.support import differing, lm_batches, lm_loss, tiny_gpt
+
+PRESETS = {0: fzero.zero0, 1: fzero.zero1, 2: fzero.zero2, 3: fzero.zero3}
+KW = {"stage": 3, "precision": "bf16", "micro": 2, "groups": True}  # the killed run's configuration
+CASES = ["core fp32", "core bf16 accumulation", "core threads 4 buffered", "shell fp32", "shell bf16 accumulation"]
+
+
+def optimizer(groups: bool, kill_at: int | None = None) -> fzero.Optimizer:
+    spec = fzero.param_groups({"*.bias": {"weight_decay": 0.0}}) if groups else None
+    opt = fzero.cpu_adamw(1e-2, weight_decay=0.1, groups=spec)
+    if kill_at is None:
+        return opt
+    calls = [0]
+
+    def update(*args, **kw):  # the kernel on each chunk; the process dies in the middle of the pipeline
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return opt.update(*args, **kw)
+
+    return opt._replace(update=update)
+
+
+def train(*, stage=3, world=2, precision=None, micro=1, steps=3, offload=None, groups=False, state=None, start=0,
+          mesh=None, rank=None, opt=None, save=None):  # fmt: skip
+    """`steps` steps of the tiny GPT from `state` (default: a fresh one), batches from step `start`; with `rank`,
+    on a `DistMesh` (its rows of each batch); with `save`, a checkpoint `(directory, after step)`."""
+    model = tiny_gpt(0)
+    tx = PRESETS[stage](opt or optimizer(groups), accumulate=micro, precision=precision, offload=offload)
+    mesh = mesh or fzero.SimMesh(world)
+    state = state if state is not None else fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    losses, io = [], []
+    batches = lm_batches(tiny_gpt(0), world, micro, 2, steps + start, 7)[start * micro :]
+    for i, batch in enumerate(batches):
+        state, m = step(state, batch if rank is None else {k: v[rank] for k, v in batch.items()})
+        losses.append(float(m["loss"]))
+        io.append(m.get("io"))
+        if save is not None and (i + 1) == save[1] * micro:
+            fzero.checkpoint.save(state, save[0], mesh=None if rank is None else mesh)
+    return state, losses, io
+
+
+def killed_run(swap: str, ck: str) -> None:
+    """Train 6 steps with a checkpoint after step 3, and die by SIGKILL in the middle of step 5's update."""
+    shard_chunks = 0  # the optimizer runs once per chunk: die halfway through step 5's chunks
+    probe, _, _ = train(steps=0, offload=fzero.Offload("nvme", path=swap, chunk=4096), **KW)
+    shard_chunks = len(probe.params.store.tasks)
+    probe.params.store.close()
+    kill_at = 4 * shard_chunks + shard_chunks // 2 + 1
+    train(steps=6, offload=fzero.Offload("nvme", path=swap, chunk=4096), opt=optimizer(True, kill_at),
+          save=(ck, 3), **KW)  # fmt: skip
+
+
+def resume(swap: str, ck: str) -> fzero.TrainState:
+    """The run `killed_run` began, resumed from its checkpoint in this process, to step 6."""
+    offload = fzero.Offload("nvme", path=swap, chunk=4096)
+    like, _, _ = train(steps=0, offload=offload, **KW)
+    state, extra = fzero.checkpoint.load(ck, like)
+    assert extra["step"] == 3 * KW["micro"]
+    state, _, _ = train(steps=3, start=3, offload=offload, state=state, **KW)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------- 2 processes
+def _shell(precision: str, micro: int, device: str, swap: str):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": device, "nvme_path": swap,
+                                                                "pipeline_read": True, "pipeline_write": True}},
+        "aio": {"block_size": 1 << 16, "intra_op_parallelism": 2},
+        "bf16": {"enabled": precision == "bf16"},
+    }  # fmt: skip
+    model = tiny_gpt(0)
+    engine, *_ = fzero.initialize(model=model, config=copy.deepcopy(config), model_parameters=model.parameters())
+    rank, losses = engine.global_rank, []
+    for batch in lm_batches(tiny_gpt(0), 2, micro, 2, 4, 7):
+        logits = engine(batch["x"][rank])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["y"][rank].flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}, losses
+
+
+def run(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_worker(rank, world, f"{out_dir}/store")
+    mesh = fzero.DistMesh()
+    swap = tempfile.mkdtemp(dir=out_dir, prefix=f"swap{rank}-")
+    results = {}
+    core = {"core fp32": ({}, {}), "core bf16 accumulation": ({"precision": "bf16", "micro": 2, "groups": True}, {}),
+            "core threads 4 buffered": ({"precision": "bf16"}, {"threads": 4, "direct": False})}  # fmt: skip
+    for name, (kw, tier) in core.items():
+        ref, ref_losses, _ = train(mesh=mesh, rank=rank, **kw)
+        offload = fzero.Offload("nvme", path=swap, chunk=4096, **tier)
+        got, losses, _ = train(mesh=mesh, rank=rank, offload=offload, **kw)
+        assert type(got.params).__name__ == "Offloaded"
+        diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
+        results[name] = diff + (["losses"] if losses != ref_losses else [])
+    for name, (precision, micro) in {"shell fp32": ("fp32", 1), "shell bf16 accumulation": ("bf16", 2)}.items():
+        ref, ref_losses = _shell(precision, micro, "cpu", swap)
+        got, losses = _shell(precision, micro, "nvme", swap)
+        results[name] = differing(ref, got) + (["losses"] if losses != ref_losses else [])
+    report(rank, out_dir, results)
+    process_group.shutdown()

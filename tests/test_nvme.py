@@ -1,0 +1,251 @@
+"""The NVMe tier (`fzero.Offload("nvme", path=...)`, issue 24): the master parameters and the optimizer's
+per-element state in swap files, updated through the store's pipeline.
+
+What is bitwise and why: the optimizer runs on each chunk of the shard as on the whole (it is elementwise, and the
+native kernel's results are bitwise the same on any piece: docs/native.md), the gradients and the compute copy
+are the in-memory run's, and the files hold exact bytes (checked by crc32 per block). So every configuration
+below equals the in-memory run bit for bit: no tolerance anywhere in this file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+from fzero.storage import StaleStateError, StorageFullError, StoragePathError, SwapCorruptError
+from tests import nvme_worker
+from tests.spawn import spawn
+from tests.support import differing, lm_batches, lm_loss, tiny_gpt
+
+
+def _run(tmp, **kw):
+    return nvme_worker.train(**kw)
+
+
+def nvme(path, **kw) -> fzero.Offload:
+    return fzero.Offload("nvme", path=str(path), chunk=kw.pop("chunk", 4096), **kw)
+
+
+@given(
+    stage=st.sampled_from([0, 1, 2, 3]),
+    precision=st.sampled_from([None, "bf16"]),
+    micro=st.sampled_from([1, 2]),
+    threads=st.sampled_from([1, 4]),
+    direct=st.sampled_from([False, True]),
+    buffers=st.sampled_from([3, 5]),
+    groups=st.booleans(),
+)
+def test_nvme_equals_memory_bitwise(tmp_path_factory, stage, precision, micro, threads, direct, buffers, groups):
+    d = tmp_path_factory.mktemp("nvme")
+    kw = dict(stage=stage, precision=precision, micro=micro, groups=groups)
+    ref, ref_losses, _ = _run(d, **kw)
+    got, losses, io = _run(d, offload=nvme(d, threads=threads, direct=direct, buffers=buffers), **kw)
+    assert losses == ref_losses
+    assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
+    assert type(got.params).__name__ == "Offloaded" and got.params.store.direct == direct
+    # every update reads and writes the master and both moments once, per rank
+    shard = got.params.shape[-1]
+    per_step = shard * (torch.empty((), dtype=got.params.dtype).element_size() + 8)
+    updates = [x for x in io if x is not None]
+    assert len(updates) == 3 and all(x["nvme"] == {"read": per_step, "written": per_step} for x in updates)
+
+
+def test_fifty_steps_stage3_bf16_accumulation(tmp_path):
+    """The issue's long run: 50 steps, stage 3, bf16, accumulation 2, parameter groups."""
+    kw = dict(stage=3, precision="bf16", micro=2, steps=50, groups=True)
+    ref, ref_losses, _ = _run(tmp_path, **kw)
+    got, losses, _ = _run(tmp_path, offload=nvme(tmp_path, chunk=8192), **kw)
+    assert losses == ref_losses
+    assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
+
+
+def test_state_bytes_and_memory_bound(tmp_path):
+    _, _, _ = _run(tmp_path, steps=0)
+    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path, buffers=4, chunk=4096))
+    b = fzero.state_bytes(state)
+    shard = state.params.shape[-1]
+    assert b["master"] == 0 and b["optimizer"] == 0
+    assert b["offloaded"] == 12 * shard
+    # the bound of docs/offload.md: buffers x chunk x (bytes per element of the leaves), for all ranks of a SimMesh
+    assert b["staging"] * 2 == 4 * 4096 * 12
+
+
+def test_pure_step_keeps_its_input_until_overwritten(tmp_path):
+    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    before = state.params.read()
+    model = tiny_gpt(0)
+    tx = fzero.zero3(fzero.cpu_adamw(1e-2, weight_decay=0.1), offload=nvme(tmp_path))
+    step = fzero.train_step(model, lm_loss(model), tx, fzero.SimMesh(2))
+    batches = list(lm_batches(tiny_gpt(0), 2, 1, 2, 2, 7))
+    s1, _ = step(state, batches[0])
+    assert torch.equal(state.params.read(), before)  # the input is still readable: a pure step
+    after = s1.params.read()
+    s1b, _ = step(state, batches[0])  # and can be stepped again (a speculative step rolled back)
+    assert torch.equal(s1b.params.read(), after)
+    with pytest.raises(StaleStateError, match="overwritten by a later step"):
+        s1.params.read()  # its slot now holds s1b's values
+
+
+def test_checkpoint_resumes_on_another_world_size(tmp_path):
+    """Saved from NVMe on 2 ranks, resumed on 3 ranks in memory and on NVMe: the same as the in-memory run
+    resumed the same way."""
+    ck = tmp_path / "ck"
+    kw = dict(stage=3, precision="bf16", micro=2, groups=True)
+    mem, _, _ = _run(tmp_path, steps=3, **kw)
+    got, _, _ = _run(tmp_path, steps=3, offload=nvme(tmp_path), **kw)
+    fzero.checkpoint.save(got, ck / "nvme")
+    fzero.checkpoint.save(mem, ck / "mem")
+    for offload in (None, nvme(tmp_path)):
+        tx = fzero.zero3(nvme_worker.optimizer(True), accumulate=2, precision="bf16", offload=offload)
+        # (one `like` each: two states loaded into one store would share its two slots)
+        a, _ = fzero.checkpoint.load(ck / "nvme", fzero.init(tiny_gpt(0), tx, fzero.SimMesh(3)))
+        b, _ = fzero.checkpoint.load(ck / "mem", fzero.init(tiny_gpt(0), tx, fzero.SimMesh(3)))
+        assert type(a.params).__name__ == ("Offloaded" if offload else "Tensor")
+        ra, la, _ = _run(tmp_path, world=3, steps=2, start=3, offload=offload, state=a, **kw)
+        rb, lb, _ = _run(tmp_path, world=3, steps=2, start=3, offload=offload, state=b, **kw)
+        assert la == lb
+        assert differing(fzero.state_dict(ra), fzero.state_dict(rb)) == []
+
+
+def test_files_are_safetensors_and_removed(tmp_path):
+    from safetensors import safe_open
+
+    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    store = state.params.store
+    files = sorted(store.scratch.path.iterdir())
+    assert files and all(f.name.startswith(("rank0-", "rank1-")) for f in files)
+    with safe_open(str(files[0]), framework="pt") as f:
+        names = {k for k in f.keys() if not k.startswith("__pad")}
+    assert names == {f"{n}.{s}" for n in ("params", "exp_avg", "exp_avg_sq") for s in (0, 1)}
+    where = store.scratch.path
+    store.close()
+    assert not where.exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("fzero-io")]
+
+
+# ------------------------------------------------------------------------------------------------------- faults
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupted_and_truncated_swap_files_are_named(tmp_path):
+    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    x = state.params
+    f = x.store.files[0, 0]
+    _flip(f.path, f.offset(f"params.{x.slot}") + 5)
+    with pytest.raises(SwapCorruptError, match=str(f.path.name)):
+        _run(tmp_path, steps=1, offload=nvme(tmp_path), state=state)
+    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    f = state.params.store.files[1, 0]
+    os.truncate(f.path, f.offset("exp_avg.0"))
+    with pytest.raises(SwapCorruptError, match=str(f.path.name)):
+        state.params.store.read(state.tx_state["shard_update"].exp_avg)
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(StoragePathError, match="nowhere"):
+        _run(tmp_path, steps=0, offload=fzero.Offload("nvme", path=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="needs a directory"):
+        fzero.zero3(fzero.cpu_adamw(), offload="nvme")
+
+
+def test_full_disk_is_named(tmp_path):
+    """`RLIMIT_FSIZE` stands for a full disk (the kernel refuses the write with EFBIG, as with ENOSPC): the swap
+    files are allocated whole at `init`, so it fails there, naming the file."""
+    code = f"""
+import resource, signal, torch, fzero
+from tests.support import tiny_gpt
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+tx = fzero.zero3(fzero.cpu_adamw(), offload=fzero.Offload("nvme", path={str(tmp_path)!r}, chunk=4096))
+try:
+    fzero.init(tiny_gpt(0), tx, fzero.SimMesh(2))
+except fzero.storage.StorageFullError as e:
+    print("FULL", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("FULL") and ".swap" in out.stdout, out.stdout
+    assert issubclass(StorageFullError, fzero.storage.StorageError)
+    assert not list(tmp_path.iterdir())  # the failed run's scratch directory is gone
+
+
+@pytest.mark.timeout(300)
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """SIGKILL in the middle of a step (inside the update's pipeline): the next run removes the dead run's swap
+    files and resumes from the last checkpoint, bitwise the uninterrupted run."""
+    swap, ck = tmp_path / "swap", tmp_path / "ck"
+    swap.mkdir()
+    code = f"""
+import os, signal, torch, fzero
+from fzero.storage import store
+from tests import nvme_worker
+nvme_worker.killed_run({str(swap)!r}, {str(ck)!r})
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                         cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert len(list(swap.iterdir())) == 1  # the killed run's scratch directory is left behind
+    resumed = nvme_worker.resume(str(swap), str(ck))
+    assert [p for p in swap.iterdir() if p != resumed.params.store.scratch.path] == []  # removed by the next run
+    ref, _, _ = _run(tmp_path, steps=6, **nvme_worker.KW)
+    assert differing(fzero.state_dict(ref), fzero.state_dict(resumed)) == []
+
+
+# ------------------------------------------------------------------------------------------------- processes
+@pytest.mark.timeout(600)
+def test_two_gloo_processes_core_and_shell(tmp_path):
+    spawn(nvme_worker.run, (2, str(tmp_path)), 2)
+    import json
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results == {name: [] for name in nvme_worker.CASES}
+
+
+# ------------------------------------------------------------------------------------------------------ config
+def _cfg(**offload):
+    return {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": offload}}  # fmt: skip
+
+
+def test_config_keys(tmp_path):
+    from fzero.config import ConfigError, UnsupportedConfigError, parse_config
+
+    cfg = parse_config({**_cfg(device="nvme", nvme_path=str(tmp_path), buffer_count=5),
+                        "aio": {"block_size": 1 << 16, "intra_op_parallelism": 3}}, world=2)  # fmt: skip
+    assert cfg.offload_policy == fzero.Offload("nvme", path=str(tmp_path), buffers=5, threads=3, block_size=1 << 16)
+    with pytest.warns(DeprecationWarning, match="aio.thread_count is the old name of aio.intra_op_parallelism"):
+        cfg = parse_config({**_cfg(device="nvme", nvme_path=str(tmp_path)), "aio": {"thread_count": 2}}, world=2)
+    assert cfg.offload_policy.threads == 2
+    bad = [
+        (_cfg(device="nvme"), ConfigError, "offload_optimizer.nvme_path"),
+        ({**_cfg(device="nvme", nvme_path="x"), "aio": {"use_gds": True}}, UnsupportedConfigError, "aio.use_gds"),
+        ({**_cfg(device="nvme", nvme_path="x"), "aio": {"block_size": 1000}}, ConfigError, "aio.block_size"),
+        ({**_cfg(), "aio": {"thread_count": 1, "intra_op_parallelism": 1}}, ConfigError, "aio.thread_count"),
+        (_cfg(device="nvme", nvme_path="x", super_offload=True), UnsupportedConfigError, "super_offload"),
+        (_cfg(device="nvme", nvme_path="x", ratio=0.5), UnsupportedConfigError, "ratio"),
+        (_cfg(device="nvme", nvme_path="x", buffer_count=2), ConfigError, "buffer_count"),
+    ]
+    for config, error, key in bad:
+        with pytest.raises(error, match=key), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            parse_config(config, world=2)
+    param = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(UnsupportedConfigError, match="offload_param"):
+        parse_config(param, world=2)
