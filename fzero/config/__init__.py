@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..transforms.offload import Offload
 from .batch import BatchSizeError, resolve_batch
 from .deepspeed import SCHEMA
 from .schema import ConfigError, ConfigTypeError, ConfigWarning, UnsupportedConfigError
@@ -69,7 +70,18 @@ class Config:
 
     @property
     def offload(self) -> bool:
-        return self.values["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        """Whether the optimizer runs on the CPU, its state in host memory or on disk."""
+        return self.values["zero_optimization"]["offload_optimizer"]["device"] in ("cpu", "nvme")
+
+    @property
+    def offload_policy(self) -> str | Offload | None:
+        """`shard_update`'s `offload`: None, "cpu", or the NVMe tier (`fzero.Offload`) from `offload_optimizer`
+        and `aio`."""
+        off, aio = self.values["zero_optimization"]["offload_optimizer"], self.values["aio"]
+        if off["device"] != "nvme":
+            return "cpu" if off["device"] == "cpu" else None
+        return Offload("nvme", path=off["nvme_path"], buffers=off["buffer_count"],
+                       threads=aio["intra_op_parallelism"], block_size=aio["block_size"])  # fmt: skip
 
     @property
     def gradient_clipping(self) -> float:

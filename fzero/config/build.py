@@ -21,6 +21,7 @@ loss scale, and the ZeRO preset chain.
 | `bf16.bf16_master_weights_and_grads` (+ `bf16_optimizer_states`) | bf16 `param_dtype`, `accum_dtype`; `stored_in` |
 | `gradient_clipping` | `clip` |
 | `zero_optimization.offload_optimizer.device: cpu` | `shard_update(..., offload="cpu")` with the CPU Adam |
+| `zero_optimization.offload_optimizer.device: nvme` | `offload=Offload("nvme", path=...)`, CPU Adam |
 """
 
 from __future__ import annotations
@@ -399,7 +400,8 @@ def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
 
     Without optimizer offload this is exactly `fzero.zero{stage}(optimizer, accumulate=gas, precision=...,
     loss_scale=..., clip=..., skip_nonfinite=...)`, so the engine and a functional `train_step` built from the same
-    preset compute the same values. `offload_optimizer.device: cpu` is the preset's `offload="cpu"`.
+    preset compute the same values. `offload_optimizer.device: cpu` is the preset's `offload="cpu"`, `nvme` its
+    `offload=fzero.Offload("nvme", path=nvme_path, ...)`.
     """
     policy = build_policy(cfg)
     if cfg["bf16"]["bf16_master_weights_and_grads"]:  # float32 arithmetic, bf16 storage (DeepSpeed's CPU Adam's)
@@ -417,5 +419,5 @@ def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
         loss_scale=loss_scale,
         clip=clip,
         skip_nonfinite=skip,
-        offload="cpu" if cfg.offload else None,
+        offload=cfg.offload_policy,
     )

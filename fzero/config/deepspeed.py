@@ -31,6 +31,7 @@ import warnings
 from typing import Any
 
 from .monitors import COMET, CSV_MONITOR, TENSORBOARD, WANDB
+from .offload import AIO, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM
 from .optimizers import BETA, OPTIMIZER
 from .schema import (
     REQUIRED,
@@ -51,7 +52,6 @@ from .schema import (
 __all__ = ["SCHEMA"]
 
 MOOT = "no effect: fzero reduces and gathers one flat buffer per unit, in one collective each"
-NVME = "no effect (NVMe only)"
 GATHER = "stage 3 gathers one unit at a time: 0 disables prefetching (else one unit ahead); see fzero.GatherPolicy"
 INT_MAX = 2**63 - 1
 DTYPES = ("fp32", "fp16", "bf16")
@@ -61,10 +61,6 @@ _DTYPE_NAMES = ("fp32", "fp16", "bf16", "float32", "float16", "bfloat16")
 def _feature(reason: str, flag: str = "enabled", **fields: Field) -> Section:
     """A DeepSpeed feature block fzero does not implement: accepted only while `flag` is false."""
     return Section({flag: Field(Bool(), False, unsupported=reason), **fields}, open=True)
-
-
-def _device(what: str) -> Field:
-    return Field(Str(("none", "cpu", "nvme")), "none", unsupported=what)
 
 
 # ----------------------------------------------------------------------------------------------------------- fp16
@@ -109,46 +105,6 @@ BF16 = Section(
 
 
 # -------------------------------------------------------------------------------------------------- zero_optimization
-def _legacy_offload(value: Any) -> dict[str, Any] | None:
-    # `"cpu_offload": true` (DeepSpeed's deprecated alias) means the CPU device
-    if isinstance(value, bool):
-        return {"device": "cpu" if value else "none"}
-    return None
-
-
-_OFFLOAD_OPTIMIZER = Section(
-    {
-        "device": Field(
-            Str(("none", "cpu", "nvme")),
-            "none",
-            unsupported="NVMe offload is not implemented (device 'cpu' is)",
-            supported=lambda v: v != "nvme",
-        ),
-        "nvme_path": Field(Nullable(Str()), None, effect=NVME),
-        "buffer_count": Field(Int(1), 4, effect=NVME),
-        "pin_memory": Field(Bool(), False, effect="no effect: host buffers are pinned whenever an accelerator is"),
-        "pipeline": Field(Bool(), False, effect=NVME),
-        "pipeline_read": Field(Bool(), False, effect=NVME),
-        "pipeline_write": Field(Bool(), False, effect=NVME),
-        "fast_init": Field(Bool(), False, effect=NVME),
-        "ratio": Field(Num(0, 1), 1.0, unsupported="partial offload is not implemented"),
-    },
-    coerce=_legacy_offload,
-)
-
-_OFFLOAD_PARAM = Section(
-    {
-        "device": _device("parameter offload is not implemented (optimizer offload is)"),
-        "nvme_path": Field(Nullable(Str()), None),
-        "buffer_count": Field(Int(1), 5),
-        "buffer_size": Field(Int(1), 100_000_000),
-        "max_in_cpu": Field(Int(0), 1_000_000_000),
-        "pin_memory": Field(Bool(), False),
-    },
-    coerce=_legacy_offload,
-)
-
-
 def _zero_coerce(value: Any) -> dict[str, Any] | None:
     if isinstance(value, bool):  # DeepSpeed's legacy form: true means stage 1
         return {"stage": 1 if value else 0}
@@ -182,8 +138,11 @@ ZERO = Section(
         ),
         "load_from_fp32_weights": Field(Bool(), True, effect="no effect (checkpoints hold fp32 master weights)"),
         "elastic_checkpoint": Field(Bool(), False, effect="no effect (fzero's checkpoints reshard on load)"),
-        "offload_optimizer": Field(_OFFLOAD_OPTIMIZER, effect="device 'cpu': optimizer step on the CPU"),
-        "offload_param": Field(_OFFLOAD_PARAM),
+        "offload_optimizer": Field(
+            OFFLOAD_OPTIMIZER,
+            effect="device 'cpu': optimizer step on the CPU; 'nvme': its state in swap files (fzero.Offload)",
+        ),
+        "offload_param": Field(OFFLOAD_PARAM),
         "sub_group_size": Field(Int(1), 1_000_000_000, effect=MOOT),
         "stage3_prefetch_bucket_size": Field(Int(0), 50_000_000, effect=GATHER),
         "stage3_param_persistence_threshold": Field(Int(0), 100_000, effect="units this small stay gathered"),
@@ -427,7 +386,7 @@ SCHEMA = Section(
         "nebula": _feature("Nebula checkpointing"),
         "compile": Section({"deepcompile": off("DeepCompile")}, open=True),
         "hybrid_engine": _feature("the hybrid engine"),
-        "aio": Section({}, open=True),
+        "aio": AIO,
         "sparse_attention": Field(
             Nullable(Section({}, open=True)), None, unsupported="sparse attention", supported=lambda v: v is None
         ),

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,7 +307,9 @@ class Section(Spec):
 
     Attributes:
       fields: key -> `Field` (or a nested spec, whose default is its own defaults).
-      aliases: deprecated or alternative key -> canonical key (both given: an error).
+      aliases: alternative key -> canonical key (both given: an error).
+      deprecated: old key -> its new name, read as the new one with a `DeprecationWarning` that names both (both
+        given: an error).
       open: accept undeclared keys without reporting them.
       coerce: turn a non-object value into an object first (e.g. DeepSpeed's legacy `"zero_optimization": true`);
         return None to reject the value.
@@ -315,6 +318,7 @@ class Section(Spec):
 
     fields: Mapping[str, Field | Spec]
     aliases: Mapping[str, str] = field(default_factory=dict)
+    deprecated: Mapping[str, str] = field(default_factory=dict)
     open: bool = False
     coerce: Callable[[Any], dict[str, Any] | None] | None = None
     checks: tuple[Check, ...] = ()
@@ -336,10 +340,13 @@ class Section(Spec):
         if not isinstance(value, Mapping):
             raise self.type_error(path, value)
         raw = dict(value)
-        for alias, canonical in self.aliases.items():
+        for alias, canonical in {**self.aliases, **self.deprecated}.items():
             if alias in raw:
                 if canonical in raw:
                     raise ConfigError(_join(path, alias), f"give either {alias!r} or {canonical!r}, not both")
+                if alias in self.deprecated:
+                    warnings.warn(f"{_join(path, alias)} is the old name of {_join(path, canonical)}, read as it",
+                                  DeprecationWarning, stacklevel=4)  # fmt: skip
                 raw[canonical] = raw.pop(alias)
         out: dict[str, Any] = {}
         for key, declared in self.fields.items():

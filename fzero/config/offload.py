@@ -1,0 +1,93 @@
+"""The config's offload blocks (`zero_optimization.offload_optimizer`, `zero_optimization.offload_param`) and the
+`aio` block: DeepSpeed 0.19.8's keys, defaults and meaning (its runtime/zero/offload_config.py and
+runtime/swap_tensor/aio_config.py), each mapped onto `fzero.Offload` or named as having no effect, and refused
+with a named error where fzero cannot do what it asks. docs/offload.md has the table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .schema import Bool, ConfigError, Field, Int, Nullable, Num, Section, Str
+
+__all__ = ["AIO", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM"]
+
+
+def _device(what: str) -> Field:
+    return Field(Str(("none", "cpu", "nvme")), "none", unsupported=what)
+
+
+def _legacy_offload(value: Any) -> dict[str, Any] | None:
+    # `"cpu_offload": true` (DeepSpeed's deprecated alias) means the CPU device
+    if isinstance(value, bool):
+        return {"device": "cpu" if value else "none"}
+    return None
+
+
+NVME_TIER = "device 'nvme': fzero.Offload's"
+PIPELINED = "no effect: the NVMe tier always reads ahead and writes behind (fzero.storage.Store)"
+
+
+def _nvme_path(values: dict[str, Any], path: str) -> None:
+    if values["device"] == "nvme" and not values["nvme_path"]:
+        raise ConfigError(f"{path}.nvme_path", "device 'nvme' needs the directory of its swap files (nvme_path)")
+
+
+OFFLOAD_OPTIMIZER = Section(
+    {
+        "device": Field(Str(("none", "cpu", "nvme")), "none"),
+        "nvme_path": Field(Nullable(Str()), None, effect=f"{NVME_TIER} path: an existing directory"),
+        "buffer_count": Field(Int(3), 4, effect=f"{NVME_TIER} buffers: staging sets of the pipeline (>= 3)"),
+        "pin_memory": Field(Bool(), True, effect="no effect: host buffers are pinned whenever an accelerator is"),
+        "pipeline": Field(Bool(), False, effect=PIPELINED),
+        "pipeline_read": Field(Bool(), False, effect=PIPELINED),
+        "pipeline_write": Field(Bool(), False, effect=PIPELINED),
+        "fast_init": Field(
+            Bool(), False, effect="no effect: the initial state is streamed to the files chunk by chunk"
+        ),
+        "ratio": Field(
+            Num(0, 1), 1.0, unsupported="partial offload (ratio < 1) is not implemented", supported=lambda v: v == 1.0
+        ),
+        "super_offload": Field(
+            Bool(), False, unsupported="SuperOffload (speculative CPU optimizer steps) is not implemented yet"
+        ),
+        "cpuadam_cores_perc": Field(Num(0, 1), 0.8, effect="no effect without super_offload"),
+    },
+    coerce=_legacy_offload,
+    checks=(_nvme_path,),
+)
+
+OFFLOAD_PARAM = Section(
+    {
+        "device": _device(
+            "parameter offload (offload_param) is not implemented yet; the optimizer tier is "
+            "(offload_optimizer.device 'cpu' or 'nvme')"
+        ),
+        "nvme_path": Field(Nullable(Str()), None),
+        "buffer_count": Field(Int(0), 5),
+        "buffer_size": Field(Int(0), 100_000_000),
+        "max_in_cpu": Field(Int(0), 1_000_000_000),
+        "pin_memory": Field(Bool(), True),
+    },
+    coerce=_legacy_offload,
+)
+
+
+def _aio_checks(values: dict[str, Any], path: str) -> None:
+    if values["block_size"] % 4096:
+        raise ConfigError(f"{path}.block_size", f"must be a multiple of 4096 bytes (aligned I/O), got "
+                          f"{values['block_size']}")  # fmt: skip
+
+
+AIO = Section(
+    {
+        "block_size": Field(Int(4096), 1_048_576, effect="bytes per I/O request and per checksum of the NVMe tier"),
+        "queue_depth": Field(Int(1), 8, effect="no effect: requests queue on the I/O threads"),
+        "intra_op_parallelism": Field(Int(1), 1, effect="I/O threads of the NVMe tier"),
+        "single_submit": Field(Bool(), False, effect="no effect: each thread submits its own requests"),
+        "overlap_events": Field(Bool(), True, effect="no effect: reads and writes always overlap compute"),
+        "use_gds": Field(Bool(), False, unsupported="GPUDirect Storage (NVIDIA cuFile) is not implemented"),
+    },
+    # DeepSpeed renamed `thread_count` and now ignores it without a word; fzero reads it, and says so
+    deprecated={"thread_count": "intra_op_parallelism"},
+    checks=(_aio_checks,),
+)
