@@ -223,3 +223,17 @@ def test_offload_flag(tmp_path, capsys):
     code = cli.main(["train", "--offload", "--steps", "2", "--stage", "2", "--out", str(tmp_path), *TINY])
     assert code == 0 and "optimizer offload" in capsys.readouterr().out
     assert torch.get_num_threads() >= 1
+
+
+def test_train_with_the_nvme_tier(tmp_path, capsys):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    flags = ["--offload-optimizer", "nvme", "--nvme-path", str(swap)]
+    code = cli.main(["train", "--steps", "3", "--out", str(tmp_path / "run"), *flags, *TINY])
+    assert code == 0
+    assert "ZeRO-3, fp32, optimizer offload to nvme, 1 rank(s)" in capsys.readouterr().out
+    zero = json.loads((tmp_path / "run" / "config.json").read_text())["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(swap)}
+    assert list(swap.iterdir()) == []  # the run's swap files are removed at its end
+    assert cli.main(["train", "--offload-param", "nvme", "--out", str(tmp_path / "p"), *TINY]) == 2
+    assert "offload_param" in capsys.readouterr().err

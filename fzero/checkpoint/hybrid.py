@@ -19,6 +19,8 @@ import optree
 import torch
 from torch import Tensor
 
+from ..storage import in_memory
+
 __all__ = ["expand_hybrid", "hybrid_mesh", "shard_group"]
 
 
@@ -48,6 +50,7 @@ def shard_group(state: Any) -> Any:
     S, W = layout.world, state.params.shape[0]
 
     def rows(path: tuple, t: Tensor) -> Tensor:
+        t = in_memory(t)  # (an offloaded leaf: its rows are compared and kept in memory)
         if t.ndim == 0 or t.shape[0] != W:
             return t
         first = t[:S]

@@ -81,7 +81,10 @@ def load(
     if hybrid_mesh(like) is not None:  # load into its first shard group, then copy that to every replica
         state, extra = load(directory, shard_group(like), tag=tag, mesh=mesh, strict=strict, select=select,
                             verify=verify, restore_rng=restore_rng)  # fmt: skip
-        return expand_hybrid(state, like), extra
+        state = expand_hybrid(state, like)
+        spec = optree.tree_structure(like, namespace="fzero")
+        leaves = offload_like(optree.tree_leaves(like, namespace="fzero"), optree.tree_leaves(state, namespace="fzero"))
+        return optree.tree_unflatten(spec, leaves), extra
     flat = flatten_state(like)
     coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
     ckpt = None

@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--nproc", type=_int(1), help="processes; > 1 launches torchrun (default 1)")
     a("--steps", type=_int(1), help=f"optimizer steps (default {d['steps']})")
     a("--offload", action="store_true", default=None, help="optimizer state and step on the CPU (ZeRO-Offload)")
+    a("--offload-optimizer", choices=("none", "cpu", "nvme"),
+      help="where the master weights and optimizer state live: host memory ('cpu', as --offload) or swap files "
+      "under --nvme-path ('nvme', ZeRO-Infinity's optimizer tier)")  # fmt: skip
+    a("--offload-param", choices=("none", "cpu", "nvme"), help="parameter offload (not implemented yet: refused)")
+    a("--nvme-path", metavar="DIR", help="an existing directory for the swap files of --offload-optimizer nvme")
     a("--config", metavar="DS_CONFIG_JSON", help="a DeepSpeed JSON config: the base the flags override")
     a("--batch", type=_int(1), help=f"sequences per rank per micro-step (default {d['batch']})")
     a("--accumulate", type=_int(1), help="micro-steps per optimizer step (default 1)")
@@ -156,6 +161,12 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         section("zero_optimization")["stage"] = _opt(args, "stage")
     if _given(args, "offload"):
         section("zero_optimization")["offload_optimizer"] = {"device": "cpu"}
+    for flag in ("offload_optimizer", "offload_param"):
+        if getattr(args, flag, None) is not None:
+            block = section("zero_optimization").setdefault(flag, {})
+            block["device"] = getattr(args, flag)
+            if args.nvme_path is not None:
+                block["nvme_path"] = args.nvme_path
     if want("precision"):
         precision = _opt(args, "precision")
         for key in ("fp16", "bf16", "bfloat16"):
@@ -204,6 +215,9 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
             argv += [f"--{action_name.replace('_', '-')}", str(value)]
     if args.offload:
         argv.append("--offload")
+    for flag in ("offload_optimizer", "offload_param", "nvme_path"):
+        if getattr(args, flag, None) is not None:
+            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if getattr(args, "wandb", None):
         argv.append("--wandb")
     if args.no_progress:
@@ -273,9 +287,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     c = engine.config
     if c.precision == "fp16" and engine.device.type == "cpu":
         say("note: fp16 matrix multiplications are very slow on CPUs without native fp16; bf16 is the fast choice")
+    offload = f", optimizer offload to {c['zero_optimization']['offload_optimizer']['device']}" if c.offload else ""
     say(
         f"fzero train: GPT {engine.state.layout.real_numel / 1e6:.2f}M params, ZeRO-{c.stage}, {c.precision}"
-        f"{', optimizer offload' if c.offload else ''}, {engine.world_size} rank(s) over {engine.mesh!r}"
+        f"{offload}, {engine.world_size} rank(s) over {engine.mesh!r}"
         f"{_timeout(engine.mesh)}, "
         f"{c.micro_batch}x{seq_len} tokens/rank/micro-step, accumulate {c.gas}"
         + (f", config {args.config}" if args.config else "")
