@@ -92,6 +92,9 @@ class Spaces:
       full: each space's full buffer (`FULL`, `KEEP`), or None (`RESHARD`).
       live_elements: the elements gathered into buffers of their own now (a `FULL` space counts nothing).
       peak: the most `live_elements` so far.
+      source: where the trainable units' shard pieces come from when the shard is not in memory (offloaded to
+        disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values;
+        `shards` then holds an empty placeholder of the compute dtype (the autograd leaf).
     """
 
     ranks: Ranks
@@ -104,6 +107,7 @@ class Spaces:
     full: list[Tensor | None]
     live_elements: int = 0
     peak: int = 0
+    source: Callable[[int], Tensor] | None = None
 
     @classmethod
     def create(
@@ -115,6 +119,7 @@ class Spaces:
         everyone: tuple[Tensor, Tensor | None],
         gradients: bool,
         keep: bool,
+        source: Callable[[int], Tensor] | None = None,
     ) -> Spaces:
         """The spaces of `layout` (and its frozen layout) over `shards`.
 
@@ -122,14 +127,19 @@ class Spaces:
           ranks, rank, shards, everyone, gradients: as the attributes.
           layout: the step's layout.
           keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
+          source: as the attribute.
 
         Returns:
           The spaces, nothing gathered yet.
         """
         layouts = (layout, layout.frozen_layout)
         modes = tuple(_mode(lay, x, keep) for lay, x in zip(layouts, shards, strict=True))
+        if source is not None:  # read unit by unit whatever the world size (never given whole)
+            modes = (KEEP if keep else RESHARD, modes[1])
         full = [_full(lay, x, mode) for lay, x, mode in zip(layouts, shards, modes, strict=True)]
-        return cls(ranks, rank, layouts, shards, everyone, gradients, modes, full)
+        if source is not None and modes[0] == KEEP:
+            full[0] = shards[0].new_empty(layout.numel)
+        return cls(ranks, rank, layouts, shards, everyone, gradients, modes, full, source=source)
 
 
 class _Unit(torch.autograd.Function):
@@ -223,7 +233,10 @@ class GatheredUnit:
                 store = self.stores[space] = shard.new_empty(size)
             elif sp.modes[space] == RESHARD:
                 store.untyped_storage().resize_(size * store.element_size())
-            work = sp.ranks.gather_into(_alias(store), everyone, lay.unit_shard_slice(i), sp.rank, ahead, lay.axis)
+            piece = lay.unit_shard_slice(i)
+            if space == TRAIN and sp.source is not None:  # the pieces read from disk, then gathered as usual
+                everyone, piece = sp.source(i), slice(None)
+            work = sp.ranks.gather_into(_alias(store), everyone, piece, sp.rank, ahead, lay.axis)
             self.pending.append(work)
             self.live[space] = True
             sp.live_elements += size

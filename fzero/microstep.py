@@ -31,6 +31,7 @@ from .bind import bound
 from .layout import Layout, unflatten
 from .mesh import CollectiveError, Mesh
 from .state import TrainState
+from .storage import in_memory
 from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
 from .transforms.scaling import current_loss_scale
 from .units import GatherPolicy, UnitGathering
@@ -74,7 +75,7 @@ def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffer
 def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
     """The full compute parameters per rank for the next forward: `state.compute`, all-gathered where the plan
     keeps them sharded at rest (the first half of a step; `apply_gradients` is the second)."""
-    compute = state.compute
+    compute = in_memory(state.compute)  # (a shard offloaded to disk: read whole, for the paths that need it so)
     if compute is None:  # a chain without gather(): the master parameters are the compute parameters
         compute = state.params
     if state.plan.sharded_at_rest:

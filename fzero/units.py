@@ -60,6 +60,7 @@ from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_uni
 from .layout import Layout
 from .mesh import CollectiveError, Mesh
 from .ranks import Ranks, Reduction, SimRanks, ranks_of
+from .storage import Offloaded, UnitReader
 
 __all__ = ["Abandoned", "GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
 
@@ -163,6 +164,7 @@ class Gatherer:
       everyone: every rank's trainable and frozen shards as per-rank values (on a DistMesh: this rank's).
       reduction: where the units' gradients go (`Ranks.reduction`); None for forwards without gradients.
       keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
+      source: where the trainable pieces are read from when the shard is on disk (`Spaces.source`).
     """
 
     def __init__(
@@ -176,9 +178,10 @@ class Gatherer:
         policy: GatherPolicy,
         reduction: Reduction | None = None,
         keep: bool = False,
+        source: Callable[[int], Tensor] | None = None,
     ) -> None:
         self.ranks, self.rank, self.layout, self.policy, self.reduction = ranks, rank, layout, policy, reduction
-        self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep)
+        self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep, source)
         self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
         self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
@@ -410,6 +413,15 @@ def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | N
     return frozen.detach() if dtype is None or frozen.dtype == dtype else frozen.to(dtype)
 
 
+def on_disk(compute: Any, depth: int) -> tuple[Tensor, UnitReader | None]:
+    """A compute shard offloaded to disk as an empty placeholder of its dtype (per rank: the autograd leaf the units
+    hang from) and the reader its units come from, `depth` units ahead; any other shard as it is, and None."""
+    if not isinstance(compute, Offloaded):
+        return compute, None
+    shape = (compute.shape[0], 0) if compute.ndim == 2 else (0,)
+    return torch.empty(shape, dtype=compute.dtype), UnitReader(compute, depth)
+
+
 class UnitGathering:
     """One rank's unit-at-a-time gathering across an imperative forward and backward (for the engine).
 
@@ -443,10 +455,12 @@ class UnitGathering:
         if mesh.stacked:
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
         ranks = ranks_of(mesh)
+        compute, self._reader = on_disk(compute, max(1, policy.prefetch))
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
-        self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep)
+        self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep,
+                           self._reader)  # fmt: skip
         self._handles = self._g.install()
         self._params = self._g.params()
 
@@ -489,6 +503,8 @@ class UnitGathering:
         self._handles = []
         self._g.close()
         self._params = {}
+        if self._reader is not None:
+            self._reader.close()
 
 
 def _run_rank(g: Gatherer, run: Callable[[dict[str, Tensor], int], Any], rank: int) -> Any:
@@ -541,19 +557,25 @@ def sharded_backward(
     ranks = ranks_of(mesh)
     reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
     outs, peak, times, gathered = [], 0, None, []
-    for rank in ranks.indices:
-        mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
-        mine_frozen = ranks.pick(shards[1], rank)
-        g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep)
-        handles = g.install()
-        try:
-            outs.append(_run_rank(g, run, rank))
-            gathered.append(g.gathered())
-        finally:
-            for h in handles:
-                h.remove()
-            g.close()
-        peak, times = max(peak, g.peak), times if times is not None else g.times
+    compute, reader = on_disk(shards[0], max(1, policy.prefetch))
+    shards = (compute, shards[1])
+    try:
+        for rank in ranks.indices:
+            mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
+            mine_frozen = ranks.pick(shards[1], rank)
+            g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep, reader)
+            handles = g.install()
+            try:
+                outs.append(_run_rank(g, run, rank))
+                gathered.append(g.gathered())
+            finally:
+                for h in handles:
+                    h.remove()
+                g.close()
+            peak, times = max(peak, g.peak), times if times is not None else g.times
+    finally:
+        if reader is not None:
+            reader.close()
     info: dict[str, Any] = {"gathered_peak": peak, "gathered": ranks.stack(gathered)}
     if reduction is not None:
         result = reduction.result()

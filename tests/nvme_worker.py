@@ -19,7 +19,8 @@ from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 
 PRESETS = {0: fzero.zero0, 1: fzero.zero1, 2: fzero.zero2, 3: fzero.zero3}
 KW = {"stage": 3, "precision": "bf16", "micro": 2, "groups": True}  # the killed run's configuration
-CASES = ["core fp32", "core bf16 accumulation", "core threads 4 buffered", "shell fp32", "shell bf16 accumulation"]
+CASES = ["core fp32 50 steps", "core bf16 accumulation", "core threads 4 buffered", "core params bf16",
+         "shell fp32", "shell bf16 accumulation", "shell params bf16"]  # fmt: skip
 
 
 def optimizer(groups: bool, kill_at: int | None = None) -> fzero.Optimizer:
@@ -80,19 +81,21 @@ def resume(swap: str, ck: str) -> fzero.TrainState:
 
 
 # ---------------------------------------------------------------------------------------------------- 2 processes
-def _shell(precision: str, micro: int, device: str, swap: str):
+def _shell(precision: str, micro: int, device: str, params: str, swap: str):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": device, "nvme_path": swap,
-                                                                "pipeline_read": True, "pipeline_write": True}},
+                                                                "pipeline_read": True, "pipeline_write": True},
+                              "offload_param": {"device": params, "nvme_path": swap}},
         "aio": {"block_size": 1 << 16, "intra_op_parallelism": 2},
         "bf16": {"enabled": precision == "bf16"},
     }  # fmt: skip
     model = tiny_gpt(0)
     engine, *_ = fzero.initialize(model=model, config=copy.deepcopy(config), model_parameters=model.parameters())
     rank, losses = engine.global_rank, []
+    assert type(engine.state.compute).__name__ == ("Offloaded" if params == "nvme" else "Tensor")
     for batch in lm_batches(tiny_gpt(0), 2, micro, 2, 4, 7):
         logits = engine(batch["x"][rank])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["y"][rank].flatten())
@@ -108,8 +111,10 @@ def run(rank: int, world: int, out_dir: str) -> None:
     mesh = fzero.DistMesh()
     swap = tempfile.mkdtemp(dir=out_dir, prefix=f"swap{rank}-")
     results = {}
-    core = {"core fp32": ({}, {}), "core bf16 accumulation": ({"precision": "bf16", "micro": 2, "groups": True}, {}),
-            "core threads 4 buffered": ({"precision": "bf16"}, {"threads": 4, "direct": False})}  # fmt: skip
+    core = {"core fp32 50 steps": ({"steps": 50}, {}),
+            "core bf16 accumulation": ({"precision": "bf16", "micro": 2, "groups": True}, {}),
+            "core threads 4 buffered": ({"precision": "bf16"}, {"threads": 4, "direct": False}),
+            "core params bf16": ({"precision": "bf16", "micro": 2}, {"params": "nvme"})}  # fmt: skip
     for name, (kw, tier) in core.items():
         ref, ref_losses, _ = train(mesh=mesh, rank=rank, **kw)
         offload = fzero.Offload("nvme", path=swap, chunk=4096, **tier)
@@ -117,9 +122,11 @@ def run(rank: int, world: int, out_dir: str) -> None:
         assert type(got.params).__name__ == "Offloaded"
         diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
         results[name] = diff + (["losses"] if losses != ref_losses else [])
-    for name, (precision, micro) in {"shell fp32": ("fp32", 1), "shell bf16 accumulation": ("bf16", 2)}.items():
-        ref, ref_losses = _shell(precision, micro, "cpu", swap)
-        got, losses = _shell(precision, micro, "nvme", swap)
+    shell = {"shell fp32": ("fp32", 1, "none"), "shell bf16 accumulation": ("bf16", 2, "none"),
+             "shell params bf16": ("bf16", 2, "nvme")}  # fmt: skip
+    for name, (precision, micro, params) in shell.items():
+        ref, ref_losses = _shell(precision, micro, "cpu", "none", swap)
+        got, losses = _shell(precision, micro, "nvme", params, swap)
         results[name] = differing(ref, got) + (["losses"] if losses != ref_losses else [])
     report(rank, out_dir, results)
     process_group.shutdown()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import fzero
@@ -45,20 +45,28 @@ def nvme(path, **kw) -> fzero.Offload:
     direct=st.sampled_from([False, True]),
     buffers=st.sampled_from([3, 5]),
     groups=st.booleans(),
+    params=st.sampled_from([None, "nvme"]),
 )
-def test_nvme_equals_memory_bitwise(tmp_path_factory, stage, precision, micro, threads, direct, buffers, groups):
+def test_nvme_equals_memory_bitwise(tmp_path_factory, stage, precision, micro, threads, direct, buffers, groups,
+                                    params):  # fmt: skip
+    assume(stage > 0 or params is None)  # (stage 0 has no shard to offload: test_bad_policies)
     d = tmp_path_factory.mktemp("nvme")
     kw = dict(stage=stage, precision=precision, micro=micro, groups=groups)
     ref, ref_losses, _ = _run(d, **kw)
-    got, losses, io = _run(d, offload=nvme(d, threads=threads, direct=direct, buffers=buffers), **kw)
+    got, losses, io = _run(d, offload=nvme(d, threads=threads, direct=direct, buffers=buffers, params=params), **kw)
     assert losses == ref_losses
     assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
     assert type(got.params).__name__ == "Offloaded" and got.params.store.direct == direct
-    # every update reads and writes the master and both moments once, per rank
+    assert type(got.compute).__name__ == ("Offloaded" if params else "Tensor")
+    # every update reads and writes the master and both moments once per rank, and writes the compute copy; the
+    # gathers read the compute copy at least once per update (stage 3: forward and backward, small units once; on a
+    # SimMesh every simulated rank reads every rank's piece)
     shard = got.params.shape[-1]
-    per_step = shard * (torch.empty((), dtype=got.params.dtype).element_size() + 8)
-    updates = [x for x in io if x is not None]
-    assert len(updates) == 3 and all(x["nvme"] == {"read": per_step, "written": per_step} for x in updates)
+    master = shard * (torch.empty((), dtype=got.params.dtype).element_size() + 8)
+    copy = shard * torch.empty((), dtype=ref.compute.dtype).element_size() if params else 0
+    updates = [x["nvme"] for x in io if x is not None]
+    assert len(updates) == 3 and all(x["written"] == master + copy for x in updates), updates
+    assert all(x["read"] == master if not params else x["read"] >= master + copy for x in updates), updates
 
 
 def test_fifty_steps_stage3_bf16_accumulation(tmp_path):
@@ -157,6 +165,19 @@ def test_corrupted_and_truncated_swap_files_are_named(tmp_path):
         state.params.store.read(state.tx_state["shard_update"].exp_avg)
 
 
+def test_bad_policies(tmp_path):
+    with pytest.raises(ValueError, match=r"Offload\(params='nvme'\) .* \(stage 0\): use stages 1-3"):
+        _run(tmp_path, stage=0, steps=0, offload=nvme(tmp_path, params="nvme"))
+    with pytest.raises(ValueError, match="needs optimizer='nvme' too"):
+        fzero.Offload("cpu", params="nvme")
+    with pytest.raises(ValueError, match="chunk must be a multiple of 4096"):
+        fzero.Offload("nvme", path=str(tmp_path), chunk=5000)
+    with pytest.raises(ValueError, match="buffers must be an integer >= 3"):
+        fzero.Offload("nvme", path=str(tmp_path), buffers=2)
+    with pytest.raises(ValueError, match="whole parameter tensors"):
+        _run(tmp_path, steps=1, offload=nvme(tmp_path), opt=fzero.lamb())
+
+
 def test_missing_directory_is_named(tmp_path):
     with pytest.raises(StoragePathError, match="nowhere"):
         _run(tmp_path, steps=0, offload=fzero.Offload("nvme", path=str(tmp_path / "nowhere")))
@@ -234,7 +255,7 @@ def test_config_keys(tmp_path):
         cfg = parse_config({**_cfg(device="nvme", nvme_path=str(tmp_path)), "aio": {"thread_count": 2}}, world=2)
     assert cfg.offload_policy.threads == 2
     bad = [
-        (_cfg(device="nvme"), ConfigError, "offload_optimizer.nvme_path"),
+        (_cfg(device="nvme"), ConfigError, "offload_optimizer.device: 'nvme' needs nvme_path"),
         ({**_cfg(device="nvme", nvme_path="x"), "aio": {"use_gds": True}}, UnsupportedConfigError, "aio.use_gds"),
         ({**_cfg(device="nvme", nvme_path="x"), "aio": {"block_size": 1000}}, ConfigError, "aio.block_size"),
         ({**_cfg(), "aio": {"thread_count": 1, "intra_op_parallelism": 1}}, ConfigError, "aio.thread_count"),
@@ -246,8 +267,17 @@ def test_config_keys(tmp_path):
         with pytest.raises(error, match=key), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             parse_config(config, world=2)
-    param = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
-    with pytest.raises(UnsupportedConfigError, match="offload_param"):
+    both = _cfg(device="nvme", nvme_path=str(tmp_path))
+    both["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    assert parse_config(both, world=2).offload_policy.params == "nvme"
+    both["zero_optimization"]["stage"] = 2  # DeepSpeed reads offload_param at stage 3 only
+    assert parse_config(both, world=2).offload_policy.params is None
+    offload_param = {"device": "nvme", "nvme_path": str(tmp_path)}
+    param = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": offload_param}}
+    with pytest.raises(UnsupportedConfigError, match="offload_param.device: 'nvme' without offload_optimizer.device"):
+        parse_config(param, world=2)
+    param["zero_optimization"]["offload_param"] = {"device": "nvme"}
+    with pytest.raises(ConfigError, match="offload_param.device: 'nvme' needs nvme_path"):
         parse_config(param, world=2)
 
 
@@ -273,3 +303,17 @@ def test_hybrid_mesh_trains_saves_and_resumes(tmp_path):
     got, _ = run(nvme(tmp_path), state=loaded, start=2)
     mem, _ = run(None, state=mem, start=2)
     assert differing(fzero.state_dict(mem), fzero.state_dict(got)) == []
+
+
+def test_reads_from_several_threads(tmp_path):
+    """A checkpoint of a SimMesh state writes its ranks' files on threads side by side, each reading its rows of
+    the offloaded leaves: the store's streams share staging buffers, so they must run one after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state, _, _ = _run(tmp_path, world=4, steps=1, offload=nvme(tmp_path, chunk=4096))
+    leaves = [state.params, state.tx_state["shard_update"].exp_avg, state.tx_state["shard_update"].exp_avg_sq]
+    whole = [x.read() for x in leaves]
+    jobs = [(k, r) for _ in range(20) for k in range(3) for r in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda job: leaves[job[0]].read(job[1]), jobs))
+    assert all(torch.equal(g, whole[k][r]) for g, (k, r) in zip(got, jobs, strict=True))

@@ -77,10 +77,12 @@ class Config:
     def offload_policy(self) -> str | Offload | None:
         """`shard_update`'s `offload`: None, "cpu", or the NVMe tier (`fzero.Offload`) from `offload_optimizer`
         and `aio`."""
-        off, aio = self.values["zero_optimization"]["offload_optimizer"], self.values["aio"]
+        zero, aio = self.values["zero_optimization"], self.values["aio"]
+        off = zero["offload_optimizer"]
         if off["device"] != "nvme":
             return "cpu" if off["device"] == "cpu" else None
-        return Offload("nvme", path=off["nvme_path"], buffers=off["buffer_count"],
+        params = "nvme" if zero["stage"] == 3 and zero["offload_param"]["device"] == "nvme" else None
+        return Offload("nvme", params=params, path=off["nvme_path"], buffers=off["buffer_count"],
                        threads=aio["intra_op_parallelism"], block_size=aio["block_size"])  # fmt: skip
 
     @property

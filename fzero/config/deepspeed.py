@@ -31,7 +31,7 @@ import warnings
 from typing import Any
 
 from .monitors import COMET, CSV_MONITOR, TENSORBOARD, WANDB
-from .offload import AIO, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM
+from .offload import AIO, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, check_offload
 from .optimizers import BETA, OPTIMIZER
 from .schema import (
     REQUIRED,
@@ -114,6 +114,7 @@ def _zero_coerce(value: Any) -> dict[str, Any] | None:
 def _zero_checks(values: dict[str, Any], path: str) -> None:
     if values["allgather_bucket_size"] % 2:
         raise ConfigError(f"{path}.allgather_bucket_size", "must be a multiple of 2 (DeepSpeed's rule)")
+    check_offload(values, path)
 
 
 ZERO = Section(

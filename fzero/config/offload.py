@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .schema import Bool, ConfigError, Field, Int, Nullable, Num, Section, Str
+import torch
 
-__all__ = ["AIO", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM"]
+from .schema import Bool, ConfigError, Field, Int, Nullable, Num, Section, Str, UnsupportedConfigError
 
-
-def _device(what: str) -> Field:
-    return Field(Str(("none", "cpu", "nvme")), "none", unsupported=what)
+__all__ = ["AIO", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "check_offload"]
 
 
 def _legacy_offload(value: Any) -> dict[str, Any] | None:
@@ -29,7 +27,7 @@ PIPELINED = "no effect: the NVMe tier always reads ahead and writes behind (fzer
 
 def _nvme_path(values: dict[str, Any], path: str) -> None:
     if values["device"] == "nvme" and not values["nvme_path"]:
-        raise ConfigError(f"{path}.nvme_path", "device 'nvme' needs the directory of its swap files (nvme_path)")
+        raise ConfigError(f"{path}.device", "'nvme' needs nvme_path, the directory of its swap files")
 
 
 OFFLOAD_OPTIMIZER = Section(
@@ -58,18 +56,30 @@ OFFLOAD_OPTIMIZER = Section(
 
 OFFLOAD_PARAM = Section(
     {
-        "device": _device(
-            "parameter offload (offload_param) is not implemented yet; the optimizer tier is "
-            "(offload_optimizer.device 'cpu' or 'nvme')"
-        ),
-        "nvme_path": Field(Nullable(Str()), None),
-        "buffer_count": Field(Int(0), 5),
-        "buffer_size": Field(Int(0), 100_000_000),
-        "max_in_cpu": Field(Int(0), 1_000_000_000),
-        "pin_memory": Field(Bool(), True),
+        "device": Field(Str(("none", "cpu", "nvme")), "none"),
+        "nvme_path": Field(Nullable(Str()), None, effect="device 'nvme': the files go with the optimizer's"),
+        "buffer_count": Field(Int(0), 5, effect="no effect: the compute shard is read one unit ahead"),
+        "buffer_size": Field(Int(0), 100_000_000, effect="no effect: each unit is read into a buffer of its size"),
+        "max_in_cpu": Field(Int(0), 1_000_000_000, effect="no effect"),
+        "pin_memory": Field(Bool(), True, effect="no effect: host buffers are pinned whenever an accelerator is"),
     },
     coerce=_legacy_offload,
+    checks=(_nvme_path,),
 )
+
+
+def check_offload(zero: dict[str, Any], path: str) -> None:
+    """What fzero can do of an `offload_param` (DeepSpeed reads it at stage 3 only, and so does fzero)."""
+    param, optimizer = zero["offload_param"]["device"], zero["offload_optimizer"]["device"]
+    key = f"{path}.offload_param.device"
+    if zero["stage"] != 3 or param == "none":
+        return
+    if param == "cpu" and torch.cuda.is_available():
+        what = "'cpu' with an accelerator (the compute shard copied to the device unit by unit) is not implemented"
+        raise UnsupportedConfigError(key, f"{what} (not supported); on a CPU-only machine it lives there already")
+    if param == "nvme" and optimizer != "nvme":
+        raise UnsupportedConfigError(key, "'nvme' without offload_optimizer.device 'nvme' is not supported: fzero "
+                                     "keeps the compute shard in the optimizer's swap files")  # fmt: skip
 
 
 def _aio_checks(values: dict[str, Any], path: str) -> None:

@@ -59,6 +59,7 @@ from ..optim import Hyper, hyper_value
 from ..state import TrainState
 from ..step import init
 from ..step import state_dict as consolidated
+from ..storage import in_memory
 from ..transforms import Transform
 from ..transforms.scaling import current_loss_scale
 from ..units import UnitGathering
@@ -239,8 +240,8 @@ class Engine(ConfigAccessors, nn.Module):
         its step), so that `engine.module` holds them, and kept for the micro-steps of the accumulation window."""
         state = self.state
         compute = state.compute if state.compute is not None else state.params
-        if not state.plan.sharded_at_rest:
-            return self._local(compute)
+        if not state.plan.sharded_at_rest:  # (one rank: an offloaded copy is read whole)
+            return self._local(in_memory(compute))
         if not state.plan.keep_gathered:
             return None
         if self._gathered is None or self._gathered[0] is not compute:  # dropped by every update (see step)

@@ -41,7 +41,7 @@ from .aligned import ALIGN, aligned_empty, round_up
 from .errors import StorageError, StorageFullError, StoragePathError, SwapCorruptError
 from .pool import IOPool
 from .scratch import ScratchDir
-from .store import Offloaded, StaleStateError, Store, Task, in_memory
+from .store import Offloaded, StaleStateError, Store, Task, UnitReader, in_memory
 from .swapfile import Region, SwapFile
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "SwapCorruptError",
     "SwapFile",
     "Task",
+    "UnitReader",
     "aligned_empty",
     "in_memory",
     "round_up",

@@ -46,7 +46,7 @@ from .pool import IOPool
 from .scratch import ScratchDir
 from .swapfile import Region, SwapFile
 
-__all__ = ["Offloaded", "StaleStateError", "Store", "Task", "in_memory"]
+__all__ = ["Offloaded", "StaleStateError", "Store", "Task", "UnitReader", "in_memory"]
 
 
 class StaleStateError(StorageError):
@@ -167,6 +167,8 @@ class Store:
         if not stacked and len(rows) != 1:
             raise ValueError(f"Store: an unstacked store holds one row, got rows {tuple(rows)}")
         self.leaves, self.rows, self.pieces = dict(leaves), tuple(rows), tuple(pieces)
+        # no chunk larger than the largest piece: the staging buffers of a small shard stay small
+        chunk = min(chunk, max(ALIGN, -(-max(self.pieces, default=0) // ALIGN) * ALIGN))
         self.stacked, self.chunk = stacked, chunk
         self.scratch = ScratchDir(root)
         self.pool = IOPool(threads, block_size)
@@ -174,6 +176,7 @@ class Store:
         self._versions = itertools.count()
         self._slots: list[int | None] = [None, None]  # the version each slot holds
         self._lock = threading.Lock()
+        self._streaming = threading.Lock()  # one stream at a time: they share the staging buffers
         self.bytes_read = self.bytes_written = 0
         try:
             for r, rank in enumerate(self.rows):
@@ -281,7 +284,19 @@ class Store:
 
         Returns:
           The new versions by leaf name ({} without `write`).
+
+        Streams from several threads (a checkpoint writes a `SimMesh`'s rank files side by side) run one after
+        another.
         """
+        with self._streaming:
+            return self._stream(inputs, compute, write)
+
+    def _stream(
+        self,
+        inputs: Offloaded | Mapping[str, Offloaded] | None,
+        compute: Callable[[Task, dict[str, Tensor]], Any],
+        write: bool,
+    ) -> dict[str, Offloaded]:
         if isinstance(inputs, Offloaded):
             inputs = {name: Offloaded(self, name, inputs.version, inputs.slot, ()) for name in self.leaves} | {
                 inputs.name: inputs
@@ -373,6 +388,25 @@ class Store:
         self.stream({x.name: x}, take, write=False)
         return out
 
+    def read_unit(self, x: Offloaded, unit: int) -> tuple[Tensor, list[Future]]:
+        """Start reading unit `unit`'s piece of every row of `x`: a new tensor (`[rows, n]`, or `[n]`) and the
+        transfers filling it (wait for them before reading it)."""
+        self._check(x)
+        n, size = self.pieces[unit], x.dtype.itemsize
+        stride = -(-n * size // ALIGN) * ALIGN  # each row's piece starts aligned (O_DIRECT reads into it)
+        buf = aligned_empty(stride * len(self.rows))
+        futures = []
+        for task in self.tasks:
+            if task.unit == unit:
+                start = task.row * stride + task.offset * size
+                nbytes = task.size * size
+                dest = buf[start : start + -(-nbytes // ALIGN) * ALIGN]
+                futures.append(self.pool.read(self.files[task.row, unit], self._offset(task, x.name, x.slot), dest,
+                                              nbytes, x.crcs[task.index]))  # fmt: skip
+                self.bytes_read += nbytes
+        rows = buf.view(x.dtype).as_strided((len(self.rows), n), (stride // size, 1))
+        return (rows if self.stacked else rows[0]), futures
+
     def take_io(self) -> dict[str, int]:
         """Bytes read and written since the last call."""
         out = {"read": self.bytes_read, "written": self.bytes_written}
@@ -387,3 +421,40 @@ class Store:
             f.close()
         if getattr(self, "scratch", None) is not None:
             self.scratch.close()
+
+
+class UnitReader:
+    """Reads an offloaded buffer unit by unit, `depth` units ahead in the direction of travel (up the units in a
+    forward, down in a backward), so that a unit's read overlaps the compute of the one before it. Each unit is a
+    fresh buffer, dropped by whoever holds it: at most `depth + 1` units are held here.
+
+    Args:
+      x: the buffer (a stage-3 compute shard offloaded with `Offload(params="nvme")`).
+      depth: units read ahead.
+    """
+
+    def __init__(self, x: Offloaded, depth: int = 1) -> None:
+        self.x, self.depth = x, depth
+        self._pending: dict[int, tuple[Tensor, list[Future]]] = {}
+        self._last: int | None = None
+
+    def _start(self, unit: int) -> None:
+        if 0 <= unit < len(self.x.store.pieces) and unit not in self._pending:
+            self._pending[unit] = self.x.store.read_unit(self.x, unit)
+
+    def __call__(self, unit: int) -> Tensor:
+        """Unit `unit`'s piece of every row (`[rows, n]`, or `[n]`), read."""
+        step = -1 if self._last is not None and unit < self._last else 1
+        self._last = unit
+        self._start(unit)
+        for k in range(1, self.depth + 1):
+            self._start(unit + step * k)
+        out, futures = self._pending.pop(unit)
+        for fut in futures:
+            fut.result()
+        return out
+
+    def close(self) -> None:
+        """Wait for the reads still in flight (their buffers are dropped)."""
+        pending, self._pending = self._pending, {}
+        Store._drain({u: f for u, (_, f) in pending.items()}, {})

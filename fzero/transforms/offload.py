@@ -32,6 +32,7 @@ from ..storage import Offloaded, Store, Task
 __all__ = ["Offload", "nvme_init", "nvme_update", "offload_of"]
 
 DEVICES = (None, "cpu", "nvme")
+COMPUTE = "compute"  # the compute copy's leaf in the store, with `Offload(params="nvme")`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Offload:
 
     Attributes:
       optimizer: None (with the gradients), `"cpu"` (host memory) or `"nvme"` (swap files under `path`).
+      params: None, or `"nvme"` (stage 3, with `optimizer="nvme"`): the compute parameters' shard also lives in
+        the swap files (written by the update in the same pass as the master), and each unit is read from them,
+        one unit ahead, when the forward or the backward gathers it (ZeRO-Infinity's `offload_param`).
       path: the directory the swap files go in (`"nvme"`; it must exist): each process makes its own scratch
         directory there and removes it on exit.
       buffers: staging sets of the pipeline (at least 3).
@@ -58,6 +62,7 @@ class Offload:
     """
 
     optimizer: str | None = None
+    params: str | None = None
     path: str | os.PathLike[str] | None = None
     buffers: int = 4
     chunk: int = 1 << 20
@@ -68,6 +73,11 @@ class Offload:
     def __post_init__(self) -> None:
         if self.optimizer not in DEVICES:
             raise ValueError(f"Offload: optimizer must be None, 'cpu' or 'nvme', got {self.optimizer!r}")
+        if self.params not in (None, "nvme"):
+            raise ValueError(f"Offload: params must be None or 'nvme', got {self.params!r}")
+        if self.params == "nvme" and self.optimizer != "nvme":
+            raise ValueError("Offload(params='nvme') keeps the compute shard in the optimizer's swap files: it needs "
+                             "optimizer='nvme' too")  # fmt: skip
         if self.optimizer == "nvme" and self.path is None:
             raise ValueError("Offload('nvme') needs a directory for its swap files: Offload('nvme', path=...)")
         for name, low in (("buffers", 3), ("chunk", 4096), ("threads", 1), ("block_size", 4096)):
@@ -101,17 +111,26 @@ def _names(state: Any, probe: Tensor | Offloaded) -> tuple[list[Any], list[str |
     return leaves, names
 
 
-def nvme_init(optimizer: Optimizer, params: Tensor, offload: Offload, rows: tuple[int, ...],
-              pieces: tuple[int, ...]) -> tuple[Offloaded, Any]:  # fmt: skip
+def nvme_init(
+    optimizer: Optimizer,
+    params: Tensor,
+    offload: Offload,
+    rows: tuple[int, ...],
+    pieces: tuple[int, ...],
+    compute_dtype: torch.dtype,
+) -> tuple[Offloaded, Any, Offloaded | None]:
     """Write `params` (this rank's master buffer, or a `SimMesh`'s `[world, n]`) and the optimizer's initial state
-    to a new store; the handles to them: the master parameters and the state with its per-element leaves
-    offloaded (the rest, e.g. Adam's step count, stays a tensor)."""
+    to a new store (and, with `offload.params`, the compute copy in `compute_dtype`); the handles to them: the
+    master parameters, the state with its per-element leaves offloaded (the rest, e.g. Adam's step count, stays a
+    tensor), and the compute copy's (None when it stays in memory)."""
     stacked = params.ndim == 2
     probe = params[..., :1]
     state = optimizer.init(probe)
     leaves, names = _names(state, probe)
     dtypes = {"params": params.dtype, **{n: x.dtype for n, x in zip(names, leaves, strict=True) if n is not None}}
-    if len(dtypes) != 1 + sum(n is not None for n in names):
+    if offload.params == "nvme":
+        dtypes[COMPUTE] = compute_dtype
+    if len(dtypes) != 1 + (offload.params == "nvme") + sum(n is not None for n in names):
         raise ValueError(f"optimizer state leaves {names} do not have distinct names")
     store = Store(offload.path, dtypes, rows, pieces, stacked=stacked, chunk=offload.chunk, buffers=offload.buffers,
                   threads=offload.threads, block_size=offload.block_size, direct=offload.direct)  # fmt: skip
@@ -120,13 +139,17 @@ def nvme_init(optimizer: Optimizer, params: Tensor, offload: Offload, rows: tupl
     def fill(task: Task, views: dict[str, Tensor]) -> None:
         chunk = flat[task.row, task.start : task.stop]
         views["params"].copy_(chunk)
+        if COMPUTE in views:
+            views[COMPUTE].copy_(chunk)
         for n, x in zip(names, optree.tree_leaves(optimizer.init(chunk), namespace="fzero"), strict=True):
             if n is not None:
                 views[n].copy_(x)
 
     written = store.stream(None, fill)
+    store.take_io()  # (the metrics count the steps' transfers)
     handles = [x if n is None else written[n] for n, x in zip(names, leaves, strict=True)]
-    return written["params"], optree.tree_unflatten(optree.tree_structure(state, namespace="fzero"), handles)
+    state = optree.tree_unflatten(optree.tree_structure(state, namespace="fzero"), handles)
+    return written["params"], state, written.get(COMPUTE)
 
 
 def nvme_update(
@@ -136,15 +159,16 @@ def nvme_update(
     params: Offloaded,
     kw: dict[str, Any],
     compute_dtype: torch.dtype | None,
-) -> tuple[Offloaded, Any, Tensor, dict[str, int]]:
+) -> tuple[Offloaded, Any, Tensor | Offloaded, dict[str, int]]:
     """One update through the store: returns the new master handle, the new state, the compute copy (in memory,
-    on the gradients' device) and the bytes read and written per rank."""
+    on the gradients' device, or its handle where the store keeps it) and the bytes read and written per rank."""
     store = params.store
     if "tensors" in kw:
         raise ValueError("an optimizer that needs whole parameter tensors (Lamb, Muon) cannot run on the chunks of "
                          "an NVMe-offloaded shard; offload it to 'cpu' instead")  # fmt: skip
     leaves, names = _names(state, params)
     handles = {"params": params, **{n: x for n, x in zip(names, leaves, strict=True) if n is not None}}
+    on_disk = COMPUTE in store.leaves
     for n, x in handles.items():
         if not isinstance(x, Offloaded) or x.store is not store:
             raise ValueError(f"shard_update: the state's leaf {n!r} is not offloaded to {store!r} (a state made "
@@ -154,8 +178,8 @@ def nvme_update(
     g = grads.reshape(-1)
     cdt = compute_dtype or params.dtype
     fused_out = cdt != params.dtype and "out" in optimizer.features
-    compute = torch.empty(params.shape, dtype=cdt)
-    flat_compute = compute.reshape(-1)
+    compute = None if on_disk else torch.empty(params.shape, dtype=cdt)
+    flat_compute = None if compute is None else compute.reshape(-1)
     spec = optree.tree_structure(state, namespace="fzero")
     rest = [x if n is None else None for n, x in zip(names, leaves, strict=True)]
     after: list[Any] = list(rest)
@@ -166,24 +190,26 @@ def nvme_update(
         extra = dict(kw)
         if "segments" in kw:
             extra["segments"] = kw["segments"].slice(a, b)
+        out = views[COMPUTE] if flat_compute is None else flat_compute[a:b]
         if fused_out:
-            extra["out"] = flat_compute[a:b]
+            extra["out"] = out
         p = views["params"]
         new_p, new_sub = optimizer.update(g[a:b].cpu(), sub, p, donate=True, **extra)
         for dest, got in [(p, new_p), *[(views[n], y) for n, y in _pairs(names, new_sub)]]:
             if got.data_ptr() != dest.data_ptr():
                 dest.copy_(got)
         if not fused_out:
-            flat_compute[a:b].copy_(p)
+            out.copy_(p)
         for i, (n, y) in enumerate(zip(names, optree.tree_leaves(new_sub, namespace="fzero"), strict=True)):
             if n is None:
                 after[i] = y
 
-    store.take_io()
+    # the compute copy is only written here (the step's gathers read the input's version)
     written = store.stream(handles, step)
-    io = {k: v // len(store.rows) for k, v in store.take_io().items()}  # per rank, as the ledger counts
+    # since the last update: the gathers' reads of the compute copy, this update's transfers; per rank (the ledger's)
+    io = {k: v // len(store.rows) for k, v in store.take_io().items()}
     new_state = optree.tree_unflatten(spec, [after[i] if n is None else written[n] for i, n in enumerate(names)])
-    return written["params"], new_state, compute.to(device), io
+    return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(device), io
 
 
 def _pairs(names: list[str | None], state: Any) -> list[tuple[str, Tensor]]:

@@ -119,11 +119,15 @@ class _ShardUpdate:
             return flow._replace(params=params, compute=None), self.optimizer.init(params)
         master = _host(params, pin=params.device.type != "cpu" and _pinned())
         compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
+        if self.policy.params == "nvme" and not flow.sharded:
+            raise ValueError("Offload(params='nvme') keeps this rank's shard of the compute parameters on disk; this "
+                             "chain does not shard them (stage 0): use stages 1-3")  # fmt: skip
         if self.offload == "nvme":
-            handle, state = nvme_init(self.optimizer, master, self.policy, _files(ctx, master),
-                                      _pieces_of(ctx, master, flow.sharded))  # fmt: skip
-            # the handle stands where the master tensor would: only shard_update reads it, and what else looks at
-            # the state's master (checkpoints, state_dict, state_bytes) knows handles
+            handle, state, on_disk = nvme_init(self.optimizer, master, self.policy, _files(ctx, master),
+                                               _pieces_of(ctx, master, flow.sharded), compute.dtype)  # fmt: skip
+            # the handles stand where the tensors would: only shard_update reads the master, the gathering the
+            # compute copy, and what else looks at the state (checkpoints, state_dict, state_bytes) knows handles
+            compute = compute if on_disk is None else cast(Tensor, on_disk)
             return flow._replace(params=cast(Tensor, handle), compute=compute), state
         return flow._replace(params=master, compute=compute), self.optimizer.init(master)
 
@@ -166,8 +170,8 @@ class _ShardUpdate:
         compute: Tensor | None
         if self.offload == "nvme":
             handle = cast(Offloaded, flow.params)
-            new, state, compute, io = nvme_update(self.optimizer, grads, state, handle, kw, self.compute_dtype)
-            flow = flow._replace(params=cast(Tensor, new), compute=compute).with_facts(applied=True)
+            new, state, copy, io = nvme_update(self.optimizer, grads, state, handle, kw, self.compute_dtype)
+            flow = flow._replace(params=cast(Tensor, new), compute=cast(Tensor, copy)).with_facts(applied=True)
             return flow.with_metrics(io={"nvme": io}), state
         if self.offload is not None:
             params, state, compute = _offload_update(self.optimizer, grads, state, flow.params, kw, ctx.donate,
