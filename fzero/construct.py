@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -130,7 +131,14 @@ def sharded_parameters(
             "initializer=model._init_weights)"
         )
     spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
-    pieces: list[list[Tensor]] = [[] for _ in spaces]
+    # each unit's piece goes straight into its place: the shards and one unit are all that exist at once
+    shards: list[Tensor | None] = [None for _ in spaces]
+
+    def place(space: int, lay: Layout, unit_index: int, piece: Tensor) -> None:
+        if shards[space] is None:
+            shards[space] = piece.new_empty(*piece.shape[:-1], lay.shard_numel)
+        cast(Tensor, shards[space])[..., lay.unit_shard_slice(unit_index)].copy_(piece)
+
     buffers: dict[str, Tensor] = {}
     buffer_names = {s.name for s in layout.buffers}
     modules = dict(model.named_modules())
@@ -173,13 +181,13 @@ def sharded_parameters(
                         flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
             flat = mesh.broadcast(mesh.replicate(flat), src=0)
             if lay.axis is not None:  # hybrid: this rank's chunk along the sharding axis
-                pieces[space].append(mesh.local_shard(flat, axis=lay.axis))
+                place(space, lay, unit_index, mesh.local_shard(flat, axis=lay.axis))
                 continue
             rows = flat.view(*flat.shape[:-1], layout.world, -1)  # [(world,) world, unit shard]
             if mesh.stacked:
-                pieces[space].append(torch.stack([rows[r, r] for r in range(layout.world)]))
+                place(space, lay, unit_index, torch.stack([rows[r, r] for r in range(layout.world)]))
             else:
-                pieces[space].append(rows[mesh.rank].clone())
+                place(space, lay, unit_index, rows[mesh.rank])
         for name, t in named.items():
             if name in buffer_names:
                 buffers[name] = mesh.broadcast(mesh.replicate(t.detach().clone()), src=0)
@@ -187,5 +195,5 @@ def sharded_parameters(
             m._parameters.update(params)
             m._buffers.update(bufs)
         del named
-    shards = [torch.cat(p, dim=-1) for p in pieces]
-    return shards[0], shards[1] if len(shards) > 1 else None, buffers
+    assert all(x is not None for x in shards)  # (a layout has units)
+    return cast(Tensor, shards[0]), shards[1] if len(shards) > 1 else None, buffers

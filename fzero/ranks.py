@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
@@ -91,13 +90,20 @@ class _DistReduction:
     """Reduce each unit's gradient as it arrives, into this rank's gradient shard (added: a second backward through
     the graph accumulates, as autograd would). With a `budget`, the reduction may return a handle (it was started
     and the backward goes on); before starting one that would put more than `budget` elements in flight, the
-    oldest are waited on; `result()` waits for the rest."""
+    oldest are waited on; `result()` waits for the rest.
+
+    Each unit's result is copied into the shard as soon as it has landed (its pieces summed in arrival order), so
+    the shard and the reductions in flight are all that is held: never every unit's piece and their concatenation
+    at once (twice the gradient shard, which an NVMe-offloaded run would otherwise keep as its peak)."""
 
     def __init__(self, fn: ReduceFn, layout: Layout, budget: int | None) -> None:
         self.fn, self.layout, self.budget = fn, layout, budget
-        self.pieces: dict[int, list[Tensor | Work]] = {}
-        self.flight: collections.deque[tuple[list[Tensor | Work], int, int]] = collections.deque()
+        self.pieces: dict[int, list[Tensor | Work | None]] = {}  # None: folded into the shard (freed)
+        self.folded: dict[int, int] = {}
+        self.flight: collections.deque[tuple[list[Tensor | Work | None], int, int]] = collections.deque()
         self.elements = self.peak = 0
+        self.out: Tensor | None = None
+        self.whole = False
 
     def add(self, unit: int, rank: int, grads: Tensor) -> None:
         n = grads.numel()
@@ -109,18 +115,43 @@ class _DistReduction:
             self.flight.append((pieces, len(pieces) - 1, n))
             self.elements += n
             self.peak = max(self.peak, self.elements)
+        self._fold(unit, pieces)
 
     def _land(self) -> None:
         """Wait for the oldest reduction in flight."""
         pieces, i, n = self.flight.popleft()
-        pieces[i] = _value(pieces[i])
+        pieces[i] = _value(cast(Work, pieces[i]))
         self.elements -= n
+        self._fold(next(u for u, ps in self.pieces.items() if ps is pieces), pieces)
+
+    def _fold(self, unit: int, pieces: list[Tensor | Work | None]) -> None:
+        """Add the unit's landed pieces, in arrival order up to the first still in flight, into the shard."""
+        while self.folded.get(unit, 0) < len(pieces) and isinstance(pieces[self.folded.get(unit, 0)], Tensor):
+            k = self.folded.get(unit, 0)
+            piece = cast(Tensor, pieces[k])
+            pieces[k] = None
+            self.folded[unit] = k + 1
+            if self.out is None:  # the first piece says whether they are shards (reduce-scatter) or whole units
+                self.whole = piece.shape[-1] == self.layout.units[unit].size
+                size = self.layout.numel if self.whole else self.layout.shard_numel
+                self.out = piece.new_empty(*piece.shape[:-1], size)
+            lay = self.layout
+            dest = self.out[..., lay.unit_slice(unit) if self.whole else lay.unit_shard_slice(unit)]
+            if k:
+                dest.add_(piece)
+            else:
+                dest.copy_(piece)
 
     def result(self) -> Tensor:
         while self.flight:
             self._land()
-        summed = {u: functools.reduce(torch.add, map(_value, ps)) for u, ps in self.pieces.items()}  # arrival order
-        return _assemble(self.layout, [summed.get(i) for i in range(len(self.layout.units))])
+        if self.out is None:
+            return _assemble(self.layout, [None] * len(self.layout.units))
+        for unit in range(len(self.layout.units)):  # zeros for units no gradient reached
+            if not self.folded.get(unit):
+                lay = self.layout
+                self.out[..., lay.unit_slice(unit) if self.whole else lay.unit_shard_slice(unit)].zero_()
+        return self.out
 
 
 class _SimReduction:

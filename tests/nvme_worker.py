@@ -20,6 +20,7 @@ from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 PRESETS = {0: fzero.zero0, 1: fzero.zero1, 2: fzero.zero2, 3: fzero.zero3}
 KW = {"stage": 3, "precision": "bf16", "micro": 2, "groups": True}  # the killed run's configuration
 CASES = ["core fp32 50 steps", "core bf16 accumulation", "core threads 4 buffered", "core params bf16",
+         "core checkpoint and resume",
          "shell fp32", "shell bf16 accumulation", "shell params bf16"]  # fmt: skip
 
 
@@ -122,6 +123,16 @@ def run(rank: int, world: int, out_dir: str) -> None:
         assert type(got.params).__name__ == "Offloaded"
         diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
         results[name] = diff + (["losses"] if losses != ref_losses else [])
+    # saved on NVMe by 2 processes mid-run, loaded into a fresh NVMe state, continued: the in-memory run's values
+    kw, ck = {"precision": "bf16", "micro": 2}, f"{out_dir}/ck"
+    offload = fzero.Offload("nvme", params="nvme", path=swap, chunk=4096)
+    ref, ref_losses, _ = train(mesh=mesh, rank=rank, steps=4, **kw)
+    got, losses, _ = train(mesh=mesh, rank=rank, steps=2, offload=offload, save=(ck, 2), **kw)
+    like, _, _ = train(mesh=mesh, rank=rank, steps=0, offload=offload, **kw)
+    state, _ = fzero.checkpoint.load(ck, like, mesh=mesh)
+    got, more, _ = train(mesh=mesh, rank=rank, steps=2, start=2, offload=offload, state=state, **kw)
+    diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
+    results["core checkpoint and resume"] = diff + (["losses"] if losses + more != ref_losses else [])
     shell = {"shell fp32": ("fp32", 1, "none"), "shell bf16 accumulation": ("bf16", 2, "none"),
              "shell params bf16": ("bf16", 2, "nvme")}  # fmt: skip
     for name, (precision, micro, params) in shell.items():

@@ -317,3 +317,16 @@ def test_reads_from_several_threads(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda job: leaves[job[0]].read(job[1]), jobs))
     assert all(torch.equal(g, whole[k][r]) for g, (k, r) in zip(got, jobs, strict=True))
+
+
+def test_partial_load_keeps_the_rest(tmp_path):
+    """`load(..., select=)` into an offloaded state: the selected leaves from the checkpoint, the others the
+    target's own (copied into the new version on disk)."""
+    saved, _, _ = _run(tmp_path, steps=2, offload=nvme(tmp_path))
+    fzero.checkpoint.save(saved, tmp_path / "ck")
+    like, _, _ = _run(tmp_path, steps=0, offload=nvme(tmp_path))
+    fresh = like.tx_state["shard_update"].exp_avg.read()
+    got, _ = fzero.checkpoint.load(tmp_path / "ck", like, select=lambda key: key == "params")
+    assert torch.equal(got.params.read(), saved.params.read())
+    assert torch.equal(got.tx_state["shard_update"].exp_avg.read(), fresh)
+    assert int(got.step) == 0

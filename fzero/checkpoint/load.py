@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
+from torch import Tensor
 
 from ..storage import Offloaded, Store
 from . import rng
@@ -22,6 +23,39 @@ from .reshard import build_leaves, check_compatible
 from .tree import flatten_state
 
 __all__ = ["load"]
+
+
+class _ToDisk:
+    """Writes the loaded values of `like`'s offloaded leaves into their stores as they are built (one leaf in
+    memory at a time), as a new version of each store; `handles` puts the new handles in place."""
+
+    def __init__(self, like: Sequence[Any]) -> None:
+        self.like = {i: x for i, x in enumerate(like) if isinstance(x, Offloaded)}
+        self.versions: dict[int, tuple[Store, int, int, dict[str, Any]]] = {}
+
+    def _version(self, x: Offloaded) -> tuple[Store, int, int, dict[str, Any]]:
+        if id(x.store) not in self.versions:  # (like's own version stays readable: a leaf not loaded is copied)
+            self.versions[id(x.store)] = (x.store, *x.store.begin(keep=x), {})
+        return self.versions[id(x.store)]
+
+    def __call__(self, i: int, value: Tensor) -> Any:
+        x = self.like.get(i)
+        if x is None:
+            return value
+        store, version, slot, crcs = self._version(x)
+        crcs[x.name] = store.write_leaf(x.name, value, version, slot)
+        return None  # (replaced by `handles`)
+
+    def handles(self, leaves: list[Any]) -> list[Any]:
+        out = list(leaves)
+        for x in self.like.values():
+            store, version, slot, crcs = self._version(x)
+            if x.name not in crcs:  # not loaded (`select`, or missing with strict=False): like's values
+                crcs[x.name] = store.write_leaf(x.name, x.read(), version, slot)
+        for i, x in self.like.items():
+            store, version, slot, crcs = self._version(x)
+            out[i] = store.finish(version, slot, crcs)[x.name]
+        return out
 
 
 def offload_like(like: Sequence[Any], leaves: list[Any]) -> list[Any]:
@@ -101,13 +135,14 @@ def load(
     assert ckpt is not None
     try:
         with ckpt:
-            leaves = build_leaves(ckpt, flat, coord.ranks, strict=strict, select=select)
+            to_disk = _ToDisk(flat.leaves)
+            leaves = to_disk.handles(build_leaves(ckpt, flat, coord.ranks, strict=strict, select=select, keep=to_disk))
             processes = ckpt.manifest.processes
             states = ckpt.rng(coord.rank % processes if coord.distributed else 0)
     except Exception as e:
         error = e
     coord.agree(error, "loading the checkpoint")
-    state = optree.tree_unflatten(flat.treespec, offload_like(flat.leaves, leaves))
+    state = optree.tree_unflatten(flat.treespec, leaves)
     m = ckpt.manifest
     if restore_rng:
         rng.restore(states)

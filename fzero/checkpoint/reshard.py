@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -197,7 +198,8 @@ def build_leaves(
     *,
     strict: bool = True,
     select: Callable[[str], bool] | None = None,
-) -> list[Tensor]:
+    keep: Callable[[int, Tensor], Any] | None = None,
+) -> list[Any]:
     """The leaves of `like`'s structure, with values from `source`, for this process's `ranks`.
 
     Args:
@@ -207,13 +209,15 @@ def build_leaves(
       ranks: the target ranks this process holds (all of them on a `SimMesh`, its own on a `DistMesh`).
       strict: every leaf of `like` must be in the source and every leaf of the source in `like`.
       select: load only the leaves whose key it accepts; the others keep `like`'s values.
+      keep: `keep(i, value)` is what becomes of leaf `i` once built (default: the value itself); e.g. the value
+        written to disk and dropped, so that one leaf at a time is in memory.
 
     Raises:
       IncompatibleCheckpointError: see `check_compatible` (called first: nothing is read if it raises).
     """
     wanted = check_compatible(source, like, strict=strict, select=select)
-    out: list[Tensor] = []
-    for t, like_leaf in zip(like.entries, like.leaves, strict=True):
+    out: list[Any] = []
+    for i, (t, like_leaf) in enumerate(zip(like.entries, like.leaves, strict=True)):
         if t.key not in wanted:
             out.append(like_leaf)
             continue
@@ -225,5 +229,6 @@ def build_leaves(
         else:
             fill = _fill_param if t.kind in PARAM_SPACE else _fill_replicated
             fill(source, source.entries[t.key], t, like.layout, outs)
-        out.append(value if like_leaf.device.type == "cpu" else value.to(like_leaf.device))
+        value = value if like_leaf.device.type == "cpu" else value.to(like_leaf.device)
+        out.append(value if keep is None else keep(i, value))
     return out

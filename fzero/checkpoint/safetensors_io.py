@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -102,7 +102,7 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -
 def write_safetensors(
     path: str | os.PathLike[str],
     specs: Sequence[TensorSpec],
-    produce: Callable[[int], Tensor | Sequence[Tensor]],
+    produce: Callable[[int], Tensor | Iterable[Tensor]],
     metadata: dict[str, str] | None = None,
     *,
     fsync: bool = True,
@@ -112,8 +112,9 @@ def write_safetensors(
     Args:
       path: the file to create (truncated if it exists).
       specs: the tensors' names, dtypes and shapes (names unique).
-      produce: `produce(i)` returns tensor `i` of `specs`, or a sequence of tensors whose elements, concatenated,
-        are it (written one after the other: no concatenation in memory); called once per tensor, in descending
+      produce: `produce(i)` returns tensor `i` of `specs`, or an iterable of tensors whose elements, concatenated,
+        are it (written one after the other as they come: no concatenation in memory, and a generator that reads
+        each part from disk holds one part at a time); called once per tensor, in descending
         order of element size (then in the order of `specs`), so a caller streaming from another file reads it in
         order.
       metadata: string pairs for the header's ``__metadata__``.
@@ -135,16 +136,18 @@ def write_safetensors(
         for i in order:
             spec = specs[i]
             produced = produce(i)
-            parts = [produced] if isinstance(produced, Tensor) else list(produced)
-            got = sum(p.numel() for p in parts) * torch.empty((), dtype=spec.dtype).element_size()
-            if any(p.dtype != spec.dtype for p in parts) or got != spec.nbytes:
-                raise ValueError(
-                    f"tensor {spec.name!r}: got {[(p.dtype, tuple(p.shape)) for p in parts]}, the header says "
-                    f"{spec.dtype} {spec.shape}"
-                )
-            while parts:
-                t = parts.pop(0).detach().cpu().contiguous()
+            # parts may come lazily (read from disk as they are written): checked as they come and in total
+            parts = iter([produced] if isinstance(produced, Tensor) else produced)
+            got = 0
+            for part in parts:
+                if part.dtype != spec.dtype:
+                    raise ValueError(f"tensor {spec.name!r}: got a {part.dtype} part, the header says {spec.dtype}")
+                t = part.detach().cpu().contiguous()
                 raw = raw_bytes(t)
+                got += len(raw)
+                if got > spec.nbytes:
+                    raise ValueError(f"tensor {spec.name!r}: more than the header's {spec.nbytes} bytes "
+                                     f"({spec.dtype} {spec.shape})")  # fmt: skip
                 for start in range(0, len(raw), CHUNK):
                     piece = raw[start : start + CHUNK]
                     if pending is not None:
@@ -155,7 +158,10 @@ def write_safetensors(
                     pending.result()  # `t` must outlive the hashing of its bytes
                     pending = None
                 size += len(raw)
-                del raw, t  # the writer holds no tensor between two produce() calls: a streaming caller frees each
+                del raw, t, part  # the writer holds no tensor between two parts: a streaming caller frees each
+            if got != spec.nbytes:
+                raise ValueError(f"tensor {spec.name!r}: got {got} bytes, the header says {spec.nbytes} "
+                                 f"({spec.dtype} {spec.shape})")  # fmt: skip
         f.flush()
         if fsync:
             os.fsync(f.fileno())

@@ -9,14 +9,14 @@ and consolidation are the same code for a checkpoint on disk and a state in memo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from ..layout import Layout, dtype_of
-from ..storage import in_memory
+from ..storage import Offloaded, in_memory
 from .errors import IncompatibleCheckpointError
 from .manifest import StoredEntry
 from .safetensors_io import tensor_sha256
@@ -123,12 +123,16 @@ class MemorySource:
         if self.rank is not None:
             if rank != self.rank and e.storage == "per_rank":
                 raise ValueError(f"rank {rank}'s value of {key!r} lives in another process")
-            return self._leaves[key]  # split and rank0 values are alike on every rank
+            return in_memory(self._leaves[key])  # split and rank0 values are alike on every rank
         return rank_value(self._leaves[key], e, rank)
 
-    def pieces(self, key: str, rank: int) -> list[Tensor]:
-        """`read(key, rank)` as views to be written one after the other (no copy)."""
+    def pieces(self, key: str, rank: int) -> Iterable[Tensor]:
+        """`read(key, rank)` as views to be written one after the other (no copy); a shard offloaded to disk as its
+        units, each read when the writer gets to it."""
         e = self.entries[key]
+        x = self._leaves[key]
+        if isinstance(x, Offloaded) and e.kind == SHARD:
+            return x.store.row_units(x, rank if x.store.stacked else 0)
         if e.storage == "split" and e.kind == FULL:
             return rank_pieces(e.layout_in(self.layout), self._value(key, 0), rank)
         return [self._view(key, rank, None)]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -374,6 +374,51 @@ class Store:
                 v.copy_(src[task.start : task.stop])
 
         return self.stream(None, fill)
+
+    def row_units(self, x: Offloaded, row: int) -> Iterator[Tensor]:
+        """The row at position `row` of `x`, unit by unit (each unit's piece read when asked for: a caller writing
+        them out holds one unit at a time)."""
+        for unit in range(len(self.pieces)):
+            with self._streaming:
+                values, futures = self.read_unit(x, unit)
+            for fut in futures:
+                fut.result()
+            yield values[row] if self.stacked else values
+
+    def begin(self, keep: Offloaded | None = None) -> tuple[int, int]:
+        """Start writing a new version leaf by leaf (`write_leaf`, then `finish`); its version and slot: not the
+        slot of `keep`, which stays readable. The other slot's version can no longer be read."""
+        return self._new_version(None if keep is None else keep.version)
+
+    def write_leaf(self, name: str, value: Tensor, version: int, slot: int) -> tuple[tuple[int, ...], ...]:
+        """Write leaf `name` of the version `begin` started from the in-memory `value` (shaped like the leaf); the
+        crcs of its tasks. Holds no more than the staging buffers besides `value`."""
+        with self._streaming:
+            if self._slots[slot] != version:
+                raise StaleStateError(f"{self!r}: version {version} was overwritten while it was being written")
+            nsets, crcs = len(self.staging), [()] * len(self.tasks)
+            pending: dict[int, Future] = {}
+            try:
+                for i, task in enumerate(self.tasks):
+                    if i - nsets in pending:
+                        crcs[i - nsets] = pending.pop(i - nsets).result()
+                    staging = self.staging[i % nsets]
+                    src = value[task.row] if self.stacked else value
+                    self._views(task, staging)[name].copy_(src[task.start : task.stop])
+                    pending[i] = self._write(task, [name], slot, staging)[name]
+                for i in sorted(pending):
+                    crcs[i] = pending.pop(i).result()
+            except BaseException:
+                self._drain({}, {i: {name: f} for i, f in pending.items()})
+                raise
+        return tuple(crcs)
+
+    def finish(self, version: int, slot: int, crcs: Mapping[str, tuple[tuple[int, ...], ...]]) -> dict[str, Offloaded]:
+        """The handles of a version written leaf by leaf (every leaf must have been written)."""
+        missing = set(self.leaves) - set(crcs)
+        if missing:
+            raise ValueError(f"{self!r}: version {version} lacks leaves {sorted(missing)}")
+        return {n: Offloaded(self, n, version, slot, crcs[n]) for n in self.leaves}
 
     def read(self, x: Offloaded, row: int | None = None) -> Tensor:
         """The values of `x` in memory: all rows, or the row at position `row`."""

@@ -118,17 +118,18 @@ class _ShardUpdate:
         if self.offload is None:
             return flow._replace(params=params, compute=None), self.optimizer.init(params)
         master = _host(params, pin=params.device.type != "cpu" and _pinned())
-        compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
         if self.policy.params == "nvme" and not flow.sharded:
             raise ValueError("Offload(params='nvme') keeps this rank's shard of the compute parameters on disk; this "
                              "chain does not shard them (stage 0): use stages 1-3")  # fmt: skip
         if self.offload == "nvme":
+            cdt = self.compute_dtype or master.dtype
             handle, state, on_disk = nvme_init(self.optimizer, master, self.policy, _files(ctx, master),
-                                               _pieces_of(ctx, master, flow.sharded), compute.dtype)  # fmt: skip
+                                               _pieces_of(ctx, master, flow.sharded), cdt)  # fmt: skip
             # the handles stand where the tensors would: only shard_update reads the master, the gathering the
             # compute copy, and what else looks at the state (checkpoints, state_dict, state_bytes) knows handles
-            compute = compute if on_disk is None else cast(Tensor, on_disk)
+            compute = flow.params.to(cdt) if on_disk is None else cast(Tensor, on_disk)
             return flow._replace(params=cast(Tensor, handle), compute=compute), state
+        compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
         return flow._replace(params=master, compute=compute), self.optimizer.init(master)
 
     def prepare(self, flow: Flow, params: Tensor) -> tuple[Tensor, dict[str, Any]]:

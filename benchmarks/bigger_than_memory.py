@@ -1,0 +1,230 @@
+"""A model whose training state is more than twice the memory each process may use, trained through the NVMe tier,
+checkpointed and resumed, against the same model trained in memory (issue 24).
+
+    .venv/bin/python benchmarks/bigger_than_memory.py [--layers 20] [--d-model 1280] [--steps 4] [--ratio 2.2]
+        [--dir DIR]
+
+Three runs of 2 gloo processes each, the GPT of `fzero.examples.gpt` built on the `meta` device and constructed
+unit by unit (`fzero.init(..., initializer=...)`, DeepSpeed's `zero.Init`: the full model never exists in a
+process), stage 3, bf16 (gradients reduced in bf16), `cpu_adamw`:
+
+1. in memory, uncapped: `--steps` steps (the reference losses);
+2. `Offload("nvme", params="nvme")`, each process capped: the first half of the steps, then a checkpoint;
+3. the same, capped: loaded from that checkpoint, the second half.
+
+The cap of each process is its share of the training state (`fzero.state_bytes`: resident plus offloaded bytes,
+i.e. master, Adam's moments and the compute copy) divided by `--ratio`. It is enforced by a cgroup-v1 memory
+controller where this machine lets us make one (`/sys/fs/cgroup/memory/...`, `memory.limit_in_bytes`: the kernel
+kills a process that goes over), and always by the process itself: a thread samples its `RssAnon` every 5 ms and
+exits with an error if it ever exceeds the cap. The runs' losses must be the same numbers, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident memory (bytes)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Watch:
+    """Samples `RssAnon` every 5 ms; over `cap`, the process ends at once (exit 3) with a message."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap, self.peak, self._stop = cap, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            now = rss_anon()
+            self.peak = max(self.peak, now)
+            if self.cap is not None and now > self.cap:
+                print(f"RssAnon {now / 2**20:.0f} MiB over the cap {self.cap / 2**20:.0f} MiB", file=sys.stderr)
+                os._exit(3)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, rss_anon())
+
+
+def _model(args: argparse.Namespace):
+    from fzero.examples.gpt import GPT, Block, GPTConfig
+
+    cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.d_model // 64, seq_len=args.seq_len)
+    with torch.device("meta"):
+        model = GPT(cfg)
+
+    def initializer(m: torch.nn.Module) -> None:  # GPT's own initialisation, module by module
+        GPT._init(m)
+        if isinstance(m, torch.nn.LayerNorm):
+            m.reset_parameters()
+        if isinstance(m, Block):
+            for lin in (m.proj, m.out):
+                torch.nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    return model, initializer
+
+
+def worker(args: argparse.Namespace) -> None:
+    import fzero
+    from fzero.examples.gpt import corpus_tokens, gpt_loss, sample_batch
+
+    watch = Watch(args.cap)
+    torch.set_num_threads(1)
+    fzero.process_group.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+                                           world_size=2, timeout=1800)  # fmt: skip
+    mesh = fzero.DistMesh()
+    offload = None if args.mode == "memory" else fzero.Offload("nvme", params="nvme", path=args.swap)
+    # gradients reduced in bf16 (DeepSpeed's bf16 default): the reduced shard is what stays resident in a step
+    policy = dataclasses.replace(fzero.get_policy("bf16"), reduce_dtype=torch.bfloat16)
+    tx = fzero.zero3(fzero.cpu_adamw(3e-4), precision=policy, offload=offload)
+    torch.manual_seed(0)
+    model, initializer = _model(args)
+    state = fzero.init(model, tx, mesh, initializer=initializer)
+    first = 0
+    if args.phase == "resume":
+        state, extra = fzero.checkpoint.load(args.ckpt, state, mesh=mesh)
+        first = extra["step"]
+    sizes = fzero.state_bytes(state)
+    init_peak, watch.peak = watch.peak, rss_anon()  # the construction's peak, apart from the steps'
+    step = fzero.train_step(model, gpt_loss(model), tx, mesh)
+    tokens, gen = corpus_tokens(), torch.Generator().manual_seed(1)
+    batches = [sample_batch(tokens, 2 * args.batch, args.seq_len, gen) for _ in range(args.steps)]
+    losses, times = [], []
+    last = args.steps if args.phase != "first" else args.steps // 2
+    for i in range(first, last):
+        batch = {k: v.view(2, args.batch, -1)[args.rank] for k, v in batches[i].items()}
+        t = time.perf_counter()
+        state, metrics = step(state, batch)
+        times.append(time.perf_counter() - t)
+        losses.append(float(metrics["loss"]))
+    if args.phase == "first":
+        fzero.checkpoint.save(state, args.ckpt, mesh=mesh, fsync=False)
+    peak = watch.stop()
+    if args.rank == 0:
+        out = {"losses": losses, "times": times, "state": sizes, "peak": peak, "init_peak": init_peak}
+        Path(args.out).write_text(json.dumps(out))
+    fzero.process_group.shutdown()
+
+
+def _cgroup(name: str, cap: int) -> Path | None:
+    """A cgroup-v1 memory group capped at `cap` bytes, or None where this machine does not let us make one."""
+    path = CGROUP / name
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(str(cap))
+        return path
+    except OSError:
+        return None
+
+
+def launch(args: argparse.Namespace, mode: str, phase: str, cap: int | None, work: Path) -> dict:
+    """One run of 2 processes; rank 0's report."""
+    store, out = work / f"store-{mode}-{phase}", work / f"out-{mode}-{phase}.json"
+    groups: list[Path | None] = []
+    procs = []
+    for rank in (0, 1):
+        group = _cgroup(f"fzero-bigger-{os.getpid()}-{mode}-{phase}-{rank}", cap) if cap else None
+        groups.append(group)
+        argv = [sys.executable, __file__, "--worker", "--rank", str(rank), "--store", str(store), "--mode", mode,
+                "--phase", phase, "--out", str(out), "--swap", str(work / "swap"), "--ckpt", str(work / "ckpt"),
+                "--layers", str(args.layers), "--d-model", str(args.d_model), "--steps", str(args.steps),
+                "--seq-len", str(args.seq_len), "--batch", str(args.batch)]  # fmt: skip
+        if cap:
+            argv += ["--cap", str(cap)]
+        if group is not None:  # join the group before anything is allocated: all of the process is charged to it
+            argv = ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *argv]
+        # glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, where they count as
+        # resident until reused: a fixed 1 MiB threshold returns every large block at `free`, so RssAnon measures
+        # what is live (the price: fresh pages to fault in each step)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+        procs.append(subprocess.Popen(argv, env=env))
+    codes = [p.wait() for p in procs]
+    for group in groups:
+        if group is not None:
+            group.rmdir()
+    if any(codes):
+        why = {3: "went over its cap (its own RssAnon)", -9: "killed (the cgroup's OOM killer?)"}
+        raise SystemExit(f"{mode} {phase}: exit codes {codes}: " + ", ".join(why.get(c, str(c)) for c in codes))
+    report = json.loads(out.read_text())
+    report["cgroup"] = all(g is not None for g in groups) if cap else None
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--d-model", type=int, default=1280)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--ratio", type=float, default=2.2,
+                   help="training state per process / the process's cap (0: no cap, to measure)")  # fmt: skip
+    p.add_argument("--dir", default=None, help="where the swap files and the checkpoint go (default: under runs/)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--rank", "--cap"):
+        p.add_argument(name, type=int, help=argparse.SUPPRESS)
+    for name in ("--store", "--mode", "--phase", "--out", "--swap", "--ckpt"):
+        p.add_argument(name, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    root = Path(args.dir) if args.dir else Path(__file__).resolve().parent.parent / "runs"
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bigger-", dir=root))
+    (work / "swap").mkdir()
+    try:
+        ref = launch(args, "memory", "all", None, work)
+        per_rank_state = ref["state"]["total"] - ref["state"]["staging"]  # resident in memory: all of it
+        cap = int(per_rank_state / args.ratio) if args.ratio > 0 else None  # (0: measure, uncapped)
+        first = launch(args, "nvme", "first", cap, work)
+        second = launch(args, "nvme", "resume", cap, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mib = 2**20
+    params = sum(p.numel() for p in _model(args)[0].parameters())
+    how = ("cgroup memory.limit_in_bytes and " if first["cgroup"] else "") + "each process's own RssAnon check"
+    print(f"GPT {params / 1e6:.1f}M parameters ({args.layers} blocks, d_model {args.d_model}), stage 3 bf16, "
+          f"2 gloo processes, cap {(cap or math.inf) / mib:.0f} MiB per process ({how})\n")  # fmt: skip
+    nv = first["state"]
+    print("| run | training state per process MiB (resident + on disk) | peak RssAnon MiB: construction / steps "
+          "| losses |")  # fmt: skip
+    print("|---|---|---|---|")
+    print(f"| in memory | {per_rank_state / mib:.0f} + 0 | {ref['init_peak'] / mib:.0f} / {ref['peak'] / mib:.0f} | "
+          f"{', '.join(f'{x:.4f}' for x in ref['losses'])} |")  # fmt: skip
+    for name, r in (("NVMe, first half, then a checkpoint", first), ("NVMe, resumed from it", second)):
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        print(f"| {name} | {(nv['total'] - nv['staging']) / mib:.0f} + {nv['offloaded'] / mib:.0f} | "
+              f"{r['init_peak'] / mib:.0f} / {r['peak'] / mib:.0f} | {losses} |")  # fmt: skip
+    same = first["losses"] + second["losses"] == ref["losses"]
+    print(f"\nstate / cap = {(nv['offloaded'] + nv['total'] - nv['staging']) / (cap or math.inf):.2f}; "
+          f"losses bitwise the in-memory run's: {same}")  # fmt: skip
+    if not same:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
