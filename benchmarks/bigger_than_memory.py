@@ -93,6 +93,7 @@ def worker(args: argparse.Namespace) -> None:
 
     watch = Watch(args.cap)
     torch.set_num_threads(1)
+    baseline = rss_anon()  # the interpreter and torch, before anything of the run
     fzero.process_group.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                                            world_size=2, timeout=1800)  # fmt: skip
     mesh = fzero.DistMesh()
@@ -124,7 +125,8 @@ def worker(args: argparse.Namespace) -> None:
         fzero.checkpoint.save(state, args.ckpt, mesh=mesh, fsync=False)
     peak = watch.stop()
     if args.rank == 0:
-        out = {"losses": losses, "times": times, "state": sizes, "peak": peak, "init_peak": init_peak}
+        out = {"losses": losses, "times": times, "state": sizes, "peak": peak, "init_peak": init_peak,
+               "baseline": baseline}  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     fzero.process_group.shutdown()
 
@@ -173,6 +175,33 @@ def launch(args: argparse.Namespace, mode: str, phase: str, cap: int | None, wor
     return report
 
 
+def sweep(args: argparse.Namespace) -> None:
+    """The NVMe run's peak RssAnon per process as the model grows (uncapped: measured, not enforced)."""
+    root = Path(args.dir) if args.dir else Path(__file__).resolve().parent.parent / "runs"
+    root.mkdir(parents=True, exist_ok=True)
+    mib, rows = 2**20, []
+    for layers in (int(x) for x in args.sweep.split(",")):
+        work = Path(tempfile.mkdtemp(prefix="bigger-", dir=root))
+        (work / "swap").mkdir()
+        try:
+            r = launch(argparse.Namespace(**{**vars(args), "layers": layers}), "nvme", "first", None, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        params = sum(p.numel() for p in _model(argparse.Namespace(**{**vars(args), "layers": layers}))[0].parameters())
+        grads = params // 2 * 2  # this rank's gradient shard, bf16 (2 ranks)
+        rows.append((layers, params, r, grads))
+    print(f"GPT, d_model {args.d_model}, stage 3, bf16 (bf16 reduce), Offload('nvme', params='nvme'), 2 gloo "
+          "processes, model built on the meta device; MiB per process (rank 0)\n")  # fmt: skip
+    print("| blocks | params | state on disk | before the run | peak: construction | peak: steps + checkpoint | "
+          "gradient shard | steps' peak - gradient shard - before |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for layers, params, r, grads in rows:
+        st = r["state"]
+        print(f"| {layers} | {params / 1e6:.1f}M | {st['offloaded'] / mib:.0f} | {r['baseline'] / mib:.0f} | "
+              f"{r['init_peak'] / mib:.0f} | {r['peak'] / mib:.0f} | {grads / mib:.0f} | "
+              f"{(r['peak'] - grads - r['baseline']) / mib:.0f} |")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=20)
@@ -188,9 +217,13 @@ def main() -> None:
         p.add_argument(name, type=int, help=argparse.SUPPRESS)
     for name in ("--store", "--mode", "--phase", "--out", "--swap", "--ckpt"):
         p.add_argument(name, help=argparse.SUPPRESS)
+    p.add_argument("--sweep", default=None, help="layer counts, e.g. 5,10,20: only the NVMe run's peaks, uncapped")
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.sweep:
+        sweep(args)
         return
     root = Path(args.dir) if args.dir else Path(__file__).resolve().parent.parent / "runs"
     root.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,9 @@ Example: a float32 region written through a pool and read back, checksums verifi
 from .aligned import ALIGN, aligned_empty, round_up
 from .errors import StorageError, StorageFullError, StoragePathError, SwapCorruptError
 from .pool import IOPool
+from .reader import UnitReader
 from .scratch import ScratchDir
-from .store import Offloaded, StaleStateError, Store, Task, UnitReader, in_memory
+from .store import Offloaded, StaleStateError, Store, Task, in_memory
 from .swapfile import Region, SwapFile
 
 __all__ = [
