@@ -8,11 +8,12 @@ and the state holds `fzero.storage.Offloaded` handles to them. Each update strea
 pipeline, chunk by chunk: chunk i+1 is read while the optimizer runs on chunk i and chunk i-1 is written, to the
 file slot the step's input does not occupy, so the input state stays readable. The optimizer runs on each chunk
 exactly as on the whole shard (it is elementwise; the native kernel's results are bitwise the same on any piece),
-so the NVMe run equals the in-memory one bit for bit. The compute copy (what the forward computes with) stays in
-memory, written chunk by chunk as the chunks come out of the optimizer.
+so the NVMe run equals the in-memory one bit for bit. The compute copy (what the forward computes with) is written
+chunk by chunk as the chunks come out of the optimizer: into memory, or with `Offload(params="nvme")` into the same
+store, where stage 3's gathering reads it one unit ahead (`fzero.storage.UnitReader`).
 
-Memory held for the tier: `buffers x chunk x (bytes per element of the master and the state's leaves)`, for any
-model size (docs/offload.md).
+Memory held for the tier: `buffers x chunk x (bytes per element of the store's leaves)`, for any model size
+(docs/offload.md).
 """
 
 from __future__ import annotations
