@@ -344,3 +344,23 @@ def test_partial_load_keeps_the_rest(tmp_path):
     assert torch.equal(got.params.read(), saved.params.read())
     assert torch.equal(got.tx_state["shard_update"].exp_avg.read(), fresh)
     assert int(got.step) == 0
+
+
+def test_an_io_error_is_named_and_the_input_state_survives(tmp_path):
+    """A write that the system refuses mid-update (here: one swap file's descriptor replaced by a read-only one,
+    EBADF): the step raises `StorageError` naming the file, after every transfer in flight has finished (no
+    thread left writing, none hung), and the state the step started from is still whole on disk."""
+    from fzero.storage import StorageError
+
+    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    before = [x.read() for x in (state.params, state.tx_state["shard_update"].exp_avg)]
+    f = state.params.store.files[1, 0]
+    readonly = os.open(f.path, os.O_RDONLY)
+    os.dup2(readonly, f._fd)  # (the file's own descriptor now refuses writes)
+    os.close(readonly)
+    with pytest.raises(StorageError, match=f"{f.path.name}.*EBADF"):
+        _run(tmp_path, steps=1, start=1, offload=nvme(tmp_path), state=state)
+    after = [x.read() for x in (state.params, state.tx_state["shard_update"].exp_avg)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    state.params.store.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("fzero-io")]
