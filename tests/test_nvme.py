@@ -364,3 +364,18 @@ def test_an_io_error_is_named_and_the_input_state_survives(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     state.params.store.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("fzero-io")]
+
+
+@pytest.mark.parametrize("states", [None, torch.bfloat16])
+def test_bf16_master_weights_on_disk(tmp_path, states):
+    """DeepSpeed's `bf16_master_weights_and_grads` (`fzero.optim.stored_in`): the store holds the leaves in their
+    stored dtypes (bf16 master; bf16 moments with `bf16_optimizer_states`), bitwise the in-memory run."""
+    opt = fzero.optim.stored_in(fzero.cpu_adamw(1e-2), torch.bfloat16, states)
+    bf16 = torch.bfloat16
+    kw = dict(stage=3, micro=2, opt=opt, precision=fzero.Policy(param_dtype=bf16, compute_dtype=bf16, accum_dtype=bf16))
+    ref, ref_losses, _ = _run(tmp_path, **kw)
+    got, losses, _ = _run(tmp_path, offload=nvme(tmp_path), **kw)
+    assert losses == ref_losses
+    assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
+    assert got.params.store.leaves == {"params": bf16, "exp_avg": states or torch.float32,
+                                       "exp_avg_sq": states or torch.float32}  # fmt: skip
