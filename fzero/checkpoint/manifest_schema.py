@@ -23,10 +23,10 @@ from typing import Any, TypeGuard
 from .._version import __version__
 from ..config.schema import REQUIRED, Bool, ConfigError, Field, Int, ListOf, Nullable, Section, Spec, Str
 from ..layout import Layout, TensorSpec, dtype_of, make_layout
+from ..storage.swapfile import DTYPES
 from .atomic import inside
 from .errors import CheckpointVersionError, CheckpointWarning, CorruptCheckpointError
 from .manifest import DIGEST, FORMAT, STORAGES, VERSION, FileInfo, Manifest, StoredEntry, file_name
-from .safetensors_io import DTYPES
 from .tree import FROZEN, KINDS, PARAM_SPACE, PARAMS, SHARD, SPACES, dtype_name
 
 __all__ = ["SCHEMA", "parse_manifest", "read_manifest"]

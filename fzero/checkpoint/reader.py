@@ -21,12 +21,14 @@ import torch
 from torch import Tensor
 
 from ..layout import dtype_of
+from ..storage.aligned import tensor_bytes
+from ..storage.swapfile import DTYPES
 from . import rng
 from .atomic import inside, resolve
 from .errors import CorruptCheckpointError
 from .manifest import Manifest, StoredEntry
 from .manifest_schema import read_manifest
-from .safetensors_io import DTYPES, file_sha256, open_safetensors, raw_bytes
+from .safetensors_io import file_sha256, open_safetensors
 from .sources import named
 from .tree import dtype_name, legacy_key
 
@@ -67,7 +69,7 @@ class _Shard:
         n = out.numel() * out.element_size()
         if offset < 0 or begin + offset + n > end:
             raise CorruptCheckpointError(f"{self.path}: tensor {name!r} is shorter than the manifest says")
-        view = raw_bytes(out)
+        view = tensor_bytes(out)
         self._f.seek(self._start + begin + offset)
         got = 0
         while got < n:

@@ -11,7 +11,6 @@ tensor starts at an offset aligned to its element size.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -24,16 +23,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from ..storage.aligned import tensor_bytes
+from ..storage.swapfile import DTYPES
 from .errors import CorruptCheckpointError
 
-__all__ = ["FileRecord", "TensorSpec", "file_sha256", "open_safetensors", "raw_bytes", "write_safetensors"]
+__all__ = ["FileRecord", "TensorSpec", "file_sha256", "open_safetensors", "write_safetensors"]
 
-DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
 CHUNK = 16 << 20  # bytes per write and hash call: large enough to amortise calls, small enough to stay in cache
 
 
@@ -62,18 +57,10 @@ class FileRecord:
     sha256: str
 
 
-def raw_bytes(t: Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy and for every dtype (bf16 included)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
 def tensor_sha256(t: Tensor) -> bytes:
     """sha256 of a tensor's raw bytes (its dtype and shape are not included)."""
     t = t.detach().cpu().contiguous()
-    return hashlib.sha256(raw_bytes(t)).digest()
+    return hashlib.sha256(tensor_bytes(t)).digest()
 
 
 def _order(specs: Sequence[TensorSpec]) -> list[int]:
@@ -137,13 +124,13 @@ def write_safetensors(
             spec = specs[i]
             produced = produce(i)
             # parts may come lazily (read from disk as they are written): checked as they come and in total
-            parts = iter([produced] if isinstance(produced, Tensor) else produced)
+            parts = [produced] if isinstance(produced, Tensor) else produced
             got = 0
             for part in parts:
                 if part.dtype != spec.dtype:
                     raise ValueError(f"tensor {spec.name!r}: got a {part.dtype} part, the header says {spec.dtype}")
                 t = part.detach().cpu().contiguous()
-                raw = raw_bytes(t)
+                raw = tensor_bytes(t)
                 got += len(raw)
                 if got > spec.nbytes:
                     raise ValueError(f"tensor {spec.name!r}: more than the header's {spec.nbytes} bytes "

@@ -32,7 +32,7 @@ from .errors import StorageError, SwapCorruptError, errno_name, storage_error
 
 __all__ = ["Region", "SwapFile"]
 
-# safetensors' dtype names (the same table as the checkpoint writer's; this layer imports nothing above it)
+# safetensors' dtype names (the checkpoint's files use this table too)
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
