@@ -58,21 +58,6 @@ class _ToDisk:
         return out
 
 
-def offload_like(like: Sequence[Any], leaves: list[Any]) -> list[Any]:
-    """The loaded `leaves`, with those whose counterpart in `like` is offloaded to disk written to its store (a
-    new version of all of a store's leaves at once) and replaced by their handles."""
-    stores: dict[int, tuple[Store, dict[str, int]]] = {}
-    for i, x in enumerate(like):
-        if isinstance(x, Offloaded):
-            stores.setdefault(id(x.store), (x.store, {}))[1][x.name] = i
-    out = list(leaves)
-    for store, where in stores.values():
-        written = store.write({name: leaves[i] for name, i in where.items()})
-        for name, i in where.items():
-            out[i] = written[name]
-    return out
-
-
 def load(
     directory: str | os.PathLike[str],
     like: Any,
@@ -116,9 +101,9 @@ def load(
         state, extra = load(directory, shard_group(like), tag=tag, mesh=mesh, strict=strict, select=select,
                             verify=verify, restore_rng=restore_rng)  # fmt: skip
         state = expand_hybrid(state, like)
-        spec = optree.tree_structure(like, namespace="fzero")
-        leaves = offload_like(optree.tree_leaves(like, namespace="fzero"), optree.tree_leaves(state, namespace="fzero"))
-        return optree.tree_unflatten(spec, leaves), extra
+        to_disk = _ToDisk(optree.tree_leaves(like, namespace="fzero"))  # (the shard group was loaded in memory)
+        leaves = to_disk.handles([to_disk(i, x) for i, x in enumerate(optree.tree_leaves(state, namespace="fzero"))])
+        return optree.tree_unflatten(optree.tree_structure(like, namespace="fzero"), leaves), extra
     flat = flatten_state(like)
     coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
     ckpt = None

@@ -22,7 +22,7 @@ Example:
     >>> with tempfile.TemporaryDirectory() as root:
     ...     store = Store(root, {"w": torch.float32}, rows=(0,), pieces=(5000, 3000), chunk=4096)
     ...     x = store.write({"w": torch.arange(8000.0)})["w"]
-    ...     y = store.stream(x, lambda task, views: views["w"].mul_(2))["w"]
+    ...     y = store.stream({"w": x}, lambda task, views: views["w"].mul_(2))["w"]
     ...     bool(torch.equal(y.read(), 2 * torch.arange(8000.0))), bool(torch.equal(x.read(), torch.arange(8000.0)))
     ...     store.close()
     (True, True)
@@ -232,9 +232,7 @@ class Store:
         """A fresh version and the slot it goes to: not the slot of `keep` (the input's version)."""
         with self._lock:
             version = next(self._versions)
-            slot = 0 if keep is None or self._slots[1] == keep else 1
-            if keep is not None and self._slots[slot] == keep:
-                slot = 1 - slot
+            slot = 1 if keep is not None and self._slots[0] == keep else 0
             self._slots[slot] = version  # from now on the slot's old content is no version anyone may read
         return version, slot
 
@@ -267,7 +265,7 @@ class Store:
 
     def stream(
         self,
-        inputs: Offloaded | Mapping[str, Offloaded] | None,
+        inputs: Mapping[str, Offloaded] | None,
         compute: Callable[[Task, dict[str, Tensor]], Any],
         *,
         write: bool = True,
@@ -278,7 +276,7 @@ class Store:
         I/O threads (see the module docstring).
 
         Args:
-          inputs: the leaves to read (one `Offloaded` stands for all leaves at its version), or None (nothing).
+          inputs: the leaves to read, by name, or None (nothing).
           compute: called once per task, in the tasks' order.
           write: write the results (a new version of every leaf); without, the store is only read.
 
@@ -293,14 +291,10 @@ class Store:
 
     def _stream(
         self,
-        inputs: Offloaded | Mapping[str, Offloaded] | None,
+        inputs: Mapping[str, Offloaded] | None,
         compute: Callable[[Task, dict[str, Tensor]], Any],
         write: bool,
     ) -> dict[str, Offloaded]:
-        if isinstance(inputs, Offloaded):
-            inputs = {name: Offloaded(self, name, inputs.version, inputs.slot, ()) for name in self.leaves} | {
-                inputs.name: inputs
-            }
         inputs = dict(inputs or {})
         for x in inputs.values():
             self._check(x)
@@ -367,13 +361,8 @@ class Store:
         missing = set(self.leaves) - set(values)
         if missing:
             raise ValueError(f"{self!r}: no value for leaves {sorted(missing)}")
-
-        def fill(task: Task, views: dict[str, Tensor]) -> None:
-            for n, v in views.items():
-                src = values[n][task.row] if self.stacked else values[n]
-                v.copy_(src[task.start : task.stop])
-
-        return self.stream(None, fill)
+        version, slot = self.begin()
+        return self.finish(version, slot, {n: self.write_leaf(n, values[n], version, slot) for n in self.leaves})
 
     def row_units(self, x: Offloaded, row: int) -> Iterator[Tensor]:
         """The row at position `row` of `x`, unit by unit (each unit's piece read when asked for: a caller writing
