@@ -100,7 +100,7 @@ class _DistReduction:
         self.fn, self.layout, self.budget = fn, layout, budget
         self.pieces: dict[int, list[Tensor | Work | None]] = {}  # None: folded into the shard (freed)
         self.folded: dict[int, int] = {}
-        self.flight: collections.deque[tuple[list[Tensor | Work | None], int, int]] = collections.deque()
+        self.flight: collections.deque[tuple[int, int, int]] = collections.deque()  # (unit, its piece, elements)
         self.elements = self.peak = 0
         self.out: Tensor | None = None
         self.whole = False
@@ -112,17 +112,18 @@ class _DistReduction:
         pieces = self.pieces.setdefault(unit, [])
         pieces.append(self.fn(grads, unit))
         if not isinstance(pieces[-1], Tensor):
-            self.flight.append((pieces, len(pieces) - 1, n))
+            self.flight.append((unit, len(pieces) - 1, n))
             self.elements += n
             self.peak = max(self.peak, self.elements)
         self._fold(unit, pieces)
 
     def _land(self) -> None:
         """Wait for the oldest reduction in flight."""
-        pieces, i, n = self.flight.popleft()
+        unit, i, n = self.flight.popleft()
+        pieces = self.pieces[unit]
         pieces[i] = _value(cast(Work, pieces[i]))
         self.elements -= n
-        self._fold(next(u for u, ps in self.pieces.items() if ps is pieces), pieces)
+        self._fold(unit, pieces)
 
     def _fold(self, unit: int, pieces: list[Tensor | Work | None]) -> None:
         """Add the unit's landed pieces, in arrival order up to the first still in flight, into the shard."""

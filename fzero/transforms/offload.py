@@ -196,14 +196,14 @@ def nvme_update(
             extra["out"] = out
         p = views["params"]
         new_p, new_sub = optimizer.update(g[a:b].cpu(), sub, p, donate=True, **extra)
-        for dest, got in [(p, new_p), *[(views[n], y) for n, y in _pairs(names, new_sub)]]:
-            if got.data_ptr() != dest.data_ptr():
-                dest.copy_(got)
-        if not fused_out:
-            out.copy_(p)
+        keep(p, new_p)
         for i, (n, y) in enumerate(zip(names, optree.tree_leaves(new_sub, namespace="fzero"), strict=True)):
             if n is None:
                 after[i] = y
+            else:
+                keep(views[n], y)
+        if not fused_out:
+            out.copy_(p)
 
     # the compute copy is only written here (the step's gathers read the input's version)
     written = store.stream(handles, step)
@@ -213,6 +213,7 @@ def nvme_update(
     return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(device), io
 
 
-def _pairs(names: list[str | None], state: Any) -> list[tuple[str, Tensor]]:
-    leaves = optree.tree_leaves(state, namespace="fzero")
-    return [(n, x) for n, x in zip(names, leaves, strict=True) if n is not None]
+def keep(dest: Tensor, got: Tensor) -> None:
+    """An in-place update returns views of what it was given; anything else is copied into place."""
+    if got.data_ptr() != dest.data_ptr():
+        dest.copy_(got)

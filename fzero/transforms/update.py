@@ -32,7 +32,7 @@ from ..optim.groups import ParamGroups, Resolved, Segments, segments
 from ..optim.tensors import Tensors, rank_ordered_total, tensors_of
 from ..storage import Offloaded
 from .base import Context, Does, Flow, Transform
-from .offload import Offload, nvme_init, nvme_update, offload_of
+from .offload import Offload, keep, nvme_init, nvme_update, offload_of
 
 __all__ = ["shard_update"]
 
@@ -326,7 +326,7 @@ def _update_piece(optimizer: Optimizer, host_g: Tensor, state: Any, params: Tens
     if "segments" in kw:
         extra["segments"] = kw["segments"].slice(a, b)
     p_piece, s_piece = optimizer.update(host_g[a:b], sub, flat_p[a:b], donate=True, **extra)
-    _keep(flat_p[a:b], p_piece)
+    keep(flat_p[a:b], p_piece)
     return optree.tree_map(lambda whole, mine, got: _merge(whole, mine, got, params), state, sub, s_piece)
 
 
@@ -335,16 +335,10 @@ def _elementwise(x: Any, params: Tensor) -> bool:
     return isinstance(x, Tensor) and x.shape == params.shape
 
 
-def _keep(dest: Tensor, got: Tensor) -> None:
-    """An in-place update returns views of what it was given; anything else is copied into place."""
-    if got.data_ptr() != dest.data_ptr():
-        dest.copy_(got)
-
-
 def _merge(whole: Any, mine: Any, got: Any, params: Tensor) -> Any:
     """A state leaf after one piece: per-element buffers stay the (updated in place) whole; the rest (the step
     count) is what the piece returned."""
     if _elementwise(whole, params):
-        _keep(mine, got)
+        keep(mine, got)
         return whole
     return got
