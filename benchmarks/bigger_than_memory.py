@@ -16,7 +16,8 @@ The cap of each process is its share of the training state (`fzero.state_bytes`:
 i.e. master, Adam's moments and the compute copy) divided by `--ratio`. It is enforced by a cgroup-v1 memory
 controller where this machine lets us make one (`/sys/fs/cgroup/memory/...`, `memory.limit_in_bytes`: the kernel
 kills a process that goes over), and always by the process itself: a thread samples its `RssAnon` every 5 ms and
-exits with an error if it ever exceeds the cap. The runs' losses must be the same numbers, bit for bit.
+exits with an error if it ever exceeds the cap (`benchmarks/offload.py`'s `PeakRss`). The runs' losses must be the
+same numbers, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,43 +31,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
+from offload import PeakRss, rss_anon  # (this directory: benchmarks/offload.py)
 
 CGROUP = Path("/sys/fs/cgroup/memory")
-
-
-def rss_anon() -> int:
-    """This process's anonymous resident memory (bytes)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class Watch:
-    """Samples `RssAnon` every 5 ms; over `cap`, the process ends at once (exit 3) with a message."""
-
-    def __init__(self, cap: int | None) -> None:
-        self.cap, self.peak, self._stop = cap, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            now = rss_anon()
-            self.peak = max(self.peak, now)
-            if self.cap is not None and now > self.cap:
-                print(f"RssAnon {now / 2**20:.0f} MiB over the cap {self.cap / 2**20:.0f} MiB", file=sys.stderr)
-                os._exit(3)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, rss_anon())
 
 
 def _model(args: argparse.Namespace):
@@ -91,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     import fzero
     from fzero.examples.gpt import corpus_tokens, gpt_loss, sample_batch
 
-    watch = Watch(args.cap)
+    watch = PeakRss(cap=args.cap)
     torch.set_num_threads(1)
     baseline = rss_anon()  # the interpreter and torch, before anything of the run
     fzero.process_group.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,

@@ -122,9 +122,11 @@ def rss_anon() -> int:
 
 
 class PeakRss:
-    """The peak RssAnon: sampled every `interval` seconds by a thread, and on every `sample()`."""
+    """The peak RssAnon: sampled every `interval` seconds by a thread, and on every `sample()`. With a `cap` (bytes),
+    a sample above it ends the process at once (exit 3) with a message: a memory-capped run that checks itself."""
 
-    def __init__(self, interval: float = 0.005) -> None:
+    def __init__(self, interval: float = 0.005, cap: int | None = None) -> None:
+        self.cap = cap
         self.peak = rss_anon()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
@@ -135,7 +137,11 @@ class PeakRss:
             self.sample()
 
     def sample(self) -> None:
-        self.peak = max(self.peak, rss_anon())
+        now = rss_anon()
+        self.peak = max(self.peak, now)
+        if self.cap is not None and now > self.cap:
+            print(f"RssAnon {now / 2**20:.0f} MiB over the cap {self.cap / 2**20:.0f} MiB", file=sys.stderr)
+            os._exit(3)
 
     def stop(self) -> int:
         self._stop.set()
