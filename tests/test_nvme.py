@@ -25,12 +25,9 @@ from hypothesis import strategies as st
 import fzero
 from fzero.storage import StaleStateError, StorageFullError, StoragePathError, SwapCorruptError
 from tests import nvme_worker
+from tests.nvme_worker import train
 from tests.spawn import spawn
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
-
-
-def _run(tmp, **kw):
-    return nvme_worker.train(**kw)
 
 
 def direct_io(path) -> bool:
@@ -66,8 +63,8 @@ def test_nvme_equals_memory_bitwise(tmp_path_factory, stage, precision, micro, t
     d = tmp_path_factory.mktemp("nvme")
     direct = direct and direct_io(d)  # (where the filesystem refuses it, buffered: tests/test_storage.py has that case)
     kw = dict(stage=stage, precision=precision, micro=micro, groups=groups)
-    ref, ref_losses, _ = _run(d, **kw)
-    got, losses, io = _run(d, offload=nvme(d, threads=threads, direct=direct, buffers=buffers, params=params), **kw)
+    ref, ref_losses, _ = train(**kw)
+    got, losses, io = train(offload=nvme(d, threads=threads, direct=direct, buffers=buffers, params=params), **kw)
     assert losses == ref_losses
     assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
     assert type(got.params).__name__ == "Offloaded" and got.params.store.direct == direct
@@ -86,15 +83,15 @@ def test_nvme_equals_memory_bitwise(tmp_path_factory, stage, precision, micro, t
 def test_fifty_steps_stage3_bf16_accumulation(tmp_path):
     """The issue's long run: 50 steps, stage 3, bf16, accumulation 2, parameter groups."""
     kw = dict(stage=3, precision="bf16", micro=2, steps=50, groups=True)
-    ref, ref_losses, _ = _run(tmp_path, **kw)
-    got, losses, _ = _run(tmp_path, offload=nvme(tmp_path, chunk=8192), **kw)
+    ref, ref_losses, _ = train(**kw)
+    got, losses, _ = train(offload=nvme(tmp_path, chunk=8192), **kw)
     assert losses == ref_losses
     assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
 
 
 def test_state_bytes_and_memory_bound(tmp_path):
-    _, _, _ = _run(tmp_path, steps=0)
-    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path, buffers=4, chunk=4096))
+    _, _, _ = train(steps=0)
+    state, _, _ = train(steps=1, offload=nvme(tmp_path, buffers=4, chunk=4096))
     b = fzero.state_bytes(state)
     shard = state.params.shape[-1]
     assert b["master"] == 0 and b["optimizer"] == 0
@@ -104,7 +101,7 @@ def test_state_bytes_and_memory_bound(tmp_path):
 
 
 def test_pure_step_keeps_its_input_until_overwritten(tmp_path):
-    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    state, _, _ = train(steps=1, offload=nvme(tmp_path))
     before = state.params.read()
     model = tiny_gpt(0)
     tx = fzero.zero3(fzero.cpu_adamw(1e-2, weight_decay=0.1), offload=nvme(tmp_path))
@@ -124,8 +121,8 @@ def test_checkpoint_resumes_on_another_world_size(tmp_path):
     resumed the same way."""
     ck = tmp_path / "ck"
     kw = dict(stage=3, precision="bf16", micro=2, groups=True)
-    mem, _, _ = _run(tmp_path, steps=3, **kw)
-    got, _, _ = _run(tmp_path, steps=3, offload=nvme(tmp_path), **kw)
+    mem, _, _ = train(steps=3, **kw)
+    got, _, _ = train(steps=3, offload=nvme(tmp_path), **kw)
     fzero.checkpoint.save(got, ck / "nvme")
     fzero.checkpoint.save(mem, ck / "mem")
     for offload in (None, nvme(tmp_path)):
@@ -134,8 +131,8 @@ def test_checkpoint_resumes_on_another_world_size(tmp_path):
         a, _ = fzero.checkpoint.load(ck / "nvme", fzero.init(tiny_gpt(0), tx, fzero.SimMesh(3)))
         b, _ = fzero.checkpoint.load(ck / "mem", fzero.init(tiny_gpt(0), tx, fzero.SimMesh(3)))
         assert type(a.params).__name__ == ("Offloaded" if offload else "Tensor")
-        ra, la, _ = _run(tmp_path, world=3, steps=2, start=3, offload=offload, state=a, **kw)
-        rb, lb, _ = _run(tmp_path, world=3, steps=2, start=3, offload=offload, state=b, **kw)
+        ra, la, _ = train(world=3, steps=2, start=3, offload=offload, state=a, **kw)
+        rb, lb, _ = train(world=3, steps=2, start=3, offload=offload, state=b, **kw)
         assert la == lb
         assert differing(fzero.state_dict(ra), fzero.state_dict(rb)) == []
 
@@ -143,7 +140,7 @@ def test_checkpoint_resumes_on_another_world_size(tmp_path):
 def test_files_are_safetensors_and_removed(tmp_path):
     from safetensors import safe_open
 
-    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    state, _, _ = train(steps=1, offload=nvme(tmp_path))
     store = state.params.store
     files = sorted(store.scratch.path.iterdir())
     assert files and all(f.name.startswith(("rank0-", "rank1-")) for f in files)
@@ -166,13 +163,13 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def test_corrupted_and_truncated_swap_files_are_named(tmp_path):
-    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    state, _, _ = train(steps=1, offload=nvme(tmp_path))
     x = state.params
     f = x.store.files[0, 0]
     _flip(f.path, f.offset(f"params.{x.slot}") + 5)
     with pytest.raises(SwapCorruptError, match=str(f.path.name)):
-        _run(tmp_path, steps=1, offload=nvme(tmp_path), state=state)
-    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+        train(steps=1, offload=nvme(tmp_path), state=state)
+    state, _, _ = train(steps=1, offload=nvme(tmp_path))
     f = state.params.store.files[1, 0]
     os.truncate(f.path, f.offset("exp_avg.0"))
     with pytest.raises(SwapCorruptError, match=str(f.path.name)):
@@ -181,7 +178,7 @@ def test_corrupted_and_truncated_swap_files_are_named(tmp_path):
 
 def test_bad_policies(tmp_path):
     with pytest.raises(ValueError, match=r"Offload\(params='nvme'\) .* \(stage 0\): use stages 1-3"):
-        _run(tmp_path, stage=0, steps=0, offload=nvme(tmp_path, params="nvme"))
+        train(stage=0, steps=0, offload=nvme(tmp_path, params="nvme"))
     with pytest.raises(ValueError, match="needs optimizer='nvme' too"):
         fzero.Offload("cpu", params="nvme")
     with pytest.raises(ValueError, match="chunk must be a multiple of 4096"):
@@ -189,12 +186,12 @@ def test_bad_policies(tmp_path):
     with pytest.raises(ValueError, match="buffers must be an integer >= 3"):
         fzero.Offload("nvme", path=str(tmp_path), buffers=2)
     with pytest.raises(ValueError, match="whole parameter tensors"):
-        _run(tmp_path, steps=1, offload=nvme(tmp_path), opt=fzero.lamb())
+        train(steps=1, offload=nvme(tmp_path), opt=fzero.lamb())
 
 
 def test_missing_directory_is_named(tmp_path):
     with pytest.raises(StoragePathError, match="nowhere"):
-        _run(tmp_path, steps=0, offload=fzero.Offload("nvme", path=str(tmp_path / "nowhere")))
+        train(steps=0, offload=fzero.Offload("nvme", path=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="needs a directory"):
         fzero.zero3(fzero.cpu_adamw(), offload="nvme")
 
@@ -231,6 +228,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 import os, signal, torch, fzero
 from fzero.storage import store
 from tests import nvme_worker
+from tests.nvme_worker import train
 nvme_worker.killed_run({str(swap)!r}, {str(ck)!r})
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
@@ -239,7 +237,7 @@ nvme_worker.killed_run({str(swap)!r}, {str(ck)!r})
     assert len(list(swap.iterdir())) == 1  # the killed run's scratch directory is left behind
     resumed = nvme_worker.resume(str(swap), str(ck))
     assert [p for p in swap.iterdir() if p != resumed.params.store.scratch.path] == []  # removed by the next run
-    ref, _, _ = _run(tmp_path, steps=6, **nvme_worker.KW)
+    ref, _, _ = train(steps=6, **nvme_worker.KW)
     assert differing(fzero.state_dict(ref), fzero.state_dict(resumed)) == []
 
 
@@ -324,7 +322,7 @@ def test_reads_from_several_threads(tmp_path):
     the offloaded leaves: the store's streams share staging buffers, so they must run one after another."""
     from concurrent.futures import ThreadPoolExecutor
 
-    state, _, _ = _run(tmp_path, world=4, steps=1, offload=nvme(tmp_path, chunk=4096))
+    state, _, _ = train(world=4, steps=1, offload=nvme(tmp_path, chunk=4096))
     leaves = [state.params, state.tx_state["shard_update"].exp_avg, state.tx_state["shard_update"].exp_avg_sq]
     whole = [x.read() for x in leaves]
     jobs = [(k, r) for _ in range(20) for k in range(3) for r in range(4)]
@@ -336,9 +334,9 @@ def test_reads_from_several_threads(tmp_path):
 def test_partial_load_keeps_the_rest(tmp_path):
     """`load(..., select=)` into an offloaded state: the selected leaves from the checkpoint, the others the
     target's own (copied into the new version on disk)."""
-    saved, _, _ = _run(tmp_path, steps=2, offload=nvme(tmp_path))
+    saved, _, _ = train(steps=2, offload=nvme(tmp_path))
     fzero.checkpoint.save(saved, tmp_path / "ck")
-    like, _, _ = _run(tmp_path, steps=0, offload=nvme(tmp_path))
+    like, _, _ = train(steps=0, offload=nvme(tmp_path))
     fresh = like.tx_state["shard_update"].exp_avg.read()
     got, _ = fzero.checkpoint.load(tmp_path / "ck", like, select=lambda key: key == "params")
     assert torch.equal(got.params.read(), saved.params.read())
@@ -352,14 +350,14 @@ def test_an_io_error_is_named_and_the_input_state_survives(tmp_path):
     thread left writing, none hung), and the state the step started from is still whole on disk."""
     from fzero.storage import StorageError
 
-    state, _, _ = _run(tmp_path, steps=1, offload=nvme(tmp_path))
+    state, _, _ = train(steps=1, offload=nvme(tmp_path))
     before = [x.read() for x in (state.params, state.tx_state["shard_update"].exp_avg)]
     f = state.params.store.files[1, 0]
     readonly = os.open(f.path, os.O_RDONLY)
     os.dup2(readonly, f._fd)  # (the file's own descriptor now refuses writes)
     os.close(readonly)
     with pytest.raises(StorageError, match=f"{f.path.name}.*EBADF"):
-        _run(tmp_path, steps=1, start=1, offload=nvme(tmp_path), state=state)
+        train(steps=1, start=1, offload=nvme(tmp_path), state=state)
     after = [x.read() for x in (state.params, state.tx_state["shard_update"].exp_avg)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     state.params.store.close()
@@ -373,8 +371,8 @@ def test_bf16_master_weights_on_disk(tmp_path, states):
     opt = fzero.optim.stored_in(fzero.cpu_adamw(1e-2), torch.bfloat16, states)
     bf16 = torch.bfloat16
     kw = dict(stage=3, micro=2, opt=opt, precision=fzero.Policy(param_dtype=bf16, compute_dtype=bf16, accum_dtype=bf16))
-    ref, ref_losses, _ = _run(tmp_path, **kw)
-    got, losses, _ = _run(tmp_path, offload=nvme(tmp_path), **kw)
+    ref, ref_losses, _ = train(**kw)
+    got, losses, _ = train(offload=nvme(tmp_path), **kw)
     assert losses == ref_losses
     assert differing(fzero.state_dict(ref), fzero.state_dict(got)) == []
     assert got.params.store.leaves == {"params": bf16, "exp_avg": states or torch.float32,
