@@ -33,7 +33,9 @@ from .mesh import CollectiveError, Mesh
 from .state import TrainState
 from .storage import in_memory
 from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
+from .transforms.planning import transform_at
 from .transforms.scaling import current_loss_scale
+from .transforms.speculate import Speculation
 from .units import GatherPolicy, UnitGathering
 
 __all__ = [
@@ -106,6 +108,7 @@ def apply_gradients(
     *,
     donate: bool = False,
     reduced: bool = False,
+    speculation: Any = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """The chain on per-rank gradients: the second half of a step, without the ranks' agreement (`MicroStep.close`
     adds it).
@@ -117,13 +120,14 @@ def apply_gradients(
       tx, mesh, donate: as for `train_step`.
       reduced: the gradients are already this rank's part of the mean over ranks (reduced unit by unit in the
         backward).
+      speculation: the update computed during the backward (`fzero.transforms.speculate`), or None.
 
     Returns:
       The new state and the metrics (all of `train_step`'s but `comm` and `aux`).
     """
     layout = state.layout
     scale = loss_scale(state)
-    facts = Facts(grad_factor=1.0 / scale, reduced=reduced)
+    facts = Facts(grad_factor=1.0 / scale, reduced=reduced, speculation=speculation)
     # gradients reduced in the backward are this rank's shard where the chain shards
     sharded = reduced and state.plan.sharded and layout.world > 1
     flow = Flow(grads, state.params, state.compute, sharded=sharded, facts=facts)
@@ -139,6 +143,9 @@ def apply_gradients(
     }
     if flow.facts.stats is not None:
         metrics["grad_norm"] = math.sqrt(flow.facts.stats.sumsq) / scale
+    if speculation is not None:
+        speculation.rollback()  # (a step the chain ended early: never taken)
+        metrics["speculation"] = {"hit": speculation.outcome == "hit", "units": speculation.units}
     metrics.update(flow.facts.metrics)
     return new, metrics
 
@@ -156,6 +163,8 @@ class MicroStep:
     Attributes:
       per_unit: the backward reduces each unit's gradient as soon as it is complete, with the chain's own reduction
         (the plan's `per_unit`, under autograd).
+      speculation: where the plan speculates (SuperOffload) and this micro-step ends an accumulation window on the
+        per-unit path, the update computed unit by unit as the backward reduces (`fzero.transforms.speculate`).
       ledger: the collectives issued since the micro-step opened.
     """
 
@@ -167,17 +176,28 @@ class MicroStep:
         self._stack = contextlib.ExitStack()
         self.ledger = self._stack.enter_context(mesh.record())
         self._gathering: UnitGathering | None = None
+        self.speculation = self._speculate() if self.per_unit else None
+
+    def _speculate(self) -> Speculation | None:
+        state, plan = self.state, self.state.plan
+        if not plan.speculative:
+            return None
+        acc = None
+        if plan.accumulate > 1:
+            window = plan.state_of(state.tx_state, "accumulate")
+            if int(window.count) + 1 < plan.accumulate:  # the update comes at the window's last micro-step
+                return None
+            acc = window.acc
+        update = transform_at(self.tx, plan.path_of("update"))
+        assert update.speculate is not None  # (the plan says it speculates)
+        return update.speculate(state.params, plan.state_of(state.tx_state, "update"), Context(self.mesh, state.layout),
+                                1.0 / loss_scale(state), plan.sharded, acc, plan.accumulate)  # fmt: skip
 
     def reducer(self) -> Any:
-        """The chain's per-unit reduction as `reducer(grads, unit)`, for the gathering."""
-        unit = unit_reducer(self.tx)
+        """The chain's per-unit reduction as `reducer(grads, unit)`, for the gathering; with a speculation, it is
+        told as each unit lands (`reducer.landed`)."""
         ctx = Context(self.mesh, self.state.layout, overlap=self.policy.overlap_reduce)
-
-        def reduce(grads: Tensor, index: int) -> Any:
-            with record_function("fzero.reduce"):
-                return unit(grads, index, ctx)
-
-        return reduce
+        return _Reducer(unit_reducer(self.tx), ctx, self.speculation)
 
     # ------------------------------------------------------------------------------- the shell's half (one rank)
     def open_shell(self, module: nn.Module, compute: Tensor | None, local: Any) -> None:
@@ -202,6 +222,7 @@ class MicroStep:
             leaf, named = self._gathering.shard, self._gathering.params()
         else:
             self.per_unit = False
+            self._end_speculation()
             leaf = (compute if compute is not None else local(compute_params(state, self.mesh))).detach()
             leaf.requires_grad_()
             frozen = frozen_params(state, self.mesh)
@@ -246,7 +267,10 @@ class MicroStep:
                 agree(self.mesh, int(self.state.step), self.ledger.total("calls"), failure)
             assert grads is not None and loss is not None
             state = self.state if buffers is None else self.state.replace(buffers=buffers)
-            new, metrics = apply_gradients(state, grads, loss, self.tx, self.mesh, donate=donate, reduced=reduced)
+            if self.speculation is not None:
+                self.speculation.drain()  # (its work done before the chain may overwrite donated buffers)
+            new, metrics = apply_gradients(state, grads, loss, self.tx, self.mesh, donate=donate, reduced=reduced,
+                                           speculation=self.speculation)  # fmt: skip
         finally:
             self.abandon()
         if not (metrics["applied"] or metrics["skipped"]) and self.state.plan.keep_gathered and gathered is not None:
@@ -271,8 +295,27 @@ class MicroStep:
             self.abandon()
 
     def abandon(self) -> None:
-        """End the micro-step without an update: unbind, stop counting, free what is gathered."""
+        """End the micro-step without an update: unbind, stop counting, free what is gathered, end a speculation."""
         if self._gathering is not None:
             self._gathering.close()
             self._gathering = None
+        self._end_speculation()
         self._stack.close()
+
+    def _end_speculation(self) -> None:
+        if self.speculation is not None:
+            self.speculation.close()
+            self.speculation = None
+
+
+class _Reducer:
+    """A chain's per-unit reduction for the gathering (`fzero.ranks.ReduceFn`), telling a speculation as each unit
+    lands."""
+
+    def __init__(self, unit: Any, ctx: Context, speculation: Speculation | None) -> None:
+        self.unit, self.ctx = unit, ctx
+        self.landed = None if speculation is None else speculation.landed
+
+    def __call__(self, grads: Tensor, index: int) -> Any:
+        with record_function("fzero.reduce"):
+            return self.unit(grads, index, self.ctx)

@@ -61,6 +61,8 @@ class Plan:
         buffer through an accumulation window.
       compute_dtype: the dtype the forward computes in.
       paths: where each role's state sits in the chain's state, `(role, keys)` in chain order.
+      speculative: the update runs speculatively, unit by unit, during the backward (SuperOffload:
+        `fzero.Offload(..., speculate=True)`), validated before it is taken.
     """
 
     stacked: bool
@@ -75,6 +77,7 @@ class Plan:
     keep_gathered: bool
     compute_dtype: torch.dtype
     paths: tuple[tuple[Role, tuple[str, ...]], ...] = ()
+    speculative: bool = False
 
     @property
     def stage(self) -> int:

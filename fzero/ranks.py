@@ -40,6 +40,13 @@ from .mesh import DistMesh, Mesh, SimMesh, Work, done
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
 ReduceFn = Callable[[Tensor, int], "Tensor | Work"]
+"""`fn(grads, unit)`: a unit's reduction. It may also have `landed(unit, grads, piece)`, called with each unit's
+reduced gradients (a view of the result) as soon as piece `piece` of them is in (a speculative update starts
+there: `fzero.transforms.speculate`)."""
+
+
+def _landed(fn: ReduceFn) -> Callable[[int, Tensor, int], None] | None:
+    return getattr(fn, "landed", None)
 
 
 def _value(x: Tensor | Work) -> Tensor:
@@ -104,6 +111,7 @@ class _DistReduction:
         self.elements = self.peak = 0
         self.out: Tensor | None = None
         self.whole = False
+        self.landed = _landed(fn)
 
     def add(self, unit: int, rank: int, grads: Tensor) -> None:
         n = grads.numel()
@@ -142,6 +150,8 @@ class _DistReduction:
                 dest.add_(piece)
             else:
                 dest.copy_(piece)
+            if self.landed is not None:
+                self.landed(unit, dest, k)
 
     def result(self) -> Tensor:
         while self.flight:
@@ -174,7 +184,15 @@ class _SimReduction:
             parts.append(
                 None if per_rank is None else _value(self.fn(torch.stack([per_rank[r] for r in range(self.world)]), i))
             )
-        return _assemble(self.layout, parts)
+        out = _assemble(self.layout, parts)
+        landed = _landed(self.fn)
+        if landed is not None:  # (the simulated ranks' backwards are over: every unit lands now)
+            lay = self.layout
+            for i, part in enumerate(parts):
+                if part is not None:
+                    whole = part.shape[-1] == lay.units[i].size
+                    landed(i, out[..., lay.unit_slice(i) if whole else lay.unit_shard_slice(i)], 0)
+        return out
 
 
 class SimRanks:

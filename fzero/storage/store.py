@@ -248,7 +248,7 @@ class Store:
             nbytes = task.size * self.leaves[name].itemsize
             out.append(self.pool.read(f, self._offset(task, name, slots[name]), staging[name], nbytes,
                                       crcs[name][task.index]))  # fmt: skip
-            self.bytes_read += nbytes
+        self._count(read=sum(task.size * self.leaves[n].itemsize for n in names))
         return out
 
     def _write(self, task: Task, names: Sequence[str], slot: int, staging: dict[str, Tensor]) -> dict[str, Future]:
@@ -257,7 +257,7 @@ class Store:
         for name in names:
             nbytes = task.size * self.leaves[name].itemsize
             out[name] = self.pool.write(f, self._offset(task, name, slot), staging[name], nbytes)
-            self.bytes_written += nbytes
+        self._count(written=sum(task.size * self.leaves[n].itemsize for n in names))
         return out
 
     def _views(self, task: Task, staging: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -286,36 +286,64 @@ class Store:
         Streams from several threads (a checkpoint writes a `SimMesh`'s rank files side by side) run one after
         another.
         """
+        inputs = dict(inputs or {})
+        keep = {x.version for x in inputs.values()}
+        if len(keep) > 1:
+            raise ValueError(f"{self!r}: the leaves to read are of different versions {sorted(keep)}")
         with self._streaming:
-            return self._stream(inputs, compute, write)
+            for x in inputs.values():  # before a new version takes a slot
+                self._check(x)
+            version, slot = self._new_version(next(iter(keep), None)) if write else (-1, -1)
+            crcs = self._stream(inputs, compute, self.tasks, (version, slot) if write else None)
+        return self.finish(version, slot, crcs) if write else {}
+
+    def stream_units(
+        self,
+        inputs: Mapping[str, Offloaded],
+        compute: Callable[[Task, dict[str, Tensor]], Any],
+        units: Sequence[int],
+        version: int,
+        slot: int,
+    ) -> dict[str, dict[int, tuple[int, ...]]]:
+        """`stream` over the tasks of `units` only, writing into a version that `begin` started (a version written
+        unit by unit, in any order, from any thread: a speculative update); the crcs of the tasks written, by leaf,
+        for `finish`."""
+        with self._streaming:
+            tasks = tuple(t for t in self.tasks if t.unit in set(units))
+            return self._stream(dict(inputs), compute, tasks, (version, slot))
+
+    def abandon(self, version: int, slot: int) -> None:
+        """Give up a version `begin` started (a speculation rolled back): its slot holds no version any more."""
+        with self._lock:
+            if self._slots[slot] == version:
+                self._slots[slot] = None
 
     def _stream(
         self,
-        inputs: Mapping[str, Offloaded] | None,
+        inputs: dict[str, Offloaded],
         compute: Callable[[Task, dict[str, Tensor]], Any],
-        write: bool,
-    ) -> dict[str, Offloaded]:
-        inputs = dict(inputs or {})
+        tasks: Sequence[Task],
+        into: tuple[int, int] | None,
+    ) -> dict[str, dict[int, tuple[int, ...]]]:
+        """The pipeline over `tasks`, writing into version `into` (`(version, slot)`; None: read only); the crcs
+        written, by leaf and task."""
         for x in inputs.values():
             self._check(x)
         names = list(self.leaves)
         reads = [n for n in names if n in inputs]
         slots = {n: x.slot for n, x in inputs.items()}
         crcs = {n: x.crcs for n, x in inputs.items()}
-        keep = {x.version for x in inputs.values()}
-        if len(keep) > 1:
-            raise ValueError(f"{self!r}: the leaves to read are of different versions {sorted(keep)}")
-        version, slot = self._new_version(next(iter(keep), None)) if write else (-1, -1)
+        if into is not None and self._slots[into[1]] != into[0]:
+            raise StaleStateError(f"{self!r}: version {into[0]} was overwritten while it was being written")
         nsets = len(self.staging)
-        tasks = self.tasks
         pending_reads: dict[int, list[Future]] = {}
-        pending_writes: dict[int, dict[str, Future]] = {}  # by task
-        out_crcs: dict[str, list[tuple[int, ...]]] = {n: [()] * len(tasks) for n in names}
-        ahead = nsets - 2 if write else nsets - 1
+        pending_writes: dict[int, dict[str, Future]] = {}  # by position in `tasks`
+        out_crcs: dict[str, dict[int, tuple[int, ...]]] = {n: {} for n in names}
+        ahead = nsets - 2 if into is not None else nsets - 1
 
         def finish_write(i: int) -> None:
             for n, fut in pending_writes.pop(i).items():
-                out_crcs[n][i] = fut.result()
+                out_crcs[n][tasks[i].index] = fut.result()
 
         def start_read(j: int) -> None:
             if j - nsets in pending_writes:  # the set's previous task must be on disk before it is overwritten
@@ -332,19 +360,16 @@ class Store:
                     fut.result()
                 staging = self.staging[i % nsets]
                 compute(task, self._views(task, staging))
-                if write:
-                    pending_writes[i] = self._write(task, names, slot, staging)
+                if into is not None:
+                    pending_writes[i] = self._write(task, names, into[1], staging)
             for i in sorted(pending_writes):
                 finish_write(i)
         except BaseException:
             self._drain(pending_reads, pending_writes)
-            if write:
-                with self._lock:  # the slot holds a partial write: no version
-                    self._slots[slot] = None
+            if into is not None:  # the slot holds a partial write: no version
+                self.abandon(*into)
             raise
-        if not write:
-            return {}
-        return {n: Offloaded(self, n, version, slot, tuple(out_crcs[n])) for n in names}
+        return out_crcs
 
     @staticmethod
     def _drain(reads: dict[int, list[Future]], writes: dict[int, dict[str, Future]]) -> None:
@@ -402,12 +427,21 @@ class Store:
                 raise
         return tuple(crcs)
 
-    def finish(self, version: int, slot: int, crcs: Mapping[str, tuple[tuple[int, ...], ...]]) -> dict[str, Offloaded]:
-        """The handles of a version written leaf by leaf (every leaf must have been written)."""
-        missing = set(self.leaves) - set(crcs)
-        if missing:
-            raise ValueError(f"{self!r}: version {version} lacks leaves {sorted(missing)}")
-        return {n: Offloaded(self, n, version, slot, crcs[n]) for n in self.leaves}
+    def finish(self, version: int, slot: int, crcs: Mapping[str, Sequence[Any] | Mapping[int, Any]]
+               ) -> dict[str, Offloaded]:  # fmt: skip
+        """The handles of a version written leaf by leaf or unit by unit: every task of every leaf must have been
+        written (`crcs`: by leaf, each task's block crcs, in task order or by task index)."""
+        out = {}
+        for n in self.leaves:
+            got = crcs.get(n, {})
+            table = dict(got) if isinstance(got, Mapping) else dict(enumerate(got))
+            if set(table) != set(range(len(self.tasks))):
+                raise ValueError(f"{self!r}: version {version} of leaf {n!r} is incomplete")
+            out[n] = Offloaded(self, n, version, slot, tuple(table[i] for i in range(len(self.tasks))))
+        with self._lock:
+            if self._slots[slot] != version:
+                raise StaleStateError(f"{self!r}: version {version} was overwritten while it was being written")
+        return out
 
     def read(self, x: Offloaded, row: int | None = None) -> Tensor:
         """The values of `x` in memory: all rows, or the row at position `row`."""
@@ -437,14 +471,20 @@ class Store:
                 dest = buf[start : start + -(-nbytes // ALIGN) * ALIGN]
                 futures.append(self.pool.read(self.files[task.row, unit], self._offset(task, x.name, x.slot), dest,
                                               nbytes, x.crcs[task.index]))  # fmt: skip
-                self.bytes_read += nbytes
+                self._count(read=nbytes)
         rows = buf.view(x.dtype).as_strided((len(self.rows), n), (stride // size, 1))
         return (rows if self.stacked else rows[0]), futures
 
+    def _count(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:  # (a speculative update streams on its own thread while the backward reads)
+            self.bytes_read += read
+            self.bytes_written += written
+
     def take_io(self) -> dict[str, int]:
         """Bytes read and written since the last call."""
-        out = {"read": self.bytes_read, "written": self.bytes_written}
-        self.bytes_read = self.bytes_written = 0
+        with self._lock:
+            out = {"read": self.bytes_read, "written": self.bytes_written}
+            self.bytes_read = self.bytes_written = 0
         return out
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..state import count
 from .base import Context, Does, Flow, Transform, identity
 
-__all__ = ["AccumulateState", "accumulate"]
+__all__ = ["AccumulateState", "accumulate", "window_mean"]
 
 
 class AccumulateState(NamedTuple):
@@ -58,15 +58,29 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
                 f"{tuple(state.acc.shape)}; was the chain changed after init?"
             )
         n = int(state.count) + 1
+        if n == k:  # (k > 1: the window has a sum)
+            mean = window_mean(state.acc, grads, k, into=state.acc if ctx.donate else None)
+            fresh = state.acc.zero_() if ctx.donate else torch.zeros_like(state.acc)
+            return flow._replace(grads=mean), AccumulateState(count(0), fresh)
         g = grads.to(state.acc.dtype)
         if n == 1:
             acc = state.acc.copy_(g) if ctx.donate else g
         else:
             acc = torch.add(state.acc, g, out=state.acc if ctx.donate else None)
-        if n < k:
-            return flow.with_facts(deferred=True), AccumulateState(count(n), acc)
-        mean = acc / k
-        fresh = acc.zero_() if ctx.donate else torch.zeros_like(acc)
-        return flow._replace(grads=mean), AccumulateState(count(0), fresh)
+        return flow.with_facts(deferred=True), AccumulateState(count(n), acc)
 
     return Transform(init, update, "accumulate", does=Does(accumulates=k))
+
+
+def window_mean(acc: Tensor, grads: Tensor, k: int, *, into: Tensor | None = None,
+                out: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The mean of a window of `k` micro-steps: the sum so far `acc` plus the last micro-step's `grads`, divided
+    by `k` (elementwise: on a slice of the buffers, bitwise the slice of the whole; a speculative update computes it
+    unit by unit).
+
+    Args:
+      into: where the sum goes (the accumulator itself, when donated); None: a new tensor.
+      out: where the mean goes; None: a new tensor.
+    """
+    total = torch.add(acc, grads.to(acc.dtype), out=into)
+    return torch.div(total, k, out=out)

@@ -90,6 +90,9 @@ class Facts(NamedTuple):
         of the chain does nothing, and its state is unchanged.
       applied: the optimizer has applied the gradients.
       metrics: values to report (a fresh mapping per transform that adds to it).
+      speculation: the update the backward computed ahead, unit by unit, before the step's checks were known
+        (`fzero.transforms.speculate.Speculation`: SuperOffload), for the updating transform to validate and take;
+        None without.
     """
 
     grad_factor: float = 1.0
@@ -98,6 +101,7 @@ class Facts(NamedTuple):
     deferred: bool = False
     applied: bool = False
     metrics: Mapping[str, Any] = _NO_METRICS
+    speculation: Any = None
 
 
 class Flow(NamedTuple):
@@ -204,6 +208,9 @@ class Transform(NamedTuple):
       axis: the mesh axis its reduction shards over (`reduce_scatter(axis=...)`; a chain's is its first child's):
         `fzero.init` lays the parameters out over that axis's ranks; None: every rank.
       does: what it does for the step (`Does`); a chain's own is empty (its children declare).
+      speculate: for the updating transform, its update's speculative form (SuperOffload): `speculate(params,
+        state, ctx, factor)` starts a `fzero.transforms.speculate.Speculation` that updates unit by unit as the
+        backward reduces each unit's gradient; None: it cannot.
     """
 
     init: InitFn
@@ -214,6 +221,7 @@ class Transform(NamedTuple):
     children: tuple[tuple[str, Transform], ...] = ()
     axis: str | None = None
     does: Does = Does()
+    speculate: Callable[..., Any] | None = None
 
 
 def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | None = None) -> Transform:

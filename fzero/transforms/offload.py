@@ -30,7 +30,7 @@ from torch import Tensor
 from ..optim import Optimizer
 from ..storage import Offloaded, Store, Task
 
-__all__ = ["Offload", "nvme_init", "nvme_update", "offload_of"]
+__all__ = ["Offload", "RangeUpdate", "nvme_init", "nvme_update", "offload_of"]
 
 DEVICES = (None, "cpu", "nvme")
 COMPUTE = "compute"  # the compute copy's leaf in the store, with `Offload(params="nvme")`
@@ -52,6 +52,10 @@ class Offload:
       threads: I/O threads.
       block_size: bytes per I/O request and per checksum (a multiple of 4096).
       direct: O_DIRECT (None: where the filesystem supports it; True: required; False: buffered).
+      speculate: SuperOffload (`optimizer` "cpu" or "nvme"): each unit's update runs while the backward goes on,
+        as soon as that unit's gradient is reduced, before the step's checks (non-finite gradients, clipping) are
+        known; validated when they are, and redone on a miss, so the result is the plain step's, bitwise
+        (`fzero.transforms.speculate`). Stages whose backward reduces unit by unit (`fzero.Plan.per_unit`).
 
     Example:
       >>> import tempfile, torch, fzero
@@ -70,6 +74,7 @@ class Offload:
     threads: int = 1
     block_size: int = 1 << 20
     direct: bool | None = None
+    speculate: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in DEVICES:
@@ -79,6 +84,9 @@ class Offload:
         if self.params == "nvme" and self.optimizer != "nvme":
             raise ValueError("Offload(params='nvme') keeps the compute shard in the optimizer's swap files: it needs "
                              "optimizer='nvme' too")  # fmt: skip
+        if self.speculate and self.optimizer is None:
+            raise ValueError("Offload(speculate=True) speculates the offloaded optimizer's step: it needs "
+                             "optimizer='cpu' or 'nvme'")  # fmt: skip
         if self.optimizer == "nvme" and self.path is None:
             raise ValueError("Offload('nvme') needs a directory for its swap files: Offload('nvme', path=...)")
         for name, low in (("buffers", 3), ("chunk", 4096), ("threads", 1), ("block_size", 4096)):
@@ -167,50 +175,86 @@ def nvme_update(
     if "tensors" in kw:
         raise ValueError("an optimizer that needs whole parameter tensors (Lamb, Muon) cannot run on the chunks of "
                          "an NVMe-offloaded shard; offload it to 'cpu' instead")  # fmt: skip
-    leaves, names = _names(state, params)
-    handles = {"params": params, **{n: x for n, x in zip(names, leaves, strict=True) if n is not None}}
-    on_disk = COMPUTE in store.leaves
+    cdt = compute_dtype or params.dtype
+    compute = None if COMPUTE in store.leaves else torch.empty(params.shape, dtype=cdt)
+    piece = RangeUpdate(optimizer, state, params, kw, cdt, None if compute is None else compute.reshape(-1))
+    check_offloaded(piece.handles, store)
+    device, g, width = grads.device, grads.reshape(-1), piece.width
+
+    def step(task: Task, views: dict[str, Tensor]) -> None:
+        a = task.row * width + task.start
+        piece(task, views, g[a : a + task.size].cpu())
+
+    # the compute copy is only written here (the step's gathers read the input's version)
+    written = store.stream(piece.handles, step)
+    # since the last update: the gathers' reads of the compute copy, this update's transfers; per rank (the ledger's)
+    io = {k: v // len(store.rows) for k, v in store.take_io().items()}
+    new_state = piece.state_after(written)
+    return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(device), io
+
+
+def check_offloaded(handles: dict[str, Any], store: Store) -> None:
+    """Every leaf the update reads is a version in `store`."""
     for n, x in handles.items():
         if not isinstance(x, Offloaded) or x.store is not store:
             raise ValueError(f"shard_update: the state's leaf {n!r} is not offloaded to {store!r} (a state made "
                              "with another offload policy?)")  # fmt: skip
-    device = grads.device
-    width = sum(store.pieces)
-    g = grads.reshape(-1)
-    cdt = compute_dtype or params.dtype
-    fused_out = cdt != params.dtype and "out" in optimizer.features
-    compute = None if on_disk else torch.empty(params.shape, dtype=cdt)
-    flat_compute = None if compute is None else compute.reshape(-1)
-    spec = optree.tree_structure(state, namespace="fzero")
-    rest = [x if n is None else None for n, x in zip(names, leaves, strict=True)]
-    after: list[Any] = list(rest)
 
-    def step(task: Task, views: dict[str, Tensor]) -> None:
-        a, b = task.row * width + task.start, task.row * width + task.stop
-        sub = optree.tree_unflatten(spec, [x if n is None else views[n] for n, x in zip(names, rest, strict=True)])
-        extra = dict(kw)
-        if "segments" in kw:
-            extra["segments"] = kw["segments"].slice(a, b)
-        out = views[COMPUTE] if flat_compute is None else flat_compute[a:b]
-        if fused_out:
+
+class RangeUpdate:
+    """The optimizer on one range of a row of the shard at a time (a task of `fzero.storage.Store`: a chunk of one
+    unit's piece of one row), in place on the views of the new version's buffers: what the NVMe tier's pipeline
+    and a speculative update (`fzero.transforms.speculate`) run per chunk. The optimizer is elementwise, so any
+    cut of the shard gives, bitwise, the values of one update of the whole.
+
+    Args:
+      optimizer, kw: as for `shard_update`'s update (`kw["segments"]` over the whole shard, sliced per range).
+      state: the optimizer's state; its per-element leaves (shaped like `params`) are the store's leaves by name.
+      params: the master parameters (an `Offloaded` or a tensor: only its shape is read here).
+      compute_dtype: the compute copy's dtype.
+      compute: the flat compute copy to write each range into, or None: the views' `compute` leaf (on disk).
+    """
+
+    def __init__(self, optimizer: Optimizer, state: Any, params: Tensor | Offloaded, kw: dict[str, Any],
+                 compute_dtype: torch.dtype, compute: Tensor | None) -> None:  # fmt: skip
+        self.optimizer, self.kw, self.compute = optimizer, kw, compute
+        leaves, self.names = _names(state, params)
+        self.handles = {"params": params, **{n: x for n, x in zip(self.names, leaves, strict=True) if n is not None}}
+        self.spec = optree.tree_structure(state, namespace="fzero")
+        self.rest = [x if n is None else None for n, x in zip(self.names, leaves, strict=True)]
+        self.after: list[Any] = list(self.rest)
+        self.width = params.shape[-1]
+        self.fused_out = compute_dtype != params.dtype and "out" in optimizer.features
+
+    def __call__(self, task: Task, views: dict[str, Tensor], g: Tensor) -> None:
+        """Update `task`'s range of `views` (the params and per-element leaves, and `compute` when on disk) in place
+        with its gradients `g` (on the CPU)."""
+        a = task.row * self.width + task.start
+        names = self.names
+        sub = optree.tree_unflatten(
+            self.spec, [x if n is None else views[n] for n, x in zip(names, self.rest, strict=True)]
+        )
+        extra = dict(self.kw)
+        if "segments" in extra:
+            extra["segments"] = extra["segments"].slice(a, a + task.size)
+        out = views[COMPUTE] if self.compute is None else self.compute[a : a + task.size]
+        if self.fused_out:
             extra["out"] = out
         p = views["params"]
-        new_p, new_sub = optimizer.update(g[a:b].cpu(), sub, p, donate=True, **extra)
+        new_p, new_sub = self.optimizer.update(g, sub, p, donate=True, **extra)
         keep(p, new_p)
         for i, (n, y) in enumerate(zip(names, optree.tree_leaves(new_sub, namespace="fzero"), strict=True)):
             if n is None:
-                after[i] = y
+                self.after[i] = y  # (the step count: every range computes the same)
             else:
                 keep(views[n], y)
-        if not fused_out:
+        if not self.fused_out:
             out.copy_(p)
 
-    # the compute copy is only written here (the step's gathers read the input's version)
-    written = store.stream(handles, step)
-    # since the last update: the gathers' reads of the compute copy, this update's transfers; per rank (the ledger's)
-    io = {k: v // len(store.rows) for k, v in store.take_io().items()}
-    new_state = optree.tree_unflatten(spec, [after[i] if n is None else written[n] for i, n in enumerate(names)])
-    return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(device), io
+    def state_after(self, leaves: dict[str, Any]) -> Any:
+        """The optimizer's new state: its per-element leaves from `leaves` (by name), the rest as computed."""
+        return optree.tree_unflatten(self.spec, [self.after[i] if n is None else leaves[n]
+                                                 for i, n in enumerate(self.names)])  # fmt: skip
 
 
 def keep(dest: Tensor, got: Tensor) -> None:

@@ -15,7 +15,7 @@ import torch
 from ..plan import GatherMode, Plan, Role
 from .base import Transform
 
-__all__ = ["plan_of"]
+__all__ = ["plan_of", "transform_at"]
 
 
 def _leaves(tx: Transform, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Transform]]:
@@ -25,6 +25,14 @@ def _leaves(tx: Transform, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[s
         return
     for name, child in tx.children:
         yield from _leaves(child, (*path, name))
+
+
+def transform_at(tx: Transform, path: tuple[str, ...] | None) -> Transform:
+    """The transform of chain `tx` whose state sits at `path` (a role's, from `Plan.path_of`)."""
+    for p, t in _leaves(tx):
+        if p == path or (not tx.children and path == ()):
+            return t
+    raise ValueError(f"the chain has no transform at {path!r}: was it changed after init?")
 
 
 def _role(tx: Transform) -> Role | None:
@@ -56,7 +64,7 @@ def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_
     paths: dict[Role, tuple[str, ...]] = {}
     order: list[Role] = []
     reduced_at = None
-    accumulate, accumulate_at, gather = 1, None, None
+    accumulate, accumulate_at, gather, speculative = 1, None, None, False
     for i, (path, t) in enumerate(_leaves(tx)):
         if t.reduces and reduced_at is None:
             reduced_at = i
@@ -75,16 +83,24 @@ def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_
             accumulate, accumulate_at = t.does.accumulates, i
         elif role == "gather":
             gather = t.does.gathers
+        elif role == "update":
+            speculative = t.speculate is not None
     mode: GatherMode | None = gather  # type: ignore[assignment]  # (declared as str: checked below)
     if mode not in (None, "now", "lazy", "keep"):
         raise ValueError(f"a transform declares gathers={mode!r}; expected 'now', 'lazy' or 'keep'")
     at_rest = sharded and world > 1 and mode != "now"
+    per_unit = tx.reduces and tx.unit is not None
+    if speculative and not per_unit:
+        raise ValueError(f"{'/'.join(paths['update'])!r} speculates (Offload(speculate=True): SuperOffload), which "
+                         "updates each unit as the backward reduces its gradient, but this chain reduces only after "
+                         "the backward (stage 1 accumulating full gradients, or a reduction without a unit form): "
+                         "use zero2/zero3, or drop speculate")  # fmt: skip
     return Plan(
         stacked=stacked,
         world=world,
         sharded=sharded,
         reduces=tx.reduces,
-        per_unit=tx.reduces and tx.unit is not None,
+        per_unit=per_unit,
         accumulate=accumulate,
         accumulate_before_reduce=accumulate_at is not None and (reduced_at is None or accumulate_at < reduced_at),
         gather=mode,
@@ -92,6 +108,7 @@ def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_
         keep_gathered=mode == "keep",
         compute_dtype=compute_dtype,
         paths=tuple((r, paths[r]) for r in order),
+        speculative=speculative,
     )
 
 

@@ -32,7 +32,8 @@ from ..optim.groups import ParamGroups, Resolved, Segments, segments
 from ..optim.tensors import Tensors, rank_ordered_total, tensors_of
 from ..storage import Offloaded
 from .base import Context, Does, Flow, Transform
-from .offload import Offload, keep, nvme_init, nvme_update, offload_of
+from .offload import COMPUTE, Offload, RangeUpdate, keep, nvme_init, nvme_update, offload_of
+from .speculate import MemoryTarget, Speculation, StoreTarget
 
 __all__ = ["shard_update"]
 
@@ -87,8 +88,13 @@ def shard_update(
       torch.Size([2, 16])
     """
     _check(optimizer, compute_dtype, chunk)
-    u = _ShardUpdate(optimizer, dtype, offload_of(offload), compute_dtype, chunk)
-    return Transform(u.init, u.update, "shard_update", does=Does(updates=True))
+    policy = offload_of(offload)
+    if policy.speculate and "tensors" in optimizer.features:
+        raise ValueError("Offload(speculate=True) updates each unit on its own as its gradient is reduced; an "
+                         "optimizer that needs whole parameter tensors (Lamb, Muon) cannot")  # fmt: skip
+    u = _ShardUpdate(optimizer, dtype, policy, compute_dtype, chunk)
+    return Transform(u.init, u.update, "shard_update", does=Does(updates=True),
+                     speculate=u.speculate if policy.speculate else None)  # fmt: skip
 
 
 def _check(optimizer: Any, compute_dtype: Any, chunk: Any) -> None:
@@ -132,21 +138,54 @@ class _ShardUpdate:
         compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
         return flow._replace(params=master, compute=compute), self.optimizer.init(master)
 
-    def prepare(self, flow: Flow, params: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        """The gradients to hand the optimizer, and its keywords: the factor and the dtype cast fused where the
-        optimizer can take them, done here (one pass, as before) where it cannot."""
+    def prepare(self, grads: Tensor, factor: float, dtype: torch.dtype) -> tuple[Tensor, dict[str, Any]]:
+        """The gradients to hand the optimizer, and its keywords: the factor and the cast to the master `dtype`
+        fused where the optimizer can take them, done here (one pass, elementwise) where it cannot."""
         features = self.optimizer.features
-        grads = flow.gradients("shard_update")
         kw: dict[str, Any] = {}
-        if not ("grad_dtype" in features and grads.dtype in (params.dtype, *_LOW)):
-            grads = grads.to(params.dtype)
-        factor = flow.facts.grad_factor
+        if not ("grad_dtype" in features and grads.dtype in (dtype, *_LOW)):
+            grads = grads.to(dtype)
         if factor != 1.0:
             if "grad_scale" in features:
                 kw["grad_scale"] = factor
             else:
                 grads = grads * factor
         return grads, kw
+
+    def keywords(self, ctx: Context, params: Any, sharded: bool) -> dict[str, Any]:
+        """The optimizer's keywords for this layout: the parameter groups' segments, the tensors' table."""
+        kw: dict[str, Any] = {}
+        segs = group_segments(self.optimizer, ctx, params, sharded)
+        if segs is not None:
+            kw["segments"] = segs
+        if "tensors" in self.optimizer.features:
+            kw["tensors"] = tensor_table(ctx, params, sharded)
+        return kw
+
+    def speculate(self, params: Any, state: Any, ctx: Context, factor: float, sharded: bool,
+                  acc: Tensor | None = None, k: int = 1) -> Speculation:  # fmt: skip
+        """Start a speculative update of the input `params` and `state` (`fzero.transforms.speculate`), assuming
+        the gradients owe `factor`."""
+        pieces = _pieces_of(ctx, params, sharded)
+        starts = [sum(pieces[:u]) for u in range(len(pieces))]
+        dtype = params.dtype
+        kw = {**self.keywords(ctx, params, sharded), **self.prepare(torch.zeros(0, dtype=dtype), factor, dtype)[1]}
+        cdt = self.compute_dtype or dtype
+        device = torch.device("cpu")
+
+        def prepare(grads: Tensor) -> Tensor:
+            return self.prepare(grads, factor, dtype)[0]
+
+        target: Any
+        if self.offload == "nvme":
+            compute = None if COMPUTE in params.store.leaves else torch.empty(params.shape, dtype=cdt)
+            piece = RangeUpdate(self.optimizer, state, params, kw, cdt, None if compute is None else compute.view(-1))
+            target = StoreTarget(piece, prepare, compute, device)
+        else:
+            piece = RangeUpdate(self.optimizer, state, params, kw, cdt, None)
+            target = MemoryTarget(piece, prepare, cdt, device, pieces)
+        slices = [slice(a, a + n) for a, n in zip(starts, pieces, strict=True)]
+        return Speculation(target, params, state, factor, slices, acc, k)
 
     def update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
         if flow.facts.applied:
@@ -162,12 +201,14 @@ class _ShardUpdate:
             return self._update(flow, state, ctx)
 
     def _update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
-        grads, kw = self.prepare(flow, flow.params)
-        segs = group_segments(self.optimizer, ctx, flow.params, flow.sharded)
-        if segs is not None:
-            kw["segments"] = segs
-        if "tensors" in self.optimizer.features:
-            kw["tensors"] = tensor_table(ctx, flow.params, flow.sharded)
+        speculation = flow.facts.speculation
+        taken = None if speculation is None else speculation.take(flow, state)
+        if taken is not None:  # computed during the backward, and what it assumed holds
+            params, state, compute, io = taken
+            flow = flow._replace(params=params, compute=compute).with_facts(applied=True)
+            return (flow if io is None else flow.with_metrics(io={"nvme": io})), state
+        grads, kw = self.prepare(flow.gradients("shard_update"), flow.facts.grad_factor, flow.params.dtype)
+        kw.update(self.keywords(ctx, flow.params, flow.sharded))
         compute: Tensor | None
         if self.offload == "nvme":
             handle = cast(Offloaded, flow.params)
