@@ -21,7 +21,12 @@ PRESETS = {0: fzero.zero0, 1: fzero.zero1, 2: fzero.zero2, 3: fzero.zero3}
 KW = {"stage": 3, "precision": "bf16", "micro": 2, "groups": True}  # the killed run's configuration
 CASES = ["core fp32 50 steps", "core bf16 accumulation", "core threads 4 buffered", "core params bf16",
          "core checkpoint and resume",
-         "shell fp32", "shell bf16 accumulation", "shell params bf16"]  # fmt: skip
+         "shell fp32", "shell bf16 accumulation", "shell params bf16",
+         "speculate core nvme params 20 steps", "speculate core cpu bf16 accumulation",
+         "speculate core stage 2 threads 4 buffered",
+         "speculate shell nvme params", "speculate shell cpu bf16 accumulation",
+         "speculate shell two backwards"]  # fmt: skip
+CLIP = 0.8  # the tiny GPT's gradient norms are 0.5-1.5: some steps are clipped (speculation misses), most not
 
 
 def optimizer(groups: bool, kill_at: int | None = None) -> fzero.Optimizer:
@@ -41,11 +46,12 @@ def optimizer(groups: bool, kill_at: int | None = None) -> fzero.Optimizer:
 
 
 def train(*, stage=3, world=2, precision=None, micro=1, steps=3, offload=None, groups=False, state=None, start=0,
-          mesh=None, rank=None, opt=None, save=None):  # fmt: skip
+          mesh=None, rank=None, opt=None, save=None, clip=None, hits=None):  # fmt: skip
     """`steps` steps of the tiny GPT from `state` (default: a fresh one), batches from step `start`; with `rank`,
-    on a `DistMesh` (its rows of each batch); with `save`, a checkpoint `(directory, after step)`."""
+    on a `DistMesh` (its rows of each batch); with `save`, a checkpoint `(directory, after step)`; `hits` collects
+    the speculation's outcomes."""
     model = tiny_gpt(0)
-    tx = PRESETS[stage](opt or optimizer(groups), accumulate=micro, precision=precision, offload=offload)
+    tx = PRESETS[stage](opt or optimizer(groups), accumulate=micro, precision=precision, offload=offload, clip=clip)
     mesh = mesh or fzero.SimMesh(world)
     state = state if state is not None else fzero.init(model, tx, mesh)
     step = fzero.train_step(model, lm_loss(model), tx, mesh)
@@ -55,6 +61,8 @@ def train(*, stage=3, world=2, precision=None, micro=1, steps=3, offload=None, g
         state, m = step(state, batch if rank is None else {k: v[rank] for k, v in batch.items()})
         losses.append(float(m["loss"]))
         io.append(m.get("io"))
+        if hits is not None and "speculation" in m:
+            hits.append(m["speculation"]["hit"])
         if save is not None and (i + 1) == save[1] * micro:
             fzero.checkpoint.save(state, save[0], mesh=None if rank is None else mesh)
     return state, losses, io
@@ -81,29 +89,74 @@ def resume(swap: str, ck: str) -> fzero.TrainState:
     return state
 
 
+def _outcomes(hits: list[bool], want: str) -> list[str]:
+    """What is wrong with a speculative run's outcomes: `want` "both" (hits and misses), "misses" (all)."""
+    if want == "misses":
+        return [] if hits and not any(hits) else [f"outcomes {hits}: expected every step to miss"]
+    return [] if any(hits) and not all(hits) else [f"outcomes {hits}: expected hits and misses"]
+
+
+def _speculation(mesh: fzero.DistMesh, rank: int, swap: str) -> dict[str, list[str]]:
+    """SuperOffload (`Offload(speculate=True)`, `super_offload`) against the plain in-memory run: bitwise, whether
+    the speculation hit (most steps) or missed (clipped steps; a second backward)."""
+    results = {}
+    core = {"speculate core nvme params 20 steps": ({"steps": 20}, "nvme", {"params": "nvme"}),
+            "speculate core cpu bf16 accumulation": ({"precision": "bf16", "micro": 2, "groups": True, "steps": 6},
+                                                     "cpu", {}),
+            "speculate core stage 2 threads 4 buffered": ({"stage": 2, "steps": 6}, "nvme",
+                                                          {"threads": 4, "direct": False})}  # fmt: skip
+    for name, (kw, device, tier) in core.items():
+        ref, ref_losses, _ = train(mesh=mesh, rank=rank, clip=CLIP, **kw)
+        offload = fzero.Offload(device, path=swap if device == "nvme" else None, speculate=True, **tier)
+        hits: list[bool] = []
+        got, losses, _ = train(mesh=mesh, rank=rank, offload=offload, clip=CLIP, hits=hits, **kw)
+        diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
+        results[name] = diff + (["losses"] if losses != ref_losses else []) + _outcomes(hits, "both")
+    shell = {
+        "speculate shell nvme params": (("fp32", 1, "nvme", "nvme"), {"steps": 8}, "both"),
+        "speculate shell cpu bf16 accumulation": (("bf16", 2, "cpu", "none"), {"steps": 8}, "both"),
+        "speculate shell two backwards": (("fp32", 1, "cpu", "none"), {"backwards": 2, "stage": 2}, "misses"),
+    }
+    # (stage 2: at stage 3 the shell's second backward through a retained graph fails, speculation or not)
+    for name, ((precision, micro, device, params), kw, want) in shell.items():
+        ref, ref_losses, _ = _shell(precision, micro, "cpu", "none", swap, clip=CLIP, **kw)
+        got, losses, hits = _shell(precision, micro, device, params, swap, speculate=True, clip=CLIP, **kw)
+        results[name] = differing(ref, got) + (["losses"] if losses != ref_losses else []) + _outcomes(hits, want)
+    return results
+
+
 # ---------------------------------------------------------------------------------------------------- 2 processes
-def _shell(precision: str, micro: int, device: str, params: str, swap: str):
+def _shell(precision: str, micro: int, device: str, params: str, swap: str, speculate: bool = False,
+           clip: float | None = None, backwards: int = 1, steps: int = 4, stage: int = 3):  # fmt: skip
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": device, "nvme_path": swap,
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": device, "nvme_path": swap,
                                                                 "pipeline_read": True, "pipeline_write": True},
                               "offload_param": {"device": params, "nvme_path": swap}},
         "aio": {"block_size": 1 << 16, "intra_op_parallelism": 2},
         "bf16": {"enabled": precision == "bf16"},
     }  # fmt: skip
+    if speculate:
+        config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+    if clip is not None:
+        config["gradient_clipping"] = clip
     model = tiny_gpt(0)
     engine, *_ = fzero.initialize(model=model, config=copy.deepcopy(config), model_parameters=model.parameters())
     rank, losses = engine.global_rank, []
     assert type(engine.state.compute).__name__ == ("Offloaded" if params == "nvme" else "Tensor")
-    for batch in lm_batches(tiny_gpt(0), 2, micro, 2, 4, 7):
+    hits = []
+    for batch in lm_batches(tiny_gpt(0), 2, micro, 2, steps, 7):
         logits = engine(batch["x"][rank])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["y"][rank].flatten())
-        engine.backward(loss)
+        for i in range(backwards):  # (a second backward adds to the first: each unit's gradient lands twice)
+            engine.backward(loss / (i + 1), retain_graph=i + 1 < backwards)
         engine.step()
         losses.append(loss.item())
-    return {k: v.clone() for k, v in engine.module.state_dict().items()}, losses
+        if "speculation" in engine.step_metrics:
+            hits.append(engine.step_metrics["speculation"]["hit"])
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}, losses, hits
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
@@ -136,8 +189,9 @@ def run(rank: int, world: int, out_dir: str) -> None:
     shell = {"shell fp32": ("fp32", 1, "none"), "shell bf16 accumulation": ("bf16", 2, "none"),
              "shell params bf16": ("bf16", 2, "nvme")}  # fmt: skip
     for name, (precision, micro, params) in shell.items():
-        ref, ref_losses = _shell(precision, micro, "cpu", "none", swap)
-        got, losses = _shell(precision, micro, "nvme", params, swap)
+        ref, ref_losses, _ = _shell(precision, micro, "cpu", "none", swap)
+        got, losses, _ = _shell(precision, micro, "nvme", params, swap)
         results[name] = differing(ref, got) + (["losses"] if losses != ref_losses else [])
+    results.update(_speculation(mesh, rank, swap))
     report(rank, out_dir, results)
     process_group.shutdown()

@@ -271,7 +271,6 @@ def test_config_keys(tmp_path):
         ({**_cfg(device="nvme", nvme_path="x"), "aio": {"use_gds": True}}, UnsupportedConfigError, "aio.use_gds"),
         ({**_cfg(device="nvme", nvme_path="x"), "aio": {"block_size": 1000}}, ConfigError, "aio.block_size"),
         ({**_cfg(), "aio": {"thread_count": 1, "intra_op_parallelism": 1}}, ConfigError, "aio.thread_count"),
-        (_cfg(device="nvme", nvme_path="x", super_offload=True), UnsupportedConfigError, "super_offload"),
         (_cfg(device="nvme", nvme_path="x", ratio=0.5), UnsupportedConfigError, "ratio"),
         (_cfg(device="nvme", nvme_path="x", buffer_count=2), ConfigError, "buffer_count"),
     ]

@@ -79,11 +79,15 @@ class Config:
         and `aio`."""
         zero, aio = self.values["zero_optimization"], self.values["aio"]
         off = zero["offload_optimizer"]
+        speculate = off["super_offload"]
         if off["device"] != "nvme":
+            if speculate:
+                return Offload("cpu", speculate=True)
             return "cpu" if off["device"] == "cpu" else None
         params = "nvme" if zero["stage"] == 3 and zero["offload_param"]["device"] == "nvme" else None
         return Offload("nvme", params=params, path=off["nvme_path"], buffers=off["buffer_count"],
-                       threads=aio["intra_op_parallelism"], block_size=aio["block_size"])  # fmt: skip
+                       threads=aio["intra_op_parallelism"], block_size=aio["block_size"],
+                       speculate=speculate)  # fmt: skip
 
     @property
     def gradient_clipping(self) -> float:

@@ -46,9 +46,11 @@ OFFLOAD_OPTIMIZER = Section(
             Num(0, 1), 1.0, unsupported="partial offload (ratio < 1) is not implemented", supported=lambda v: v == 1.0
         ),
         "super_offload": Field(
-            Bool(), False, unsupported="SuperOffload (speculative CPU optimizer steps) is not implemented yet"
+            Bool(), False, effect="fzero.Offload's speculate: each unit's update runs during the backward, validated"
         ),
-        "cpuadam_cores_perc": Field(Num(0, 1), 0.8, effect="no effect without super_offload"),
+        "cpuadam_cores_perc": Field(
+            Num(0, 1), 0.8, effect="no effect: the speculative update runs on one thread beside the backward's"
+        ),
     },
     coerce=_legacy_offload,
     checks=(_nvme_path,),
@@ -69,8 +71,17 @@ OFFLOAD_PARAM = Section(
 
 
 def check_offload(zero: dict[str, Any], path: str) -> None:
-    """What fzero can do of an `offload_param` (DeepSpeed reads it at stage 3 only, and so does fzero)."""
+    """What fzero can do of an `offload_param` (DeepSpeed reads it at stage 3 only, and so does fzero) and of
+    `super_offload`."""
     param, optimizer = zero["offload_param"]["device"], zero["offload_optimizer"]["device"]
+    if zero["offload_optimizer"]["super_offload"]:
+        key = f"{path}.offload_optimizer.super_offload"
+        if optimizer == "none":
+            raise ConfigError(key, "true needs offload_optimizer.device 'cpu' or 'nvme' (it speculates their step)")
+        if zero["stage"] < 2:
+            raise UnsupportedConfigError(key, f"true at stage {zero['stage']} is not supported: SuperOffload runs at "
+                                         "stages 2 and 3 (DeepSpeed: 3), where the backward reduces each unit's "
+                                         "gradient and its update can start")  # fmt: skip
     key = f"{path}.offload_param.device"
     if zero["stage"] != 3 or param == "none":
         return

@@ -84,6 +84,8 @@ class Engine(ConfigAccessors, nn.Module):
       config: the validated `fzero.config.Config`.
       optimizer: the `OptimizerView` (hyper-parameters of the next update), or the client optimizer.
       global_steps, global_samples, micro_steps, skipped_steps: DeepSpeed's counters.
+      step_metrics: the last `step()`'s metrics, as the functional step reports them (`fzero.train_step`: `loss`,
+        `applied`, `skipped`, `grad_norm`, `comm`, `io`, `speculation`, ...); None before the first.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class Engine(ConfigAccessors, nn.Module):
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._t_step: float | None = None
         self.last_record: dict[str, Any] | None = None
+        self.step_metrics: dict[str, Any] | None = None
         self._step_applied = False
         self.monitor = self._make_monitor(printer)
         self._sync_module()
@@ -370,7 +373,7 @@ class Engine(ConfigAccessors, nn.Module):
             self._per_rank(grads), self._per_rank(loss), reduced=micro.per_unit, donate=True,
             buffers={k: self._per_rank(v) for k, v in micro.buffers.items()},
         )  # fmt: skip
-        self.state = new
+        self.state, self.step_metrics = new, metrics
         self.counters.step_losses.append(metrics["loss"])
         applied, skipped = bool(metrics["applied"]), bool(metrics["skipped"])
         self._step_applied = applied
