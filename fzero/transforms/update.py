@@ -204,9 +204,8 @@ class _ShardUpdate:
         speculation = flow.facts.speculation
         taken = None if speculation is None else speculation.take(flow, state)
         if taken is not None:  # computed during the backward, and what it assumed holds
-            params, state, compute, io = taken
-            flow = flow._replace(params=params, compute=compute).with_facts(applied=True)
-            return (flow if io is None else flow.with_metrics(io={"nvme": io})), state
+            flow = flow._replace(params=taken[0], compute=taken[2]).with_facts(applied=True)
+            return (flow if taken[3] is None else flow.with_metrics(io={"nvme": taken[3]})), taken[1]
         grads, kw = self.prepare(flow.gradients("shard_update"), flow.facts.grad_factor, flow.params.dtype)
         kw.update(self.keywords(ctx, flow.params, flow.sharded))
         compute: Tensor | None
