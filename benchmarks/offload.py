@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/offload.py [--dir DIR] [--disk-mib 512] [--rounds 3] [--io-threads 1 4]
         [--layers 6] [--d-model 256] [--seq-len 128] [--steps 6] [--nproc 1 [2]] [--memory] [--sweep 6,12,24]
-        [--deepspeed] [--quick]
+        [--deepspeed] [--speculate] [--quick]
 
 Everything goes through fzero's own I/O layer (`fzero.storage`), in `--dir` (default: a temporary directory under
 the repository's `runs/`, i.e. on the repository's filesystem, not on a tmpfs /tmp), removed at the end:
@@ -27,6 +27,8 @@ the repository's `runs/`, i.e. on the repository's filesystem, not on a tmpfs /t
    (`SimMesh(1)`, 3 steps): the peak `RssAnon` (anonymous resident memory: the heap, where tensors live; `VmHWM`
    would add the file-backed pages of torch's mapped libraries, some 100s of MiB that are not state), sampled every
    5 ms by a thread and after each step, and `fzero.state_bytes` (resident total, offloaded, staging).
+   `--speculate` adds `Offload(..., speculate=True)` twins of the cpu and nvme configurations (SuperOffload), and
+   one whose every step is clipped (`clip=1e-9`: every speculation misses and is redone), with their hit counts.
 4. `--deepspeed`: DeepSpeed's ZeRO-Infinity (`offload_optimizer: nvme`) on the same model, config and directory,
    with `DS_ACCELERATOR=cpu`, in a process of its own; it needs DeepSpeed's `async_io` op (libaio) built at run
    time: where that fails, one line says why.
@@ -252,15 +254,24 @@ def disk_rates(disk: dict[tuple[bool, int], Any]) -> dict[str, dict[str, float]]
 
 
 # ------------------------------------------------------------------------------------------------- 2. training
-def configurations(args: argparse.Namespace, direct_ok: bool) -> dict[str, Any]:
-    """Label -> the `offload` argument."""
-    out: dict[str, Any] = {"in memory": None, "cpu": "cpu"}
+def configurations(args: argparse.Namespace, direct_ok: bool) -> dict[str, tuple[Any, float | None]]:
+    """Label -> the `offload` argument and the clipping bound (`--speculate`'s forced misses clip every step)."""
+    out: dict[str, tuple[Any, float | None]] = {"in memory": (None, None), "cpu": ("cpu", None)}
+    if args.speculate:
+        out["cpu speculate"] = (fzero.Offload("cpu", speculate=True), None)
     for direct in (True, False) if direct_ok else (False,):
         for t in args.io_threads:
-            out[f"nvme direct={'on' if direct else 'off'} threads={t}"] = fzero.Offload(
-                "nvme", path=args.dir, direct=direct, threads=t, block_size=args.block_size
-            )
+            name = f"nvme direct={'on' if direct else 'off'} threads={t}"
+            kw = dict(path=args.dir, direct=direct, threads=t, block_size=args.block_size)
+            out[name] = (fzero.Offload("nvme", **kw), None)
+            if args.speculate:
+                out[f"{name} speculate"] = (fzero.Offload("nvme", speculate=True, **kw), None)
+                if direct == direct_ok and t == args.io_threads[0]:  # every step clipped: every speculation misses
+                    out[f"{name} speculate, all miss"] = (fzero.Offload("nvme", speculate=True, **kw), MISS_CLIP)
     return out
+
+
+MISS_CLIP = 1e-9
 
 
 def build_model(args: argparse.Namespace, layers: int) -> GPT:
@@ -278,17 +289,19 @@ STREAM_S = [0.0]  # seconds inside Store.stream in this process
 
 
 def time_store_stream() -> None:
-    """Wrap `Store.stream` (this process only) to add its wall time to STREAM_S."""
-    inner = Store.stream
+    """Wrap `Store.stream` and `Store.stream_units` (a speculative update's, on its worker thread; this process
+    only) to add their wall time to STREAM_S."""
+    for method in ("stream", "stream_units"):
+        inner = getattr(Store, method)
 
-    def stream(self: Store, *a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(self, *a, **k)
-        finally:
-            STREAM_S[0] += time.perf_counter() - t0
+        def timed(self: Store, *a: Any, _inner: Any = inner, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _inner(self, *a, **k)
+            finally:
+                STREAM_S[0] += time.perf_counter() - t0
 
-    Store.stream = stream  # type: ignore[method-assign]
+        setattr(Store, method, timed)
 
 
 def mesh_for(rank: int, world: int, store: str) -> fzero.Mesh:
@@ -307,10 +320,10 @@ def train_worker(rank: int, world: int, store: str, out: str, args: argparse.Nam
         loss_fn = gpt_loss(model)
         data = make_batches(rank, args.warmup + args.steps, args.seq_len, world == 1)
         runs: dict[str, dict[str, Any]] = {}
-        for name, offload in configurations(args, direct_ok).items():
-            tx = fzero.zero3(fzero.cpu_adamw(LR), precision="bf16", offload=offload)
+        for name, (offload, clip) in configurations(args, direct_ok).items():
+            tx = fzero.zero3(fzero.cpu_adamw(LR), precision="bf16", offload=offload, clip=clip)
             runs[name] = {"state": fzero.init(model, tx, mesh), "step": fzero.train_step(model, loss_fn, tx, mesh,
-                          donate=True), "time": [], "stream": [], "io": [], "proc": []}  # fmt: skip
+                          donate=True), "time": [], "stream": [], "io": [], "proc": [], "hits": []}  # fmt: skip
         for run in runs.values():
             for b in data[: args.warmup]:
                 run["state"], _ = run["step"](run["state"], b)
@@ -329,8 +342,11 @@ def train_worker(rank: int, world: int, store: str, out: str, args: argparse.Nam
                 run["stream"].append(STREAM_S[0] - s0)
                 run["io"].append(metrics.get("io", {}).get("nvme", {"read": 0, "written": 0}))
                 run["proc"].append({k: io1[k] - io0[k] for k in ("read_bytes", "write_bytes")})
+                if "speculation" in metrics:
+                    run["hits"].append(metrics["speculation"]["hit"])
         result = {
-            name: {k: run[k] for k in ("time", "stream", "io", "proc")} | {"bytes": fzero.state_bytes(run["state"])}
+            name: {k: run[k] for k in ("time", "stream", "io", "proc", "hits")}
+            | {"bytes": fzero.state_bytes(run["state"])}
             for name, run in runs.items()
         }
         result["_params"] = sum(p.numel() for p in model.parameters())  # type: ignore[assignment]
@@ -359,7 +375,8 @@ def print_training(res: dict[str, Any], other: dict[str, Any] | None, world: int
     mismatch = []
     for name, r in res.items():
         t = statistics.median(r["time"])
-        cells = [name, f"{t * 1e3:.0f}", f"{t / base:.2f}x"]
+        hits = f" ({sum(r['hits'])}/{len(r['hits'])} hits)" if r["hits"] else ""
+        cells = [name + hits, f"{t * 1e3:.0f}", f"{t / base:.2f}x"]
         if not name.startswith("nvme"):
             print("| " + " | ".join(cells + ["-"] * 8) + " |")
             continue
@@ -369,7 +386,7 @@ def print_training(res: dict[str, Any], other: dict[str, Any] | None, world: int
         prd = sum(x["read_bytes"] for x in r["proc"]) / len(r["proc"])
         pwr = sum(x["write_bytes"] for x in r["proc"]) / len(r["proc"])
         direct = "direct=on" in name
-        threads = int(name.rsplit("=", 1)[1])
+        threads = int(name.split("threads=")[1].split()[0].rstrip(","))
         rate = rates.get(f"{int(direct)},{threads}")
         frac = f"{(rd / (rate['read'] * GB) + wr / (rate['write'] * GB)) / stream:.0%}" if rate else "-"
         cells += [f"{stream * 1e3:.0f}", f"{rd / MIB:.1f}", f"{wr / MIB:.1f}", f"{prd / MIB:.1f}", f"{pwr / MIB:.1f}",
@@ -385,7 +402,9 @@ def print_training(res: dict[str, Any], other: dict[str, Any] | None, world: int
           "chunks: a lower bound on the I/O rate); of disk = the time part 1's rates (same O_DIRECT mode and threads) "
           "need for these bytes / time in Store.stream (above 100%: the page cache served buffered transfers, or the "
           "pipeline's overlapped reads and writes and its deeper queue beat part 1's one-direction, 2-deep stream); "
-          "exposed I/O = (step - step with offload='cpu') / step.")  # fmt: skip
+          "exposed I/O = (step - step with offload='cpu') / step. `speculate`: Offload(speculate=True) (SuperOffload: "
+          "each unit's update during the backward; `all miss` clips every step, so every speculation is redone after "
+          "the backward); its Store.stream time is the worker thread's, overlapping the backward.")  # fmt: skip
     if world > 1:
         print("rank 1's metrics['io'] " + (f"differ from rank 0's for: {mismatch}" if mismatch else "equal rank 0's."))
     for name in ("in memory", "nvme direct=on threads=1"):
@@ -503,6 +522,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--deepspeed", action="store_true", help="also try DeepSpeed's ZeRO-Infinity")
     p.add_argument("--no-disk", action="store_true", help="skip part 1 (training then reports no fraction of disk)")
     p.add_argument("--no-train", action="store_true", help="skip part 2")
+    p.add_argument(
+        "--speculate",
+        action="store_true",
+        help="also Offload(speculate=True) (SuperOffload) for cpu and each nvme configuration",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: disk 128 MiB, 1 round, 2 layers, 2 steps")
     args = p.parse_args()
     if args.quick:
