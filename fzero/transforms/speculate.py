@@ -91,7 +91,8 @@ class Speculation:
         """The reduction has folded piece `piece` of unit `unit`'s reduced gradients (`grads`, a view of its
         result buffer): speculate on the first; a later piece (a second backward) invalidates the speculation."""
         base = grads if grads._base is None else grads._base
-        if piece or unit in self._futures or self.outcome is not None or self.source not in (None, base):
+        other = self.source is not None and self.source is not base
+        if piece or unit in self._futures or self.outcome is not None or other:
             self.dirty = True
             return
         self.source = base
