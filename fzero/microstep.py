@@ -31,7 +31,7 @@ from .bind import bound
 from .layout import Layout, unflatten
 from .mesh import CollectiveError, Mesh
 from .state import TrainState
-from .storage import in_memory
+from .storage import Offloaded, in_memory
 from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
 from .transforms.planning import transform_at
 from .transforms.scaling import current_loss_scale
@@ -45,6 +45,7 @@ __all__ = [
     "frozen_params",
     "loss_scale",
     "named_tensors",
+    "read_unit_by_unit",
     "scaled",
 ]
 
@@ -72,6 +73,12 @@ def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffer
         out[alias] = out[name]
     out.update(buffers)
     return out
+
+
+def read_unit_by_unit(state: TrainState, mesh: Mesh) -> bool:
+    """Whether the shell on a one-rank `SimMesh` computes unit by unit (its compute copy is on disk, read one unit
+    at a time: stage 3's memory bound at world 1) rather than with the whole buffer."""
+    return mesh.stacked and mesh.world == 1 and isinstance(state.compute, Offloaded)
 
 
 def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
@@ -176,6 +183,7 @@ class MicroStep:
         self._stack = contextlib.ExitStack()
         self.ledger = self._stack.enter_context(mesh.record())
         self._gathering: UnitGathering | None = None
+        self.gathered_peak: int | None = None  # (the shell's unit-by-unit path: as the core reports it)
         self.speculation = self._speculate() if self.per_unit else None
 
     def _speculate(self) -> Speculation | None:
@@ -213,10 +221,12 @@ class MicroStep:
         """
         state = self.state
         self.buffers = {k: local(v).clone() for k, v in state.buffers.items()}
-        if self.per_unit and not self.mesh.stacked:  # unit by unit, each unit's gradient reduced when complete
+        one = self.per_unit and compute is None and read_unit_by_unit(state, self.mesh)
+        if self.per_unit and (not self.mesh.stacked or one):  # unit by unit, each unit's gradient reduced when complete
             shard = compute if compute is not None else state.compute if state.compute is not None else state.params
+            frozen = state.frozen if not one or state.frozen is None else local(state.frozen)
             self._gathering = UnitGathering(
-                self.mesh, state.layout, module, shard, state.frozen, self.policy, self.reducer(),
+                self.mesh, state.layout, module, shard, frozen, self.policy, self.reducer(),
                 state.frozen_dtype, state.plan.keep_gathered,
             )  # fmt: skip
             leaf, named = self._gathering.shard, self._gathering.params()
@@ -239,6 +249,7 @@ class MicroStep:
     def reduced_gradients(self) -> Tensor:
         """The shell's per-unit path: this rank's reduced gradients (units no backward reached reduced as zeros)."""
         assert self._gathering is not None
+        self.gathered_peak = self._gathering.peak
         with record_function("fzero.reduce"):
             grads = self._gathering.finish()
         self._gathering = None
@@ -277,6 +288,8 @@ class MicroStep:
             # an accumulation window: the parameters did not change (detached: at world 1 it is the backward's leaf)
             new = new.replace(compute=gathered.detach())
         metrics["comm"] = self.ledger.as_dict()
+        if self.gathered_peak is not None:
+            metrics.setdefault("gathered_peak", self.gathered_peak)
         return new, metrics
 
     def fail(self, error: BaseException) -> None:

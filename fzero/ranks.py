@@ -252,6 +252,44 @@ class DistRanks:
         return _DistReduction(fn, layout, budget)
 
 
+class OneRank:
+    """The one rank of a one-rank `SimMesh`, run imperatively, one unit at a time (the shell at world 1, whose
+    state may keep the compute copy on disk): this rank's values unstacked, as a `DistRanks`'s; a gather is the
+    unit's own piece (copied), and the chain's reduction runs on the unit's gradient as one stacked row."""
+
+    def __init__(self, mesh: SimMesh) -> None:
+        if mesh.world != 1:
+            raise ValueError(f"OneRank runs the rank of a one-rank SimMesh, got {mesh!r}")
+        self.mesh = mesh
+        self.indices = (0,)
+
+    def pick(self, x: Any, rank: int) -> Any:
+        return x
+
+    def stack(self, values: Sequence[Any]) -> Any:
+        return values[0]
+
+    def gather_into(
+        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+    ) -> Work:
+        out.copy_(shards[..., piece].reshape(-1))
+        self.mesh.account("all_gather", out.numel())
+        return done
+
+    def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:
+        return _DistReduction(_Row(fn), layout, None)
+
+
+class _Row:
+    """A stacked mesh's per-unit reduction on one rank's unstacked gradients (and its `landed`, if any)."""
+
+    def __init__(self, fn: ReduceFn) -> None:
+        self.fn, self.landed = fn, _landed(fn)
+
+    def __call__(self, grads: Tensor, unit: int) -> Tensor:
+        return _value(self.fn(grads.unsqueeze(0), unit))[0]
+
+
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:
     """The strategy for `mesh` (see the module docstring)."""
     return SimRanks(cast(SimMesh, mesh)) if mesh.stacked else DistRanks(mesh)  # (only a SimMesh is stacked)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -58,8 +58,8 @@ from torch import Tensor, nn
 from .bind import Unavailable
 from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_units
 from .layout import Layout
-from .mesh import CollectiveError, Mesh
-from .ranks import Ranks, Reduction, SimRanks, ranks_of
+from .mesh import CollectiveError, Mesh, SimMesh
+from .ranks import OneRank, Ranks, Reduction, SimRanks, ranks_of
 from .storage import Offloaded, UnitReader
 
 __all__ = ["Abandoned", "GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
@@ -413,12 +413,13 @@ def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | N
     return frozen.detach() if dtype is None or frozen.dtype == dtype else frozen.to(dtype)
 
 
-def on_disk(compute: Any, depth: int) -> tuple[Tensor, UnitReader | None]:
-    """A compute shard offloaded to disk as an empty placeholder of its dtype (per rank: the autograd leaf the units
-    hang from) and the reader its units come from, `depth` units ahead; any other shard as it is, and None."""
+def on_disk(compute: Any, depth: int, local: bool = False) -> tuple[Tensor, UnitReader | None]:
+    """A compute shard offloaded to disk as an empty placeholder of its dtype (per rank, or with `local` this
+    rank's alone: the autograd leaf the units hang from) and the reader its units come from, `depth` units ahead;
+    any other shard as it is, and None."""
     if not isinstance(compute, Offloaded):
         return compute, None
-    shape = (compute.shape[0], 0) if compute.ndim == 2 else (0,)
+    shape = (compute.shape[0], 0) if compute.ndim == 2 and not local else (0,)
     return torch.empty(shape, dtype=compute.dtype), UnitReader(compute, depth)
 
 
@@ -452,10 +453,10 @@ class UnitGathering:
         frozen_dtype: torch.dtype | None = None,
         keep: bool = False,
     ) -> None:
-        if mesh.stacked:
+        if mesh.stacked and mesh.world != 1:
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
-        ranks = ranks_of(mesh)
-        compute, self._reader = on_disk(compute, max(1, policy.prefetch))
+        ranks = OneRank(cast(SimMesh, mesh)) if mesh.stacked else ranks_of(mesh)
+        compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True)
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)

@@ -251,6 +251,41 @@ def test_two_gloo_processes_core_and_shell(tmp_path):
     assert results == {name: [] for name in nvme_worker.CASES}
 
 
+def test_shell_on_one_process_reads_unit_by_unit(tmp_path):
+    """`fzero.initialize` without torchrun (a one-rank SimMesh) with `offload_param: nvme` computes unit by unit
+    from the disk, as the core does (the whole compute copy is never in memory: `gathered_peak` below the model),
+    bitwise the in-memory shell; evaluation under `no_grad` too."""
+    import torch.nn.functional as F
+
+    from fzero.examples.gpt import GPT, GPTConfig
+
+    def six_blocks() -> GPT:  # (with 2 blocks every unit is live at once: the root's tied head, one prefetched)
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=6, n_head=2, d_model=16))
+
+    runs = []
+    for device in ("none", "nvme"):
+        off = {"device": device, "nvme_path": str(tmp_path)}
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3, "offload_optimizer": off, "offload_param": off,
+                                        "stage3_param_persistence_threshold": 0}}  # fmt: skip
+        model = six_blocks()
+        engine, *_ = fzero.initialize(model=model, config=config, model_parameters=model.parameters())
+        for batch in lm_batches(model, 1, 2, 2, 3, 7):
+            loss = F.cross_entropy(engine(batch["x"][0]).float().flatten(0, 1), batch["y"][0].flatten())
+            engine.backward(loss)
+            engine.step()
+        with torch.no_grad():
+            out = engine(lm_batches(model, 1, 1, 2, 1, 9)[0]["x"][0])
+        if device == "nvme":
+            assert type(engine.state.compute).__name__ == "Offloaded"
+            assert engine.step_metrics["gathered_peak"] < engine.state.layout.numel
+        runs.append((engine.module_state_dict(), out))
+    assert differing(runs[0][0], runs[1][0]) == []
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
 # ------------------------------------------------------------------------------------------------------ config
 def _cfg(**offload):
     return {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

@@ -53,7 +53,15 @@ from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
 from ..mesh import CollectiveError, Mesh
 from ..metrics import Monitor, transformer_flops
-from ..microstep import MicroStep, compute_params, frozen_params, loss_scale, named_tensors, scaled
+from ..microstep import (
+    MicroStep,
+    compute_params,
+    frozen_params,
+    loss_scale,
+    named_tensors,
+    read_unit_by_unit,
+    scaled,
+)
 from ..monitors import MonitorMaster, boundary_events
 from ..optim import Hyper, hyper_value
 from ..state import TrainState
@@ -243,7 +251,9 @@ class Engine(ConfigAccessors, nn.Module):
         its step), so that `engine.module` holds them, and kept for the micro-steps of the accumulation window."""
         state = self.state
         compute = state.compute if state.compute is not None else state.params
-        if not state.plan.sharded_at_rest:  # (one rank: an offloaded copy is read whole)
+        if read_unit_by_unit(state, self.mesh):  # one rank, the copy on disk: read unit by unit
+            return None
+        if not state.plan.sharded_at_rest:
             return self._local(in_memory(compute))
         if not state.plan.keep_gathered:
             return None
@@ -259,10 +269,10 @@ class Engine(ConfigAccessors, nn.Module):
         gathering, compute = None, self._compute()
         if compute is None:
             assert state.compute is not None  # (stage 3 keeps a compute shard; a chain without gather() is not handled)
+            frozen = None if state.frozen is None else self._local(state.frozen)
             gathering = UnitGathering(
-                self.mesh, state.layout, module, state.compute, state.frozen, self._gather_policy, None,
-                state.frozen_dtype,
-            )  # fmt: skip
+                self.mesh, state.layout, module, state.compute, frozen, self._gather_policy, None, state.frozen_dtype
+            )
             named = {**gathering.params(), **buffers}
         else:
             frozen = frozen_params(state, self.mesh)

@@ -131,8 +131,10 @@ class Speculation:
         )
         if ok and self.mean is not None:  # the window's mean: the same values, unit by unit
             ok = all(torch.equal(grads[..., self.slices[u]], self.mean[..., self.slices[u]]) for u in self._futures)
-        elif ok and self.source is not None:  # the reduction's buffer itself, unchanged since the backward
-            ok = grads is self.source and grads._version == self.version
+        elif ok and self.source is not None:  # the reduction's buffer itself (or a view of all of it), unchanged
+            src = self.source
+            same = grads.data_ptr() == src.data_ptr() and grads.numel() == src.numel() and grads.dtype == src.dtype
+            ok = same and grads._version == self.version
         if not ok:
             self.rollback()
             return None
