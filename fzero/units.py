@@ -313,13 +313,15 @@ class Gatherer:
     def post_backward(self, i: int, grad: Tensor) -> None:
         """The unit's trainable gradient is complete (its `on_gradient`): hand it to the reduction (the chain's),
         free the trainable buffer (and the frozen one, unless the gradients of the unit's inputs are still
-        pending)."""
+        pending) of a unit gathered on demand."""
         self._tick(i, 1)
         unit = self.units[i]
         unit.leave_backward()
         unit.phase = Phase.DONE
         assert self.reduction is not None  # (a gradient reaches a unit only with a reduction: `_Unit`)
         self.reduction.add(i, self.rank, grad)
+        if unit.module is None:  # gathered for the whole step, with no hook to gather it again for a second
+            return  # backward through the graph (its saved tensors are views of its buffers): freed by `finish`
         unit.reshard((TRAIN, FROZEN) if unit.inputs_done or not unit.sizes[FROZEN] else (TRAIN,))
 
     def _inputs_done(self, i: int) -> None:

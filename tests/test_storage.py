@@ -196,8 +196,9 @@ def test_truncated_file(tmp_path, direct):
         with pytest.raises(SwapCorruptError, match=f"truncated to {cut} bytes, expected {f.size}"):
             f.check_size()
         # directly: the bytes expected and got
+        buf = aligned_empty(16384)  # held: the memoryview alone does not keep it alive while pread writes into it
         with pytest.raises(SwapCorruptError, match=f"reading 16384 bytes at byte offset {f.offset('b')} got 5000"):
-            f.pread(f.offset("b"), tensor_bytes(aligned_empty(16384)))
+            f.pread(f.offset("b"), tensor_bytes(buf))
 
 
 def test_disk_full_at_creation(tmp_path):
