@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
@@ -39,11 +39,22 @@ from .accumulate import window_mean
 from .base import Flow
 from .offload import COMPUTE, RangeUpdate, check_offloaded
 
-__all__ = ["MemoryTarget", "Speculation", "StoreTarget", "Target"]
+__all__ = ["MemoryTarget", "Speculation", "StoreTarget", "Target", "Update"]
 
 Prepare = Callable[[Tensor], Tensor]
 """A unit's reduced gradients to what the optimizer reads (the master dtype, times the factor where the optimizer
 cannot fuse it): `shard_update`'s own preparation, elementwise."""
+
+
+class Update(NamedTuple):
+    """A speculative update, taken: the new master parameters and optimizer state (tensors, or handles to a new
+    version on disk), the compute copy (on the gradients' device, or its handle), and the bytes the NVMe tier read
+    and wrote per rank (None in memory)."""
+
+    params: Any
+    state: Any
+    compute: Any
+    io: dict[str, int] | None
 
 
 class Target(Protocol):
@@ -52,7 +63,7 @@ class Target(Protocol):
 
     def run(self, unit: int, grads: Tensor) -> None: ...
 
-    def result(self) -> tuple[Any, Any, Any, dict[str, int] | None]: ...
+    def result(self) -> Update: ...
 
     def abandon(self) -> None: ...
 
@@ -118,7 +129,7 @@ class Speculation:
             self.dirty = True
             raise errors[0]
 
-    def take(self, flow: Flow, state: Any) -> tuple[Any, Any, Any, dict[str, int] | None] | None:
+    def take(self, flow: Flow, state: Any) -> Update | None:
         """The speculative update, if what it assumed holds for the update `flow` and `state` ask for; else None,
         the speculation rolled back (the caller runs the plain update)."""
         self.drain()
@@ -176,26 +187,28 @@ class StoreTarget:
     """A new version of an NVMe-offloaded state, written unit by unit (`fzero.storage.Store.stream_units`) into the
     slot the input does not occupy."""
 
-    def __init__(self, piece: RangeUpdate, prepare: Prepare, compute: Tensor | None, device: torch.device) -> None:
+    def __init__(self, piece: RangeUpdate, prepare: Prepare, compute: Tensor | None) -> None:
         params = piece.handles["params"]
         assert isinstance(params, Offloaded)
-        self.store, self.piece, self.prepare, self.compute, self.device = params.store, piece, prepare, compute, device
+        self.store, self.piece, self.prepare, self.compute = params.store, piece, prepare, compute
+        self.device = torch.device("cpu")  # the gradients' (where the compute copy goes back to)
         check_offloaded(piece.handles, self.store)
         self.version, self.slot = self.store.begin(keep=params)
         self.crcs: dict[str, dict[int, Any]] = {n: {} for n in self.store.leaves}
 
     def run(self, unit: int, grads: Tensor) -> None:
+        self.device = grads.device
         g = self.prepare(grads).cpu()
         got = self.store.stream_units(self.piece.handles, lambda t, v: self.piece(t, v, _rows(g, t)), [unit],
                                       self.version, self.slot)  # fmt: skip
         for n, by_task in got.items():
             self.crcs[n].update(by_task)
 
-    def result(self) -> tuple[Any, Any, Any, dict[str, int]]:
+    def result(self) -> Update:
         written = self.store.finish(self.version, self.slot, self.crcs)
         io = {k: v // len(self.store.rows) for k, v in self.store.take_io().items()}
         compute = written[COMPUTE] if self.compute is None else self.compute.to(self.device)
-        return written["params"], self.piece.state_after(written), compute, io
+        return Update(written["params"], self.piece.state_after(written), compute, io)
 
     def abandon(self) -> None:
         self.store.abandon(self.version, self.slot)
@@ -205,9 +218,9 @@ class MemoryTarget:
     """A new version of a state in host memory: fresh buffers, each unit's range copied from the input and updated
     in place."""
 
-    def __init__(self, piece: RangeUpdate, prepare: Prepare, compute_dtype: torch.dtype, device: torch.device,
-                 pieces: Sequence[int]) -> None:  # fmt: skip
-        self.piece, self.prepare, self.device = piece, prepare, device
+    def __init__(self, piece: RangeUpdate, prepare: Prepare, compute_dtype: torch.dtype,
+                 slices: Sequence[slice]) -> None:  # fmt: skip
+        self.piece, self.prepare, self.device = piece, prepare, torch.device("cpu")
         self.old = piece.handles
         self.new = {n: torch.empty_like(x) for n, x in self.old.items()}
         params = self.new["params"]
@@ -215,11 +228,11 @@ class MemoryTarget:
         same = compute_dtype == params.dtype
         self.compute = params if same else torch.empty(params.shape, dtype=compute_dtype)
         piece.compute = self.compute.view(-1)
-        starts = [sum(pieces[:u]) for u in range(len(pieces))]
         rows = self.old["params"].shape[0] if self.old["params"].ndim == 2 else 1
-        self.tasks = [[Task(0, r, u, 0, starts[u], starts[u] + n) for r in range(rows)] for u, n in enumerate(pieces)]
+        self.tasks = [[Task(0, r, u, 0, sl.start, sl.stop) for r in range(rows)] for u, sl in enumerate(slices)]
 
     def run(self, unit: int, grads: Tensor) -> None:
+        self.device = grads.device
         g = self.prepare(grads).cpu()
         for task in self.tasks[unit]:
             views = {}
@@ -230,8 +243,8 @@ class MemoryTarget:
                 views[n] = dest
             self.piece(task, views, _rows(g, task))
 
-    def result(self) -> tuple[Any, Any, Any, None]:
-        return self.new["params"], self.piece.state_after(self.new), self.compute.to(self.device), None
+    def result(self) -> Update:
+        return Update(self.new["params"], self.piece.state_after(self.new), self.compute.to(self.device), None)
 
     def abandon(self) -> None:
         self.new = {}

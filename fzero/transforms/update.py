@@ -167,11 +167,10 @@ class _ShardUpdate:
         """Start a speculative update of the input `params` and `state` (`fzero.transforms.speculate`), assuming
         the gradients owe `factor`."""
         pieces = _pieces_of(ctx, params, sharded)
-        starts = [sum(pieces[:u]) for u in range(len(pieces))]
+        slices = [slice(sum(pieces[:u]), sum(pieces[: u + 1])) for u in range(len(pieces))]
         dtype = params.dtype
         kw = {**self.keywords(ctx, params, sharded), **self.prepare(torch.zeros(0, dtype=dtype), factor, dtype)[1]}
         cdt = self.compute_dtype or dtype
-        device = torch.device("cpu")
 
         def prepare(grads: Tensor) -> Tensor:
             return self.prepare(grads, factor, dtype)[0]
@@ -180,11 +179,9 @@ class _ShardUpdate:
         if self.offload == "nvme":
             compute = None if COMPUTE in params.store.leaves else torch.empty(params.shape, dtype=cdt)
             piece = RangeUpdate(self.optimizer, state, params, kw, cdt, None if compute is None else compute.view(-1))
-            target = StoreTarget(piece, prepare, compute, device)
+            target = StoreTarget(piece, prepare, compute)
         else:
-            piece = RangeUpdate(self.optimizer, state, params, kw, cdt, None)
-            target = MemoryTarget(piece, prepare, cdt, device, pieces)
-        slices = [slice(a, a + n) for a, n in zip(starts, pieces, strict=True)]
+            target = MemoryTarget(RangeUpdate(self.optimizer, state, params, kw, cdt, None), prepare, cdt, slices)
         return Speculation(target, params, state, factor, slices, acc, k)
 
     def update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
@@ -204,8 +201,8 @@ class _ShardUpdate:
         speculation = flow.facts.speculation
         taken = None if speculation is None else speculation.take(flow, state)
         if taken is not None:  # computed during the backward, and what it assumed holds
-            flow = flow._replace(params=taken[0], compute=taken[2]).with_facts(applied=True)
-            return (flow if taken[3] is None else flow.with_metrics(io={"nvme": taken[3]})), taken[1]
+            flow = flow._replace(params=taken.params, compute=taken.compute).with_facts(applied=True)
+            return (flow if taken.io is None else flow.with_metrics(io={"nvme": taken.io})), taken.state
         grads, kw = self.prepare(flow.gradients("shard_update"), flow.facts.grad_factor, flow.params.dtype)
         kw.update(self.keywords(ctx, flow.params, flow.sharded))
         compute: Tensor | None
