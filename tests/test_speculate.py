@@ -84,6 +84,25 @@ def test_speculation_equals_plain_bitwise(tmp_path_factory, stage, device, param
         assert not ends[POISON // micro][0]["speculation"]["hit"]
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_hybrid_mesh(tmp_path, device):
+    """Hybrid sharding (`SimMesh(shape={"replicate": 2, "shard": 2})`: each unit's reduction is a reduce-scatter over
+    `shard` then an all-reduce over `replicate`): bitwise the plain hybrid run, hits after the clipped first step."""
+    runs = []
+    for speculate in (False, True):
+        off = fzero.Offload(device, path=str(tmp_path) if device == "nvme" else None, chunk=4096, speculate=speculate)
+        tx = fzero.zero3(optimizer(True), hybrid=True, offload=off, clip=CLIP, precision="bf16")
+        model, mesh = tiny_gpt(0), fzero.SimMesh(shape={"replicate": 2, "shard": 2})
+        state, step = fzero.init(model, tx, mesh), fzero.train_step(model, lm_loss(model), tx, mesh)
+        hits = []
+        for batch in lm_batches(tiny_gpt(0), 4, 1, 2, 4, 7):
+            state, m = step(state, batch)
+            hits.append(m.get("speculation", {}).get("hit"))
+        runs.append((fzero.state_dict(state), hits))
+    assert differing(runs[0][0], runs[1][0]) == []
+    assert runs[0][1] == [None] * 4 and runs[1][1] == [False, True, True, True]
+
+
 def test_rollback_keeps_the_input_state_readable(tmp_path):
     """A missed speculation wrote only the new version: the step's input state is intact (the pure step's
     guarantee, which is what makes the rollback free)."""
