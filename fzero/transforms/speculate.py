@@ -25,7 +25,6 @@ store's second slot, which every step uses anyway). Whether it pays: docs/offloa
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
@@ -87,7 +86,6 @@ class Speculation:
         self.mean = None if acc is None else torch.empty_like(acc)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fzero-speculate")
         self._futures: dict[int, Future] = {}
-        self._lock = threading.Lock()
         self.source: Tensor | None = None  # the reduction's buffer the landed gradients are views of
         self.version: int | None = None  # its version counter once the backward is over (in-place changes show)
         self.dirty = False
