@@ -583,6 +583,17 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def memory_sweep(out: str, args: argparse.Namespace, modes: tuple[str, ...]) -> dict[int, dict[str, Any]]:
+    """Each layer count of `--sweep` in each mode, each run in a fresh process: their results by layers and mode."""
+    results: dict[int, dict[str, Any]] = {}
+    for layers in args.sweep:
+        for mode in modes:
+            spawn(memory_worker, (out, args, layers, mode), 1)
+            with open(os.path.join(out, f"mem-{layers}-{mode}.json")) as f:
+                results.setdefault(layers, {})[mode] = json.load(f)
+    return results
+
+
 def spawn(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
 
@@ -623,21 +634,9 @@ def main() -> None:
                             other = json.load(f)
                     print_training(res, other, world, rates, args)
             if args.memory:
-                mem: dict[int, dict[str, Any]] = {}
-                for layers in args.sweep:
-                    for mode in ("memory", "nvme"):
-                        spawn(memory_worker, (out, args, layers, mode), 1)
-                        with open(os.path.join(out, f"mem-{layers}-{mode}.json")) as f:
-                            mem.setdefault(layers, {})[mode] = json.load(f)
-                print_memory(mem)
+                print_memory(memory_sweep(out, args, ("memory", "nvme")))
             if args.memory_shell:
-                shell: dict[int, dict[str, Any]] = {}
-                for layers in args.sweep:
-                    for mode in ("shell-memory", "shell-nvme"):
-                        spawn(memory_worker, (out, args, layers, mode), 1)
-                        with open(os.path.join(out, f"mem-{layers}-{mode}.json")) as f:
-                            shell.setdefault(layers, {})[mode] = json.load(f)
-                print_shell_memory(shell)
+                print_shell_memory(memory_sweep(out, args, ("shell-memory", "shell-nvme")))
             if args.deepspeed:
                 spawn(deepspeed_worker, (os.path.join(out, "store-ds"), out, args), 1)
                 with open(os.path.join(out, "deepspeed.json")) as f:

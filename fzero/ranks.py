@@ -227,18 +227,22 @@ class SimRanks:
         return _SimReduction(fn, layout, self.mesh.world)
 
 
-class DistRanks:
-    """This process's own rank."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
-        self.indices = (int(mesh.rank),)
+class _OwnRank:
+    """A strategy running one rank whose values are unstacked: picking and stacking are identities."""
 
     def pick(self, x: Any, rank: int) -> Any:
         return x
 
     def stack(self, values: Sequence[Any]) -> Any:
         return values[0]
+
+
+class DistRanks(_OwnRank):
+    """This process's own rank."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.indices = (int(mesh.rank),)
 
     def gather_into(
         self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
@@ -252,7 +256,7 @@ class DistRanks:
         return _DistReduction(fn, layout, budget)
 
 
-class OneRank:
+class OneRank(_OwnRank):
     """The one rank of a one-rank `SimMesh`, run imperatively, one unit at a time (the shell at world 1, whose
     state may keep the compute copy on disk): this rank's values unstacked, as a `DistRanks`'s; a gather is the
     unit's own piece (copied), and the chain's reduction runs on the unit's gradient as one stacked row."""
@@ -262,12 +266,6 @@ class OneRank:
             raise ValueError(f"OneRank runs the rank of a one-rank SimMesh, got {mesh!r}")
         self.mesh = mesh
         self.indices = (0,)
-
-    def pick(self, x: Any, rank: int) -> Any:
-        return x
-
-    def stack(self, values: Sequence[Any]) -> Any:
-        return values[0]
 
     def gather_into(
         self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
