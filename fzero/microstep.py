@@ -171,7 +171,8 @@ class MicroStep:
       per_unit: the backward reduces each unit's gradient as soon as it is complete, with the chain's own reduction
         (the plan's `per_unit`, under autograd).
       speculation: where the plan speculates (SuperOffload) and this micro-step ends an accumulation window on the
-        per-unit path, the update computed unit by unit as the backward reduces (`fzero.transforms.speculate`).
+        per-unit path, the update computed unit by unit as the backward reduces (`fzero.transforms.speculate`);
+        opened by `reducer`.
       ledger: the collectives issued since the micro-step opened.
     """
 
@@ -184,7 +185,7 @@ class MicroStep:
         self.ledger = self._stack.enter_context(mesh.record())
         self._gathering: UnitGathering | None = None
         self.gathered_peak: int | None = None  # (the shell's unit-by-unit path: as the core reports it)
-        self.speculation = self._speculate() if self.per_unit else None
+        self.speculation: Speculation | None = None  # (opened with the per-unit reduction: `reducer`)
 
     def _speculate(self) -> Speculation | None:
         state, plan = self.state, self.state.plan
@@ -202,8 +203,10 @@ class MicroStep:
                                 1.0 / loss_scale(state), plan.sharded, acc, plan.accumulate)  # fmt: skip
 
     def reducer(self) -> Any:
-        """The chain's per-unit reduction as `reducer(grads, unit)`, for the gathering; with a speculation, it is
-        told as each unit lands (`reducer.landed`)."""
+        """The chain's per-unit reduction as `reducer(grads, unit)`, for the gathering; where the plan speculates,
+        this opens the micro-step's speculation, which it tells as each unit lands (`reducer.landed`)."""
+        if self.speculation is None:
+            self.speculation = self._speculate()
         ctx = Context(self.mesh, self.state.layout, overlap=self.policy.overlap_reduce)
         return _Reducer(unit_reducer(self.tx), ctx, self.speculation)
 
@@ -232,7 +235,6 @@ class MicroStep:
             leaf, named = self._gathering.shard, self._gathering.params()
         else:
             self.per_unit = False
-            self._end_speculation()
             leaf = (compute if compute is not None else local(compute_params(state, self.mesh))).detach()
             leaf.requires_grad_()
             frozen = frozen_params(state, self.mesh)
