@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .bind import carry_attributes
 from .layout import ROOT_UNIT, Layout, unit_views
 from .mesh import Work
+from .plan import EXACT, Wire
 from .ranks import Ranks
 
 __all__ = ["FROZEN", "TRAIN", "GatheredUnit", "Phase", "Spaces", "build_units"]
@@ -95,6 +96,8 @@ class Spaces:
       source: where the trainable units' shard pieces come from when the shard is not in memory (offloaded to
         disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values;
         `shards` then holds an empty placeholder of the compute dtype (the autograd leaf).
+      wire: how `RESHARD` units travel (`fzero.plan.Wire`: int8 gathers, hpZ's secondary copies).
+      kept_elements, kept_peak: the elements of hpZ secondary copies this rank holds now / at most so far.
     """
 
     ranks: Ranks
@@ -108,6 +111,9 @@ class Spaces:
     live_elements: int = 0
     peak: int = 0
     source: Callable[[int], Tensor] | None = None
+    wire: Wire = EXACT
+    kept_elements: int = 0
+    kept_peak: int = 0
 
     @classmethod
     def create(
@@ -120,6 +126,7 @@ class Spaces:
         gradients: bool,
         keep: bool,
         source: Callable[[int], Tensor] | None = None,
+        wire: Wire = EXACT,
     ) -> Spaces:
         """The spaces of `layout` (and its frozen layout) over `shards`.
 
@@ -127,7 +134,7 @@ class Spaces:
           ranks, rank, shards, everyone, gradients: as the attributes.
           layout: the step's layout.
           keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
-          source: as the attribute.
+          source, wire: as the attributes.
 
         Returns:
           The spaces, nothing gathered yet.
@@ -139,7 +146,7 @@ class Spaces:
         full = [_full(lay, x, mode) for lay, x, mode in zip(layouts, shards, modes, strict=True)]
         if source is not None and modes[0] == KEEP:
             full[0] = shards[0].new_empty(layout.numel)
-        return cls(ranks, rank, layouts, shards, everyone, gradients, modes, full, source=source)
+        return cls(ranks, rank, layouts, shards, everyone, gradients, modes, full, source=source, wire=wire)
 
 
 class _Unit(torch.autograd.Function):
@@ -177,6 +184,8 @@ class GatheredUnit:
       stores: each space's full buffer while gathered; its storage is resized to 0 when released.
       live: whether each space's buffer is gathered now (unsharded).
       pending: collectives in flight into `stores`.
+      kept: each space's hpZ secondary copy (`Spaces.wire.secondary`) while held: this rank's chunk of the unit
+        as gathered by its forward (per-rank values), kept from the forward to the backward's gather.
       named: the unit's parameters as named views of `stores` (created once, when the unit first runs: `views`).
       swaps: how many times the views are in the unit's modules now (its forward, its backward; an activation-
         checkpoint recompute that stopped early never ends its forward): the modules' own tensors come back
@@ -197,6 +206,7 @@ class GatheredUnit:
     stores: list[Tensor | None] = field(default_factory=lambda: [None, None])
     live: list[bool] = field(default_factory=lambda: [False, False])
     pending: list[Work] = field(default_factory=list)
+    kept: list[Tensor | None] = field(default_factory=lambda: [None, None])
     named: dict[str, Tensor] | None = None
     swaps: int = 0
     originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
@@ -233,10 +243,13 @@ class GatheredUnit:
                 store = self.stores[space] = shard.new_empty(size)
             elif sp.modes[space] == RESHARD:
                 store.untyped_storage().resize_(size * store.element_size())
-            piece = lay.unit_shard_slice(i)
-            if space == TRAIN and sp.source is not None:  # the pieces read from disk, then gathered as usual
+            piece, axis, block = lay.unit_shard_slice(i), lay.axis, sp.wire.blocks[space]
+            kept = self.kept[space]
+            if kept is not None:  # hpZ: from the secondary copies, exactly as the forward gathered them
+                everyone, piece, axis, block = kept, slice(None), sp.wire.secondary, None
+            elif space == TRAIN and sp.source is not None:  # the pieces read from disk, then gathered as usual
                 everyone, piece = sp.source(i), slice(None)
-            work = sp.ranks.gather_into(_alias(store), everyone, piece, sp.rank, ahead, lay.axis)
+            work = sp.ranks.gather_into(_alias(store), everyone, piece, sp.rank, ahead, axis, block)
             self.pending.append(work)
             self.live[space] = True
             sp.live_elements += size
@@ -254,11 +267,32 @@ class GatheredUnit:
         for work in self.pending:
             work.wait()
         self.pending.clear()
+        sp = self.shared
         for space in spaces:
-            if self.live[space] and self.shared.modes[space] == RESHARD:  # the others stay to the end
+            if self.live[space] and sp.modes[space] == RESHARD:  # the others stay to the end
+                self._keep(space)
                 self.store(space).untyped_storage().resize_(0)
                 self.live[space] = False
-                self.shared.live_elements -= self.sizes[space]
+                sp.live_elements -= self.sizes[space]
+            if self.phase is Phase.DONE:  # the backward gathered it: the secondary copy has served
+                self._drop(space)
+
+    def _keep(self, space: int) -> None:
+        """hpZ: after the unit's forward (a backward to come), keep this rank's chunk of what it gathered."""
+        sp = self.shared
+        axis = sp.wire.secondary
+        if axis is None or self.phase is not Phase.IDLE or not sp.gradients or not torch.is_grad_enabled():
+            return
+        if self.kept[space] is None:
+            self.kept[space] = sp.ranks.secondary(_alias(self.store(space)), axis)
+            sp.kept_elements += self.kept[space].shape[-1]
+            sp.kept_peak = max(sp.kept_peak, sp.kept_elements)
+
+    def _drop(self, space: int) -> None:
+        kept = self.kept[space]
+        if kept is not None:
+            self.shared.kept_elements -= kept.shape[-1]
+            self.kept[space] = None
 
     def views(self) -> dict[str, Tensor]:
         """Named views of the unit's full buffers, created just before the unit first runs: with gradients, the
@@ -320,6 +354,8 @@ class GatheredUnit:
         # gradient
         self.named = None
         self.stores = [None, None]
+        for space in (TRAIN, FROZEN):
+            self._drop(space)
         # and `on_gradient` (the gatherer's bound method) makes gatherer -> unit -> gatherer a cycle that only the
         # collector would free, late, with what the gatherer still holds: drop it so the gatherer goes at once
         self.on_gradient = None

@@ -45,8 +45,10 @@ def state_bytes(state: TrainState) -> dict[str, int]:
     """Bytes one rank holds, by category: `master`, `compute` (not counted again where it is the master tensor
     itself), `optimizer`, `accumulator`, `frozen` (frozen parameters: all of them, or this rank's shard at stage
     3), `other` (buffers, counters, the loss scale, the random seed), `staging` (the NVMe tier's I/O buffers),
-    `total` (the sum: memory); and `offloaded`, the bytes of the leaves kept on disk (`fzero.Offload("nvme")`;
-    one version, not in the total).
+    `total` (the sum: memory); `offloaded`, the bytes of the leaves kept on disk (`fzero.Offload("nvme")`;
+    one version, not in the total); and `secondary`, what hpZ (`gather(secondary=axis)`) holds during a step on
+    top of that, from each unit's forward to its backward: `1/S` of the compute and frozen parameters (`S` the
+    axis's size), at most (units gathered for the whole step keep none), not in the total.
 
     Args:
       state: a `TrainState`; on a `SimMesh` the leading world axis is divided out.
@@ -89,4 +91,11 @@ def state_bytes(state: TrainState) -> dict[str, int]:
     out["staging"] = sum(s.staging_bytes // (per_rank if s.stacked else 1) for s in stores.values())
     out["total"] = sum(out.values())
     out["offloaded"] = offloaded
+    out["secondary"] = 0
+    if state.plan.wire.secondary is not None:
+        size = state.plan.state_of(state.tx_state, "gather").secondary_size
+        out["secondary"] = state.layout.numel * state.plan.compute_dtype.itemsize // size
+        flay = state.layout.frozen_layout
+        if flay is not None and state.frozen is not None:
+            out["secondary"] += flay.numel * (state.frozen_dtype or state.frozen.dtype).itemsize // size
     return out

@@ -21,9 +21,11 @@ collective         per-rank input              per-rank output
 `local_shard`      `[..., world * s]`          `[..., s]`, chunk `rank` of the rank's own value
 =================  ==========================  =============================================
 
-`all_reduce_start` and `reduce_scatter_start` start the same reductions and return a handle whose `wait()` gives
-the result: a `DistMesh`'s backend works on it meanwhile (stages reduce each unit's gradient this way while the
-backward goes on), a `SimMesh` has computed it already.
+`all_reduce_start` and `reduce_scatter_start` (over every rank, or a named `axis`) start the same reductions and
+return a handle whose `wait()` gives the result and whose `is_completed()` says, without blocking, whether `wait()`
+would: a `DistMesh`'s backend works on it meanwhile (stages reduce each unit's gradient this way while the backward
+goes on; a hybrid reduction chains an axis's reduce-scatter and the other's all-reduce), a `SimMesh` has computed it
+already.
 
 A mean is the rank-ordered sum divided by `world` on every implementation, so `SimMesh` and `DistMesh` agree
 bitwise wherever the backend's sum does (always for two ranks).
@@ -82,6 +84,9 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 done = _Done()
 
@@ -95,6 +100,9 @@ class Ready:
     def wait(self) -> Tensor:
         return self.value
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class Pending:
     """A reduction in flight: `wait()` waits for the exchange, then returns the finished result (`finish()`); the
@@ -107,6 +115,16 @@ class Pending:
         self._work.wait()
         self._hold = ()
         return self._finish()
+
+    def is_completed(self) -> bool:
+        """Whether the exchange is over (`wait()` then only finishes the result); never blocks."""
+        return completed(self._work)
+
+
+def completed(work: Work) -> bool:
+    """Whether `work` has completed, without blocking (False for a handle that cannot tell: only `wait()` will)."""
+    is_completed = getattr(work, "is_completed", None)
+    return is_completed is not None and bool(is_completed())
 
 
 @dataclass
@@ -137,6 +155,27 @@ class Ledger:
 
     def total(self, key: str = "elements") -> int:
         return sum(e[key] for e in self.entries.values())
+
+    def crossing(self, shape: Mapping[str, int], inner: str) -> int:
+        """Bytes one rank received from ranks outside its group along axis `inner` (of a mesh of this `shape` whose
+        collectives recorded bytes: one with named axes): the slow links' share where a group is a node's ranks.
+
+        Per collective over `n` ranks with payload `B` (the ledger's `bytes`), a rank receives `(n - 1) / n B`
+        (twice for an all-reduce) from the others; of those, over every rank (`W`, `S` in the group), the
+        `(W - S) / W B` from other groups; over another axis all of it (each peer is in another group); over
+        `inner` none. (What a ring or tree sends over each link differs; the payload from outside does not.)
+        """
+        world, size = math.prod(shape.values()), shape[inner]
+        out = 0
+        for key, entry in self.entries.items():
+            kind, _, axis = key.partition(":")
+            if "bytes" not in entry or axis == inner:
+                continue
+            factor = 2 if kind == "all_reduce" else 1
+            n = shape[axis] if axis else world
+            outside = n - 1 if axis else world - size
+            out += factor * entry["bytes"] * outside // n
+        return out
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in self.entries.items()}
@@ -171,9 +210,9 @@ class Mesh(Protocol):
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
 
-    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
+    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending: ...
 
-    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending: ...
+    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending: ...
 
     def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor: ...
 
@@ -206,8 +245,8 @@ class _LedgerMixin:
         self._ledgers.append(ledger)
         try:
             yield ledger
-        finally:
-            self._ledgers.remove(ledger)
+        finally:  # by identity: two ledgers that recorded the same collectives are equal
+            self._ledgers[:] = [x for x in self._ledgers if x is not ledger]
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -238,7 +277,10 @@ class _LedgerMixin:
         moved = factor * full * (world - 1) // world
         if kind == "broadcast":
             moved = full if world > 1 else 0
-        key, nbytes = (kind, None) if axis is None else (f"{kind}:{axis}", full * itemsize)
+        # payload bytes where the mesh has named axes (what crosses which links is then a question), for every
+        # collective; a 1-D mesh's ledger keeps its element counts only
+        key = kind if axis is None else f"{kind}:{axis}"
+        nbytes = full * itemsize if self.shape else None
         for ledger in self._ledgers:
             ledger.add(key, elements, moved, nbytes)
 
@@ -368,7 +410,7 @@ class SimMesh(_LedgerMixin):
             self._log("all_reduce", x[0].numel(), axis, x.element_size())
             return self._grouped(x, axis, lambda m, y: m.all_reduce(y, op))
         self._rows(x, "all_reduce")
-        self._log("all_reduce", x[0].numel())
+        self._log("all_reduce", x[0].numel(), None, x.element_size())
         if self.world == 1:
             return _finish(x, op, 1)
         return _finish(self._sum(x), op, self.world).expand_as(x)
@@ -381,19 +423,19 @@ class SimMesh(_LedgerMixin):
             return self._grouped(x, axis, lambda m, y: m.reduce_scatter(y, op))
         self._rows(x, "reduce_scatter")
         _check_chunks(x, self.world, "reduce_scatter")
-        self._log("reduce_scatter", x[0].numel())
+        self._log("reduce_scatter", x[0].numel(), None, x.element_size())
         if self.world == 1:
             return _finish(x, op, 1)
         total = _finish(self._sum(x), op, self.world)  # [..., world * s]
         return total.unflatten(-1, (self.world, -1)).movedim(-2, 0).contiguous()
 
-    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready:
-        """`all_reduce`, as a handle (simulated ranks reduce at once)."""
-        return Ready(self.all_reduce(x, op))
+    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready:
+        """`all_reduce` (over `axis`), as a handle (simulated ranks reduce at once)."""
+        return Ready(self.all_reduce(x, op, axis=axis))
 
-    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready:
-        """`reduce_scatter`, as a handle (simulated ranks reduce at once)."""
-        return Ready(self.reduce_scatter(x, op))
+    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready:
+        """`reduce_scatter` (over `axis`), as a handle (simulated ranks reduce at once)."""
+        return Ready(self.reduce_scatter(x, op, axis=axis))
 
     def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor:
         if axis is not None:
@@ -401,7 +443,7 @@ class SimMesh(_LedgerMixin):
             self._log("all_gather", x[0].numel() * self.size(axis), axis, x.element_size())
             return self._grouped(x, axis, lambda m, y: m.all_gather(y))
         self._rows(x, "all_gather")
-        self._log("all_gather", x.numel())
+        self._log("all_gather", x.numel(), None, x.element_size())
         full = x.movedim(0, -2).flatten(-2)
         return full.expand(self.world, *full.shape).contiguous()
 
@@ -424,7 +466,7 @@ class SimMesh(_LedgerMixin):
         """Write the all-gather of `x` (`[world, s]`, every rank's chunk) into `out` (`[world * s]`, the value every
         rank receives); synchronous, the returned handle is already complete."""
         self._rows(x, "all_gather_into")
-        self._log("all_gather", x.numel())
+        self._log("all_gather", x.numel(), None, x.element_size())
         out.copy_(x.reshape(-1))
         return done
 
@@ -434,7 +476,7 @@ class SimMesh(_LedgerMixin):
             self._log("broadcast", x[0].numel(), axis, x.element_size())
             return self._grouped(x, axis, lambda m, y: m.broadcast(y, src))
         self._rows(x, "broadcast")
-        self._log("broadcast", x[0].numel())
+        self._log("broadcast", x[0].numel(), None, x.element_size())
         return x[src].expand_as(x).contiguous()
 
     def local_shard(self, x: Tensor, axis: str | None = None) -> Tensor:
@@ -560,6 +602,9 @@ class _All:
             w.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return all(completed(w) for w in self._works)
+
 
 class _Guarded:
     """An async collective's handle whose `wait()` raises `CollectiveError` instead of the backend's error."""
@@ -572,6 +617,10 @@ class _Guarded:
             return self._work.wait()
         except RuntimeError as e:
             raise self._fail(e) from e
+
+    def is_completed(self) -> bool:
+        # (a failed collective is completed too: its `wait()` raises the `CollectiveError`)
+        return completed(self._work)
 
 
 class DistMesh(_LedgerMixin):
@@ -702,19 +751,30 @@ class DistMesh(_LedgerMixin):
             return sub.reduce_scatter(x, op)
         return self.reduce_scatter_start(x, op).wait()
 
-    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending:
-        """Start `all_reduce`: the handle's `wait()` returns the result (the backend works meanwhile)."""
-        self._log("all_reduce", x.numel())
+    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending:
+        """Start `all_reduce` (over `axis`: on this rank's group along it): the handle's `wait()` returns the
+        result (the backend works meanwhile)."""
+        if axis is not None:
+            sub = self._axis(axis)
+            self._log("all_reduce", x.numel(), axis, x.element_size())  # (as `all_reduce(axis=)`: the same ledger)
+            return sub.all_reduce_start(x, op)
+        self._log("all_reduce", x.numel(), None, x.element_size())
         if self.world == 1:
             return Ready(_finish(x, op, 1))
         out = x.clone()  # a collective writes in place; the caller's tensor is never touched
         work = self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(self._guard(work, "all_reduce", x), lambda: _finish(out, op, self.world), out)
 
-    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum") -> Ready | Pending:
-        """Start `reduce_scatter`: the handle's `wait()` returns the result (the backend works meanwhile)."""
+    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending:
+        """Start `reduce_scatter` (over `axis`: on this rank's group along it): the handle's `wait()` returns the
+        result (the backend works meanwhile)."""
+        if axis is not None:
+            sub = self._axis(axis)
+            _check_chunks(x, sub.world, "reduce_scatter")
+            self._log("reduce_scatter", x.numel(), axis, x.element_size())  # (as `reduce_scatter(axis=)`)
+            return sub.reduce_scatter_start(x, op)
         s = _check_chunks(x, self.world, "reduce_scatter")
-        self._log("reduce_scatter", x.numel())
+        self._log("reduce_scatter", x.numel(), None, x.element_size())
         if self.world == 1:
             return Ready(_finish(x, op, 1))
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
@@ -758,7 +818,7 @@ class DistMesh(_LedgerMixin):
             self._log("all_to_all", x.numel(), axis, x.element_size())
             return sub.all_to_all(x)
         s = _check_chunks(x, self.world, "all_to_all")
-        self._log("all_to_all", x.numel())
+        self._log("all_to_all", x.numel(), None, x.element_size())
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
         if self.world == 1:
             return chunks
@@ -773,7 +833,7 @@ class DistMesh(_LedgerMixin):
             sub = self._axis(axis)
             self._log("all_gather", x.numel() * sub.world, axis, x.element_size())
             return sub.all_gather_into(out, x, async_op)
-        self._log("all_gather", x.numel() * self.world)
+        self._log("all_gather", x.numel() * self.world, None, x.element_size())
         if self.world == 1:
             out.copy_(x)
             return done
@@ -809,7 +869,7 @@ class DistMesh(_LedgerMixin):
             sub = self._axis(axis)
             self._log("broadcast", x.numel(), axis, x.element_size())
             return sub.broadcast(x, src)
-        self._log("broadcast", x.numel())
+        self._log("broadcast", x.numel(), None, x.element_size())
         out = x.clone()
         root = dist.get_global_rank(self.group, src) if self.group else src
         self._run("broadcast", x, dist.broadcast, out, src=root, group=self.group)

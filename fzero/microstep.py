@@ -89,7 +89,7 @@ def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
         compute = state.params
     if state.plan.sharded_at_rest:
         with record_function("fzero.gather"):
-            compute = gather_params(mesh, state.layout, compute)
+            compute = gather_params(mesh, state.layout, compute, block=state.plan.wire.blocks[0])
     return compute
 
 
@@ -102,7 +102,7 @@ def frozen_params(state: TrainState, mesh: Mesh) -> Tensor | None:
     assert flay is not None  # (frozen parameters have one)
     if state.plan.sharded_at_rest:
         with record_function("fzero.gather"):
-            return gather_params(mesh, flay, frozen, dtype)
+            return gather_params(mesh, flay, frozen, dtype, block=state.plan.wire.blocks[1])
     return frozen.to(dtype or frozen.dtype)
 
 
@@ -230,7 +230,7 @@ class MicroStep:
             frozen = state.frozen if not one or state.frozen is None else local(state.frozen)
             self._gathering = UnitGathering(
                 self.mesh, state.layout, module, shard, frozen, self.policy, self.reducer(),
-                state.frozen_dtype, state.plan.keep_gathered,
+                state.frozen_dtype, state.plan.keep_gathered, state.plan.wire,
             )  # fmt: skip
             leaf, named = self._gathering.shard, self._gathering.params()
         else:

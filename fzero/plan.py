@@ -33,10 +33,29 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GatherMode", "Plan", "Role"]
+__all__ = ["EXACT", "GatherMode", "Plan", "Role", "Wire"]
 
 GatherMode = Literal["now", "lazy", "keep"]
 Role = Literal["accumulate", "scale_loss", "update", "gather"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """How a lazily gathered unit travels (ZeRO++'s qwZ and hpZ at stage 3; `fzero.gather`).
+
+    Attributes:
+      blocks: for the trainable and the frozen space, int8 with one fp32 scale per that many elements (qwZ), or
+        None: exact.
+      secondary: a mesh axis: after its forward, each rank keeps its `1/size(secondary)` of the gathered unit (a
+        secondary copy sharded over the axis's group), and the backward gathers the unit again from those, within
+        the group only (hpZ). None: the backward gathers from the shards, as the forward.
+    """
+
+    blocks: tuple[int | None, int | None] = (None, None)
+    secondary: str | None = None
+
+
+EXACT = Wire()  # units gathered exactly, from the shards, forward and backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +82,7 @@ class Plan:
       paths: where each role's state sits in the chain's state, `(role, keys)` in chain order.
       speculative: the update runs speculatively, unit by unit, during the backward (SuperOffload:
         `fzero.Offload(..., speculate=True)`), validated before it is taken.
+      wire: how lazily gathered units travel (`Wire`).
     """
 
     stacked: bool
@@ -78,6 +98,7 @@ class Plan:
     compute_dtype: torch.dtype
     paths: tuple[tuple[Role, tuple[str, ...]], ...] = ()
     speculative: bool = False
+    wire: Wire = EXACT
 
     @property
     def stage(self) -> int:

@@ -34,8 +34,9 @@ import optree
 import torch
 from torch import Tensor
 
+from .int8 import dequantize, quantize
 from .layout import Layout
-from .mesh import DistMesh, Mesh, SimMesh, Work, done
+from .mesh import DistMesh, Mesh, Pending, SimMesh, Work, done
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
@@ -74,8 +75,17 @@ class Ranks(Protocol):
     def stack(self, values: Sequence[Any]) -> Any: ...
 
     def gather_into(
-        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+        self,
+        out: Tensor,
+        shards: Tensor,
+        piece: slice,
+        rank: int,
+        async_op: bool,
+        axis: str | None = None,
+        block: int | None = None,
     ) -> Work: ...
+
+    def secondary(self, full: Tensor, axis: str) -> Tensor: ...
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction: ...
 
@@ -93,11 +103,26 @@ def _assemble(layout: Layout, parts: Sequence[Tensor | None]) -> Tensor:
     return torch.cat([p if p is not None else zeros(u) for u, p in enumerate(parts)], -1)
 
 
+def _progress(handle: Tensor | Work | None) -> bool:
+    """Advance a reduction in flight without blocking: a handle of chained collectives (a hybrid reduction's
+    reduce-scatter, then all-reduce: `fzero.transforms.collective._Chained`) starts its next one if the one before
+    has completed. Whether it has nothing left to start."""
+    progress = getattr(handle, "progress", None)
+    return progress is None or bool(progress())
+
+
 class _DistReduction:
     """Reduce each unit's gradient as it arrives, into this rank's gradient shard (added: a second backward through
     the graph accumulates, as autograd would). With a `budget`, the reduction may return a handle (it was started
     and the backward goes on); before starting one that would put more than `budget` elements in flight, the
     oldest are waited on; `result()` waits for the rest.
+
+    A handle may chain collectives (a hybrid reduction's all-reduce over the replicate axis starts once its
+    reduce-scatter over the shard axis has completed). gloo pairs a group's collectives by the order they are issued
+    in, so every rank must start those second collectives in the same (unit) order: as each unit's gradient arrives
+    (and after each wait), the handles in flight are advanced oldest first, stopping at the first that cannot
+    advance yet; waits go oldest first too. A handle counts its unit's `n` gradient elements against the budget
+    until it is waited on, whichever of its collectives is running.
 
     Each unit's result is copied into the shard as soon as it has landed (its pieces summed in arrival order), so
     the shard and the reductions in flight are all that is held: never every unit's piece and their concatenation
@@ -123,15 +148,25 @@ class _DistReduction:
             self.flight.append((unit, len(pieces) - 1, n))
             self.elements += n
             self.peak = max(self.peak, self.elements)
+            self._advance()
         self._fold(unit, pieces)
 
+    def _advance(self) -> None:
+        """Start what the reductions in flight can start now (`_progress`), oldest first, stopping at the first that
+        cannot: so every rank starts them in unit order."""
+        for unit, i, _ in self.flight:
+            if not _progress(self.pieces[unit][i]):
+                break
+
     def _land(self) -> None:
-        """Wait for the oldest reduction in flight."""
+        """Wait for the oldest reduction in flight (which starts what it has not started yet: it is the oldest),
+        then advance the others."""
         unit, i, n = self.flight.popleft()
         pieces = self.pieces[unit]
         pieces[i] = _value(cast(Work, pieces[i]))
         self.elements -= n
         self._fold(unit, pieces)
+        self._advance()
 
     def _fold(self, unit: int, pieces: list[Tensor | Work | None]) -> None:
         """Add the unit's landed pieces, in arrival order up to the first still in flight, into the shard."""
@@ -211,17 +246,33 @@ class SimRanks:
         return optree.tree_map(lambda *xs: torch.stack(xs), *values)
 
     def gather_into(
-        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+        self,
+        out: Tensor,
+        shards: Tensor,
+        piece: slice,
+        rank: int,
+        async_op: bool,
+        axis: str | None = None,
+        block: int | None = None,
     ) -> Work:
-        if axis is not None:  # from the ranks of this rank's group along the axis
-            out.copy_(shards[self.mesh.group(rank, axis), piece].reshape(-1))
-            if rank == 0:
+        # from the ranks of this rank's group along the axis, or from every rank
+        rows = shards[self.mesh.group(rank, axis), piece] if axis is not None else shards[:, piece]
+        if block is None:
+            out.copy_(rows.reshape(-1))
+            if rank == 0:  # the simulated ranks gather together: count the collective once
                 self.mesh.account("all_gather", out.numel(), axis, out.element_size())
             return done
-        out.copy_(shards[:, piece].reshape(-1))
-        if rank == 0:  # the simulated ranks gather together: count the collective once
-            self.mesh.account("all_gather", out.numel())
+        q, scales = quantize(rows, block)
+        out.copy_(dequantize(q, scales, block, rows.shape[-1]).reshape(-1))
+        if rank == 0:
+            self.mesh.account("all_gather", q.numel(), axis, 1)
+            self.mesh.account("all_gather", scales.numel(), axis, scales.element_size())
         return done
+
+    def secondary(self, full: Tensor, axis: str) -> Tensor:
+        """Every rank's hpZ secondary chunk of a gathered unit (`full`, the same on every rank), `[world, n / S]`:
+        rank r's is chunk `index(axis)[r]` of the `S = size(axis)` chunks."""
+        return full.view(self.mesh.size(axis), -1)[cast(Tensor, self.mesh.index(axis))]
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:
         return _SimReduction(fn, layout, self.mesh.world)
@@ -245,12 +296,36 @@ class DistRanks(_OwnRank):
         self.indices = (int(mesh.rank),)
 
     def gather_into(
-        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+        self,
+        out: Tensor,
+        shards: Tensor,
+        piece: slice,
+        rank: int,
+        async_op: bool,
+        axis: str | None = None,
+        block: int | None = None,
     ) -> Work:
-        if axis is not None:
-            mesh = cast(DistMesh, self.mesh)  # (a mesh with named axes)
-            return mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, axis=axis)
-        return self.mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op)
+        mesh = cast(DistMesh, self.mesh)  # (`axis` only ever names an axis of a mesh that has it)
+        kw = {} if axis is None else {"axis": axis}
+        if block is None:
+            return mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, **kw)
+        n = mesh.world if axis is None else mesh.size(axis)
+        q, scales = quantize(shards[piece].detach(), block)
+        gq, gs = q.new_empty(n * q.numel()), scales.new_empty(n * scales.numel())
+        works = [mesh.all_gather_into(gq, q, async_op=async_op, **kw),
+                 mesh.all_gather_into(gs, scales, async_op=async_op, **kw)]  # fmt: skip
+        m = shards[piece].shape[-1]
+
+        def finish() -> Tensor:
+            out.copy_(dequantize(gq.view(n, -1), gs.view(n, -1), block, m).reshape(-1))
+            return out
+
+        return Pending(_All(works), finish, q, scales, gq, gs)
+
+    def secondary(self, full: Tensor, axis: str) -> Tensor:
+        """This rank's hpZ secondary chunk of a gathered unit: chunk `index(axis)` of `size(axis)` (a copy)."""
+        mesh = cast(DistMesh, self.mesh)
+        return full.view(mesh.size(axis), -1)[mesh.index(axis)].clone()
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:
         return _DistReduction(fn, layout, budget)
@@ -268,11 +343,22 @@ class OneRank(_OwnRank):
         self.indices = (0,)
 
     def gather_into(
-        self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool, axis: str | None = None
+        self,
+        out: Tensor,
+        shards: Tensor,
+        piece: slice,
+        rank: int,
+        async_op: bool,
+        axis: str | None = None,
+        block: int | None = None,
     ) -> Work:
+        # (a `block` is ignored: nothing travels at world 1, as a one-rank SimMesh's units are never gathered)
         out.copy_(shards[..., piece].reshape(-1))
-        self.mesh.account("all_gather", out.numel())
+        self.mesh.account("all_gather", out.numel(), None, out.element_size())
         return done
+
+    def secondary(self, full: Tensor, axis: str) -> Tensor:
+        raise ValueError(f"a one-rank mesh has no axis {axis!r} to keep a secondary copy over")
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None) -> Reduction:
         return _DistReduction(_Row(fn), layout, None)
@@ -286,6 +372,18 @@ class _Row:
 
     def __call__(self, grads: Tensor, unit: int) -> Tensor:
         return _value(self.fn(grads.unsqueeze(0), unit))[0]
+
+
+class _All:
+    """Several collectives in flight as one: `wait()` waits for each."""
+
+    def __init__(self, works: list[Work]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
 
 
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:

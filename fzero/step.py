@@ -405,7 +405,7 @@ def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, po
     compute = state.compute if state.compute is not None else state.params
     grads, outs, info = sharded_backward(
         mesh, state.layout, run.model, (compute, frozen), policy, micro.reducer(), rank_run,
-        state.plan.keep_gathered,
+        state.plan.keep_gathered, state.plan.wire,
     )  # fmt: skip
     loss, aux, buffers = (ranks.stack([o[k] for o in outs]) for k in range(3))
     return grads, loss, aux, buffers, {"reduced": True, **info}
@@ -444,7 +444,8 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
         if state.sharded_at_rest:
             compute = state.compute if state.compute is not None else state.params
             shards = (compute, frozen_shard(state.frozen, state.frozen_dtype))
-            return ranks.stack(sharded_backward(mesh, state.layout, model, shards, policy, None, rank_run)[1])
+            outs = sharded_backward(mesh, state.layout, model, shards, policy, None, rank_run, wire=state.plan.wire)[1]
+            return ranks.stack(outs)
         compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
         outs = []
         for rank in ranks.indices:

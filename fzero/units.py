@@ -59,6 +59,7 @@ from .bind import Unavailable
 from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_units
 from .layout import Layout
 from .mesh import CollectiveError, Mesh, SimMesh
+from .plan import EXACT, Wire
 from .ranks import OneRank, Ranks, Reduction, SimRanks, ranks_of
 from .storage import Offloaded, UnitReader
 
@@ -165,6 +166,7 @@ class Gatherer:
       reduction: where the units' gradients go (`Ranks.reduction`); None for forwards without gradients.
       keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
       source: where the trainable pieces are read from when the shard is on disk (`Spaces.source`).
+      wire: how freed units travel when gathered again (`fzero.plan.Wire`: qwZ, hpZ).
     """
 
     def __init__(
@@ -179,9 +181,10 @@ class Gatherer:
         reduction: Reduction | None = None,
         keep: bool = False,
         source: Callable[[int], Tensor] | None = None,
+        wire: Wire = EXACT,
     ) -> None:
         self.ranks, self.rank, self.layout, self.policy, self.reduction = ranks, rank, layout, policy, reduction
-        self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep, source)
+        self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep, source, wire)
         self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
         self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
@@ -191,6 +194,11 @@ class Gatherer:
     def peak(self) -> int:
         """The most gathered elements alive at once so far."""
         return self.spaces.peak
+
+    @property
+    def kept_peak(self) -> int:
+        """The most elements of hpZ secondary copies held at once so far."""
+        return self.spaces.kept_peak
 
     def params(self) -> dict[str, Tensor]:
         """The named tensors to bind into the model for the step: views of the units kept gathered for the whole
@@ -441,6 +449,7 @@ class UnitGathering:
       reducer: the chain's per-unit reduction (`fzero.transforms.unit_reducer`), as `reducer(grads, unit)`.
       frozen_dtype: the dtype frozen parameters are computed in.
       keep: keep gathered units to the end (stages 1-2) rather than free them after their forward (stage 3).
+      wire: how freed units travel (`fzero.plan.Wire`).
     """
 
     def __init__(
@@ -454,6 +463,7 @@ class UnitGathering:
         reducer: Callable[[Tensor, int], Tensor] | None,
         frozen_dtype: torch.dtype | None = None,
         keep: bool = False,
+        wire: Wire = EXACT,
     ) -> None:
         if mesh.stacked and mesh.world != 1:
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
@@ -463,7 +473,7 @@ class UnitGathering:
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
         self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep,
-                           self._reader)  # fmt: skip
+                           self._reader, wire)  # fmt: skip
         self._handles = self._g.install()
         self._params = self._g.params()
 
@@ -534,6 +544,7 @@ def sharded_backward(
     reducer: Callable[[Tensor, int], Tensor] | None,
     run: Callable[[dict[str, Tensor], int], Any],
     keep: bool = False,
+    wire: Wire = EXACT,
 ) -> tuple[Tensor | None, list[Any], dict[str, Any]]:
     """Every rank's forward and backward (or, without a `reducer`, forward only) with unit-at-a-time gathering and
     each unit's gradient reduced as soon as it is complete (the chain's `reducer`).
@@ -545,6 +556,7 @@ def sharded_backward(
         unit by unit, or full buffers (`FULL`: stage 0, or kept from an earlier micro-step).
       policy: prefetch, persistence, overlap of the reductions.
       keep: keep gathered units to the end (`KEEP`, stages 1-2) rather than free them after their forward.
+      wire: how freed units travel (`fzero.plan.Wire`).
       reducer: the chain's per-unit reduction, `reducer(grads, unit)` (`fzero.transforms.unit_reducer`); None to
         run forwards without gradients (evaluation).
       run: `run(params, rank) -> out`: rank `rank`'s forward and backward (of its scaled loss) with the named
@@ -554,19 +566,21 @@ def sharded_backward(
     Returns:
       This process's reduced gradients per rank (shards, or full buffers for an all-reduce; None without a
       reducer), each rank's `out`, and metrics: `gathered_peak` (the most gathered elements alive at once on a
-      rank), `gathered` (the full compute parameters per rank, where they were given whole or kept; else None)
-      and, with `policy.timings`, `unit_times`.
+      rank), `gathered` (the full compute parameters per rank, where they were given whole or kept; else None),
+      with hpZ `secondary_peak` (the most secondary-copy elements a rank held at once) and, with
+      `policy.timings`, `unit_times`.
     """
     ranks = ranks_of(mesh)
     reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
-    outs, peak, times, gathered = [], 0, None, []
+    outs, peak, kept, times, gathered = [], 0, 0, None, []
     compute, reader = on_disk(shards[0], max(1, policy.prefetch))
     shards = (compute, shards[1])
     try:
         for rank in ranks.indices:
             mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
             mine_frozen = ranks.pick(shards[1], rank)
-            g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep, reader)
+            g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep, reader,
+                         wire)  # fmt: skip
             handles = g.install()
             try:
                 outs.append(_run_rank(g, run, rank))
@@ -576,10 +590,13 @@ def sharded_backward(
                     h.remove()
                 g.close()
             peak, times = max(peak, g.peak), times if times is not None else g.times
+            kept = max(kept, g.kept_peak)
     finally:
         if reader is not None:
             reader.close()
     info: dict[str, Any] = {"gathered_peak": peak, "gathered": ranks.stack(gathered)}
+    if wire.secondary is not None:
+        info["secondary_peak"] = kept
     if reduction is not None:
         result = reduction.result()
         info["reduce_in_flight_peak"] = reduction.peak

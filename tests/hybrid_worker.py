@@ -15,6 +15,7 @@ from tests.support import lm_batches, lm_loss, tiny_gpt
 
 SHAPE = {"replicate": 2, "shard": 2}
 CASES = [(stage, micro, False) for stage in (1, 2, 3) for micro in (1, 2)] + [(2, 1, True), (3, 2, True)]
+CASES += [(3, 1, "zero++"), (3, 2, "zero++")]  # ZeRO++ at stage 3 (qwZ, qgZ, hpZ; a frozen block qwZ'd too)
 STEPS = 2
 
 
@@ -40,16 +41,21 @@ def batches(micro: int):
     return lm_batches(tiny_gpt(0), 4, micro, 2, STEPS, 5)
 
 
-def name(stage: int, micro: int, quantized: bool) -> str:
-    return f"zero{stage}-{micro}" + ("-q" if quantized else "")
+def name(stage: int, micro: int, quantized: bool | str) -> str:
+    return f"zero{stage}-{micro}" + ("-zero++" if quantized == "zero++" else "-q" if quantized else "")
 
 
-def train(mesh, stage: int, micro: int, quantized: bool, rank: int | None):
-    """Hybrid `zero{stage}` for `STEPS` steps (`quantized`: with qgZ, and qwZ below stage 3); `rank` None: a
-    SimMesh (batches with every rank's rows)."""
+def train(mesh, stage: int, micro: int, quantized: bool | str, rank: int | None):
+    """Hybrid `zero{stage}` for `STEPS` steps (`quantized`: with qgZ and qwZ; "zero++": ZeRO++'s stage 3, sharded
+    over every rank with hpZ's secondary copies over `shard`); `rank` None: a SimMesh (batches with every rank's
+    rows)."""
     model = tiny_gpt(0)
-    q = {"qgz": True, "qwz": stage < 3} if quantized else {}
-    tx = getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2), accumulate=micro, hybrid=True, **q)
+    if quantized == "zero++":
+        model.blocks[1].ln1.requires_grad_(False)
+        opts = {"qgz": True, "qwz": True, "hpz": True, "qwz_frozen": True}
+    else:
+        opts = {"hybrid": True, **({"qgz": True, "qwz": True} if quantized else {})}
+    tx = getattr(fzero, f"zero{stage}")(fzero.adamw(1e-2), accumulate=micro, **opts)
     state = fzero.init(model, tx, mesh)
     step = fzero.train_step(model, lm_loss(model), tx, mesh)
     for batch in batches(micro):

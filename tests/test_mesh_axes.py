@@ -84,7 +84,11 @@ def test_ledger_counts_per_axis_with_the_axis_size():
         "all_gather": {"calls": 1, "elements": 12, "sent": 8, "received": 8, "bytes": 48},
     }
     assert ledger.on("replicate") == {"all_reduce": {"calls": 1, "elements": 8, "sent": 4, "received": 4, "bytes": 16}}
-    assert ledger.entries["all_reduce"] == {"calls": 1, "elements": 24, "sent": 20, "received": 20}
+    # on a mesh with named axes every entry has its payload bytes, the 1-D one too
+    assert ledger.entries["all_reduce"] == {"calls": 1, "elements": 24, "sent": 20, "received": 20, "bytes": 48}
+    # from outside the shard group (the other replicate row): the replicate all-reduce's (2 - 1) / 2 of 16 bytes,
+    # twice; the 1-D all-reduce's (6 - 3) / 6 of 48, twice
+    assert ledger.crossing(mesh.shape, "shard") == 2 * 16 // 2 + 2 * 48 * 3 // 6
 
 
 def test_bad_shapes_and_axes_are_named():

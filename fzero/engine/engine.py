@@ -271,8 +271,9 @@ class Engine(ConfigAccessors, nn.Module):
             assert state.compute is not None  # (stage 3 keeps a compute shard; a chain without gather() is not handled)
             frozen = None if state.frozen is None else self._local(state.frozen)
             gathering = UnitGathering(
-                self.mesh, state.layout, module, state.compute, frozen, self._gather_policy, None, state.frozen_dtype
-            )
+                self.mesh, state.layout, module, state.compute, frozen, self._gather_policy, None,
+                state.frozen_dtype, wire=state.plan.wire,
+            )  # fmt: skip
             named = {**gathering.params(), **buffers}
         else:
             frozen = frozen_params(state, self.mesh)

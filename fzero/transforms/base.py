@@ -39,6 +39,7 @@ from torch import Tensor
 from .. import native
 from ..layout import Layout
 from ..mesh import Mesh, Work
+from ..plan import EXACT, Wire
 
 __all__ = [
     "Context",
@@ -186,12 +187,14 @@ class Does(NamedTuple):
       updates: it applies the optimizer (its state is the optimizer's: what the engine counts updates with).
       gathers: how it makes the compute parameters from the master ones: `"now"`, `"lazy"` or `"keep"` (see
         `fzero.gather`); None: it does not.
+      wire: how its lazily gathered units travel (`fzero.plan.Wire`: quantized, re-gathered from a secondary copy).
     """
 
     accumulates: int = 0
     scales_loss: bool = False
     updates: bool = False
     gathers: str | None = None
+    wire: Wire = EXACT
 
 
 class Transform(NamedTuple):

@@ -26,14 +26,17 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from ..int8 import dequantize, quantize
 from ..layout import Layout, to_rank_major, to_unit_major
-from ..mesh import Mesh, Work
+from ..mesh import Mesh, ReduceOp, Work, completed
+from ..plan import EXACT, Wire
 from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
 
@@ -109,6 +112,59 @@ class _After:
 
     def wait(self) -> Tensor:
         return self.average.after(cast(Tensor, self.work.wait()), self.world)
+
+    def progress(self) -> bool:
+        """The reduction's `progress()` (`_Chained`), if it has one; True (nothing left to start) if not."""
+        return _progress(self.work)
+
+
+def _progress(work: Work) -> bool:
+    """Advance a handle in flight without blocking (`_Chained.progress`); True if it has nothing left to start."""
+    progress = getattr(work, "progress", None)
+    return progress is None or bool(progress())
+
+
+class _Chained:
+    """Two collectives in flight one after the other as one handle (a hybrid reduction: the reduce-scatter over the
+    sharding axis, then the all-reduce of its result over the replicate axis), so that both run while the backward
+    goes on.
+
+    The second starts only once the first has completed: at `progress()` (never blocks) or at `wait()`. A backend
+    pairs the collectives of a group by the order they are issued in, so every rank must start the second
+    collectives of its handles in the same (unit) order: whoever holds several advances them oldest first and stops
+    at the first that cannot advance yet (`fzero.ranks._DistReduction`).
+
+    Args:
+      first: the first collective's handle; its `wait()` gives the second's input.
+      then: starts the second collective on that input and returns its handle, whose `wait()` gives the result.
+    """
+
+    def __init__(self, first: Work, then: Callable[[Tensor], Work]) -> None:
+        self._first: Work | None = first
+        self._then = then
+        self._second: Work | None = None
+
+    def progress(self) -> bool:
+        """Start the second collective if the first has completed (without blocking); whether it is started."""
+        if self._second is None:
+            if not completed(cast(Work, self._first)):
+                return False
+            self._start()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether both collectives have completed (`wait()` would not block)."""
+        return self._second is not None and completed(self._second)
+
+    def wait(self) -> Tensor:
+        """Wait for the first collective, start the second if `progress()` has not, and return its result."""
+        if self._second is None:
+            self._start()
+        return cast(Tensor, cast(Work, self._second).wait())
+
+    def _start(self) -> None:
+        first, self._first = cast(Work, self._first), None  # (its buffers are freed once it has given its result)
+        self._second = self._then(cast(Tensor, first.wait()))
 
 
 def _require_full(flow: Flow, what: str) -> None:
@@ -217,12 +273,22 @@ def reduce_scatter(
         grads = reduce(to_rank_major(ctx.layout, _cast(flow.gradients("reduce_scatter"), dtype)), ctx)
         return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
 
+    def start(x: Tensor, ctx: Context) -> Work:
+        """`reduce`'s collectives, started (`reduce`'s arithmetic in its order: bitwise its result); a hybrid
+        reduction's all-reduce starts once its reduce-scatter has completed (`_Chained`)."""
+        mesh, world = ctx.mesh, sharding_world(ctx.mesh, axis) * (1 if replicate is None else ctx.mesh.size(replicate))
+        op: ReduceOp = "mean" if avg.is_default else "sum"
+        x = x if avg.is_default else avg.before(x, world)
+        # (axis= only for a named axis: a 1-D mesh's `*_start` need not take it)
+        first = mesh.reduce_scatter_start(x, op) if axis is None else mesh.reduce_scatter_start(x, op, axis=axis)
+        handle: Work = first
+        if replicate is not None:
+            handle = _Chained(first, lambda shard: mesh.all_reduce_start(shard, op, axis=replicate))
+        return handle if avg.is_default else cast(Work, _averaged(handle, avg, world))
+
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
-        if ctx.overlap and axis is None:  # (a hybrid reduction's two collectives run one after the other)
-            if avg.is_default:
-                return ctx.mesh.reduce_scatter_start(_cast(grads, dtype), "mean")
-            world = ctx.mesh.world
-            return _averaged(ctx.mesh.reduce_scatter_start(avg.before(_cast(grads, dtype), world), "sum"), avg, world)
+        if ctx.overlap:  # started: the backward goes on while the collectives (both, for a hybrid one) run
+            return start(_cast(grads, dtype), ctx)
         return reduce(_cast(grads, dtype), ctx)
 
     return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)
@@ -256,12 +322,18 @@ def check_axes(mesh: Mesh, axis: str | None, replicate: str | None = None) -> No
                          f"{mesh!r} has axes {list(axes)}")  # fmt: skip
 
 
-def gather_params(mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def gather_params(
+    mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None, block: int | None = None
+) -> Tensor:
     """Full (unit-major) parameters from this rank's shard (or a full buffer, returned as is), cast to `dtype`
-    before communicating."""
+    before communicating; with `block`, every unit's piece of the shard as a quantized gather of it reads it
+    (`gather(quantize=block)`: int8 per `block` elements of each unit's piece, read back in `dtype`)."""
     params = _cast(params, dtype)
     if layout.is_full(params):
         return params
+    if block is not None:  # the values a unit-by-unit int8 gather gives (sent here as they are read back)
+        pieces = [params[..., layout.unit_shard_slice(u)] for u in range(len(layout.units))]
+        params = torch.cat([dequantize(*quantize(p, block), block, p.shape[-1]).to(p.dtype) for p in pieces], -1)
     if layout.axis is None:
         return to_unit_major(layout, mesh.all_gather(params))
     return to_unit_major(layout, mesh.all_gather(params, axis=layout.axis))
@@ -275,19 +347,43 @@ class GatherState:
       keep: keep every unit gathered from its forward to the end of its backward, and the gathered buffer through
         an accumulation window (ZeRO-1/2: FSDP's reshard-after-forward off); False: free each unit after its
         forward and gather it again for its backward (ZeRO-3).
+      secondary_size: with a `secondary` axis (hpZ), its size `S`: each rank holds `1/S` of every unit between
+        the unit's forward and its backward (`fzero.state_bytes`'s `secondary`); 1 without.
     """
 
     keep: bool = static_field(default=False)
+    secondary_size: int = static_field(default=1)
 
 
 register_torch_pytree(GatherState)
 
 
-def gather(dtype: torch.dtype | None = None, lazy: bool = False, keep: bool = False) -> Transform:
+def gather(
+    dtype: torch.dtype | None = None,
+    lazy: bool = False,
+    keep: bool = False,
+    *,
+    quantize: int | None = None,
+    quantize_frozen: int | None = None,
+    secondary: str | None = None,
+) -> Transform:
     """Compute parameters (in `dtype`, default the master dtype) from the updated master parameters: gathered now,
     or with `lazy=True` kept as this rank's shard until the next step, which gathers them one unit at a time as
     the forward reaches them (prefetching ahead: the gathers overlap the forward), freeing each after its forward
     (ZeRO-3) or, with `keep=True`, keeping them through the backward (ZeRO-1/2: `GatherState`).
+
+    ZeRO++'s two gather policies of stage 3 (lazy, not kept):
+
+    - `quantize=block` (qwZ): each unit's gather sends int8 with one fp32 scale per `block` elements of the
+      shard's piece (`fzero.transforms.quantize`): each gathered element differs from the shard's by at most
+      `max|w_b| / 254` (its block's largest magnitude), plus the rounding to `dtype` when that is narrower than
+      fp32 (`|w| 2^-8` for bf16); the shards themselves (and the master parameters) stay exact. With the layout's
+      `align` (16) no block straddles two parameters. `quantize_frozen`: the same for the frozen parameters.
+    - `secondary=axis` (hpZ): after a unit's forward gather (over the layout's ranks), each rank keeps its
+      `1/S` of the gathered unit (`S = size(axis)`, the unit split into `S` chunks over the axis's group), and
+      the unit's backward gathers it again from those within the group: nothing of it crosses the other axes.
+      The values are the forward's, so the step is bitwise the same; the cost is `Psi / S` compute elements per
+      rank from the first forward to the last backward (`fzero.state_bytes(state)["secondary"]`).
 
     Example:
         >>> import torch, fzero
@@ -306,7 +402,35 @@ def gather(dtype: torch.dtype | None = None, lazy: bool = False, keep: bool = Fa
 
     if keep and not lazy:
         raise ValueError("gather(keep=True) keeps lazily gathered units: it needs lazy=True")
+    for name, block in (("quantize", quantize), ("quantize_frozen", quantize_frozen)):
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"gather({name}=...) needs None or an int >= 1 (elements per scale), got {block!r}")
+    wire = Wire((quantize, quantize_frozen), secondary)
+    if wire != EXACT and (not lazy or keep):
+        raise ValueError("gather(quantize=, quantize_frozen=, secondary=) act on units gathered in the forward and "
+                         "again in the backward (stage 3): they need lazy=True and keep=False")  # fmt: skip
     state = GatherState(keep) if lazy else EmptyState()  # type: ignore[call-arg]  # (optree's field)
+
+    def init(flow: Flow, ctx: Context) -> tuple[Flow, Any]:
+        if secondary is None:
+            return apply(flow, ctx), state
+        return apply(flow, ctx), GatherState(keep, _secondary_size(ctx, secondary))  # type: ignore[call-arg]
+
     mode = ("keep" if keep else "lazy") if lazy else "now"
-    return Transform(lambda flow, ctx: (apply(flow, ctx), state), lambda flow, state, ctx: (apply(flow, ctx), state),
-                     "gather", does=Does(gathers=mode))  # fmt: skip
+    return Transform(init, lambda flow, state, ctx: (apply(flow, ctx), state), "gather",
+                     does=Does(gathers=mode, wire=wire))  # fmt: skip
+
+
+def _secondary_size(ctx: Context, axis: str) -> int:
+    """The size of hpZ's secondary axis, checked: a mesh axis, and the layout sharded over every rank (a layout
+    sharded over an axis already gathers within it)."""
+    axes = tuple(getattr(ctx.mesh, "axes", ()))
+    if axis not in axes:
+        raise ValueError(f"gather(secondary={axis!r}) keeps a secondary copy sharded over mesh axis {axis!r}, but "
+                         f"{ctx.mesh!r} has {'axes ' + str(list(axes)) if axes else 'no named axes'}: make it with "
+                         f"shape={{'replicate': R, '{axis}': S}}")  # fmt: skip
+    if ctx.layout.axis is not None:
+        raise ValueError(f"gather(secondary={axis!r}) (hpZ) needs parameters sharded over every rank, but the chain "
+                         f"shards them over axis {ctx.layout.axis!r} (hybrid): its gathers already stay within that "
+                         "axis; drop one of the two")  # fmt: skip
+    return ctx.mesh.size(axis)

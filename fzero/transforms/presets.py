@@ -61,17 +61,21 @@ def _preset(
     qgz: bool = False,
     qwz: bool = False,
     average: Average | None = None,
+    hpz: bool | tuple[str, str] = False,
+    qwz_frozen: bool = False,
 ) -> Transform:
     policy = get_policy(precision)
     axis, replicate = _hybrid_axes(hybrid)
+    secondary, outer = _hybrid_axes(hpz)
     if qgz and average is not None and not average.is_default:
         raise ValueError("qgz=True quantizes the gradients with its own scales and divides after the sum; it takes "
                          "no prescale or predivide (average=)")  # fmt: skip
-    if qwz and stage == 3:
-        raise ValueError("zero3(qwz=True): qwZ gathers the compute parameters at the end of the step, but stage 3 "
-                         "keeps them sharded and gathers each unit in the forward; use zero1 or zero2")  # fmt: skip
+    if secondary is not None and axis is not None:
+        raise ValueError("zero3(hybrid=..., hpz=...): hybrid sharding already gathers within the shard axis, so hpZ's "
+                         "secondary copy would hold what the shard holds; use one of the two")  # fmt: skip
+    levels = None if secondary is None or outer is None else (outer, secondary)
     rs = (
-        quantized_reduce_scatter(axis=axis, replicate=replicate)
+        quantized_reduce_scatter(axis=axis, replicate=replicate, levels=levels)
         if qgz
         else reduce_scatter(policy.reduce_dtype, axis, replicate, average)
     )
@@ -94,9 +98,24 @@ def _preset(
             offload=offload,
             compute_dtype=policy.compute_dtype,
         ),
-        quantized_gather(dtype=policy.compute_dtype)
-        if qwz
-        else gather(policy.compute_dtype, lazy=stage > 0, keep=stage in (1, 2)),
+        _gather(stage, policy, qwz, qwz_frozen, secondary),
+    )
+
+
+QWZ_BLOCK = 16  # elements per scale of stage 3's qwZ: the layout's `align`, so no block straddles two parameters
+
+
+def _gather(stage: int, policy: Policy, qwz: bool, qwz_frozen: bool, secondary: str | None) -> Transform:
+    """The preset's gather: qwZ at the end of the step (stages 1-2) or unit by unit (stage 3), hpZ at stage 3."""
+    if stage < 3:
+        return quantized_gather(dtype=policy.compute_dtype) if qwz else gather(policy.compute_dtype, lazy=stage > 0,
+                                                                               keep=stage > 0)  # fmt: skip
+    return gather(
+        policy.compute_dtype,
+        lazy=True,
+        quantize=QWZ_BLOCK if qwz else None,
+        quantize_frozen=QWZ_BLOCK if qwz_frozen else None,
+        secondary=secondary,
     )
 
 
@@ -159,9 +178,16 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
           hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
-          *, average: Average | None = None) -> Transform:  # fmt: skip
+          *, average: Average | None = None, hpz: bool | tuple[str, str] = False,
+          qwz_frozen: bool = False) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
     the backward (`fzero.GatherPolicy`).
+
+    ZeRO++ at stage 3 (docs/hybrid.md): `qwz` gathers each unit as int8 with a scale per 16 elements, in the
+    forward and the backward (`qwz_frozen`: the frozen parameters' too); `hpz=True` (or a pair `(replicate_axis,
+    shard_axis)`) keeps, after each unit's forward gather over every rank, a secondary copy sharded over the
+    `shard` axis, from which the backward gathers the unit again within that axis only (hpZ: bitwise the same
+    step); with `qgz` too, the gradients are reduced within `shard` first, then across `replicate`.
 
     Example:
         >>> import fzero
@@ -169,5 +195,6 @@ def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
         'gather'
     """
     return _preset(
-        3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz, average
-    )
+        3, optimizer, accumulate, precision, loss_scale, clip, skip_nonfinite, offload, hybrid, qgz, qwz, average,
+        hpz, qwz_frozen,
+    )  # fmt: skip

@@ -1,9 +1,9 @@
 """Quantized collectives (ZeRO++'s qgZ and qwZ) as opt-in transforms: communicate int8 with blockwise scales.
 
-Blockwise symmetric int8: a buffer's chunk is cut into blocks of `block` elements (the last one zero-padded); block
-`b` is sent as `q = round(x / s_b)` in [-127, 127] with `s_b = max|x_b| / 127` (fp32), and read back as `q * s_b`.
-Per element the error is at most `s_b / 2 = max|x_b| / 254` (rounding to the nearest integer; `x / s_b` is in
-[-127, 127], so nothing clips). A block costs `block + 4` bytes instead of `4 block`: 3.9x fewer at block 256.
+Blockwise symmetric int8 (`fzero.int8`): a buffer's chunk is cut into blocks of `block` elements (the last one
+zero-padded); block `b` is sent as `q = round(x / s_b)` in [-127, 127] with `s_b = max|x_b| / 127` (fp32), and read
+back as `q * s_b`. Per element the error is at most `s_b / 2 = max|x_b| / 254`. A block costs `block + 4` bytes
+instead of `4 block`: 3.9x fewer at block 256.
 
 - `quantized_reduce_scatter()` (qgZ): every rank quantizes the chunk of its gradient bound for each rank, an
   `all_to_all` delivers them, and each rank dequantizes its `n` chunks and averages them in fp32, in rank order.
@@ -24,33 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..int8 import dequantize, quantize
 from ..layout import to_rank_major, to_unit_major
 from ..mesh import Mesh
 from .base import Context, Does, EmptyState, Flow, Transform
 from .collective import _require_full
 
 __all__ = ["dequantize", "quantize", "quantized_gather", "quantized_reduce_scatter"]
-
-
-def quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """Blockwise int8 of `x` along its last dimension (zero-padded to a multiple of `block`).
-
-    Returns:
-      `(q, scales)`: int8 `[..., nb * block]` and fp32 `[..., nb]`, `nb = ceil(n / block)`.
-    """
-    n = x.shape[-1]
-    pad = -n % block
-    xb = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, block))
-    scales = xb.abs().amax(-1) / 127
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(xb / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q.flatten(-2), scales
-
-
-def dequantize(q: Tensor, scales: Tensor, block: int, n: int | None = None) -> Tensor:
-    """fp32 `q * scale` per block, the first `n` elements of the last dimension (default all)."""
-    x = (q.float().unflatten(-1, (-1, block)) * scales.unsqueeze(-1)).flatten(-2)
-    return x if n is None else x[..., :n]
 
 
 def _quantized_mean(mesh: Mesh, x: Tensor, block: int, axis: str | None) -> Tensor:
@@ -84,8 +64,26 @@ def _rank_mean(received: Tensor) -> Tensor:
     return total / received.shape[0] if received.shape[0] > 1 else total
 
 
+def _two_level_mean(mesh: Mesh, x: Tensor, block: int, levels: tuple[str, str]) -> Tensor:
+    """qgZ over every rank of a 2-D mesh in two exchanges, inner axis first (ZeRO++'s hierarchical all-to-all):
+    this rank's 1-D chunk (rank `i S + j`'s is chunk `i S + j`) of the mean over all `W = R S` ranks. The chunks
+    are reordered first so that the inner exchange hands rank `j` of each group the `R` chunks `i S + j` (summed
+    over the group), and the outer one hands rank `i` its own of those: only `1/S` of the buffer crosses the outer
+    axis."""
+    outer, inner = levels
+    r, s = mesh.size(outer), mesh.size(inner)
+    y = x.unflatten(-1, (r, s, -1)).transpose(-3, -2).flatten(-3)  # chunks in (j, i) order
+    for axis in (inner, outer):  # (an axis of one rank exchanges nothing: its chunk stays exact)
+        y = _quantized_mean(mesh, y, block, axis) if mesh.size(axis) > 1 else y.float()
+    return y
+
+
 def quantized_reduce_scatter(
-    block: int = 256, axis: str | None = None, replicate: str | None = None, quantize_replicate: bool = True
+    block: int = 256,
+    axis: str | None = None,
+    replicate: str | None = None,
+    quantize_replicate: bool = True,
+    levels: tuple[str, str] | None = None,
 ) -> Transform:
     """qgZ: average full gradients over ranks, keeping this rank's shard, communicating int8 with blockwise scales;
     shards the parameters at init, as `reduce_scatter` (it replaces it in a chain).
@@ -98,19 +96,39 @@ def quantized_reduce_scatter(
     a second quantized exchange and a quantized all-gather, each adding at most `M' / 254` where `M'` bounds the
     values quantized (`M' <= M (1 + 1/254)`, `M` the largest `|x|` on any rank), so the total error is at most
     `e1 + 2 M (1 + 1/254) / 254 <= 3.01 M / 254`. With `quantize_replicate=False` the replicate all-reduce is
-    fp32 and averages the groups' errors: `e1`'s bound with the max over every rank.
+    fp32 and averages the groups' errors: `e1`'s bound with the max over every rank. With `levels` (two quantized
+    exchanges, the second of the first's means, each at most `M (1 + 1/254)`): `e1 + M (1 + 1/254) / 254`, `e1`
+    over the inner group.
 
     Args:
       block: elements per scale.
       axis, replicate: as for `reduce_scatter` (hybrid sharding).
       quantize_replicate: communicate the replicate all-reduce in int8 too (default), else fp32.
+      levels: `(outer, inner)` axes of a 2-D mesh, for parameters sharded over every rank (`axis=None`): reduce in
+        two exchanges, within `inner` first, so that only `1/size(inner)` of the gradient crosses `outer` (ZeRO++'s
+        hierarchical qgZ, used with hpZ: `fzero.zero3(..., qgz=True, hpz=True)`).
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"quantized_reduce_scatter(block=...) needs an int >= 1, got {block!r}")
+    if levels is not None and (axis is not None or replicate is not None):
+        raise ValueError(f"quantized_reduce_scatter(levels={levels!r}) reduces over every rank in two steps: it takes "
+                         "no axis or replicate")  # fmt: skip
     base = _reduce_scatter(axis, replicate)
 
+    def init(flow: Flow, ctx: Context) -> tuple[Flow, EmptyState]:
+        axes = tuple(getattr(ctx.mesh, "axes", ()))
+        if levels is not None and axes != tuple(levels):
+            raise ValueError(f"quantized_reduce_scatter(levels={levels!r}) needs a mesh whose axes are exactly "
+                             f"{list(levels)} (outer first), got {ctx.mesh!r}")  # fmt: skip
+        return base.init(flow, ctx)
+
     def reduce(x: Tensor, ctx: Context) -> Tensor:
-        out = x.float() if ctx.layout.world == 1 else _quantized_mean(ctx.mesh, x, block, axis)
+        if ctx.layout.world == 1:
+            out = x.float()
+        elif levels is not None:
+            out = _two_level_mean(ctx.mesh, x, block, levels)
+        else:
+            out = _quantized_mean(ctx.mesh, x, block, axis)
         if replicate is not None and ctx.mesh.size(replicate) > 1:
             if quantize_replicate:
                 out = _quantized_all_reduce(ctx.mesh, out, block, replicate)
@@ -126,7 +144,7 @@ def quantized_reduce_scatter(
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
         return reduce(grads, ctx)
 
-    return Transform(base.init, update, "quantized_reduce_scatter", unit, reduces=True, axis=axis)
+    return Transform(init, update, "quantized_reduce_scatter", unit, reduces=True, axis=axis)
 
 
 def _reduce_scatter(axis: str | None, replicate: str | None) -> Transform:
