@@ -3,6 +3,8 @@
     fzero train --nproc 2 --stage 3 --steps 50                  # launches torchrun itself (gloo on CPU)
     fzero train --config ds_config.json --precision bf16        # a DeepSpeed JSON config; flags override it
     fzero train --tensorboard runs/tb --wandb                   # DeepSpeed's monitors (pip install "fzero[monitor]")
+    fzero train --nproc 4 --hpz 2 --qwz --qgz                   # ZeRO++ (stage 3): hpZ groups of 2, int8 comms
+    fzero train --nproc 4 --hybrid 2                            # MiCS (stage 3): shard within groups of 2 ranks
 
 Without `--config` the run's DeepSpeed config is built from the flags; with it, the file is the base and only the
 flags given explicitly override it. Each rank draws its own batches (seeded by rank). Rank 0 shows a progress bar,
@@ -92,6 +94,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--timeout", type=_positive_float, metavar="SECONDS",
       help=f"a collective waiting longer for another rank fails (default {d['timeout']:g}; config key "
            "comms_config.timeout)")  # fmt: skip
+    a("--hybrid", type=_int(1), metavar="S",
+      help="MiCS (stage 3): shard the model states within groups of S consecutive ranks, replicated across the "
+      "groups; S divides the ranks (config key zero_optimization.mics_shard_size)")  # fmt: skip
+    a("--hpz", type=_int(1), metavar="N",
+      help="ZeRO++ hpZ (stage 3): the backward gathers the parameters within groups of N consecutive ranks, from a "
+      "secondary copy kept after the forward; min(N, ranks) divides the ranks (zero_hpz_partition_size)")  # fmt: skip
+    a("--qwz", action="store_true", default=None,
+      help="ZeRO++ qwZ (stage 3): gather the parameters in int8, lossy (zero_quantized_weights)")  # fmt: skip
+    a("--qgz", action="store_true", default=None,
+      help="ZeRO++ qgZ (stage 3): reduce the gradients in int8, lossy (zero_quantized_gradients)")  # fmt: skip
     a("--no-progress", action="store_true", help="no progress bar")
     a("--tensorboard", metavar="DIR",
       help="TensorBoard events in DIR/<job_name> (config block tensorboard; needs fzero[monitor])")  # fmt: skip
@@ -120,6 +132,49 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     seq_len, corpus = _opt(args, "seq_len"), corpus_tokens().numel()
     if seq_len + 1 >= corpus:
         parser.error(f"--seq-len {seq_len} does not fit the bundled corpus ({corpus} bytes)")
+    _check_zeropp(args, parser)
+
+
+_ZEROPP_FLAGS = {"hybrid": "--hybrid", "hpz": "--hpz", "qwz": "--qwz", "qgz": "--qgz"}
+
+
+def _check_zeropp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`--hybrid`, `--hpz`, `--qwz`, `--qgz`: stage 3 only, MiCS without the others, group sizes that divide the
+    ranks (DeepSpeed's rules, which would otherwise ignore the flags or fail later)."""
+    given = [flag for name, flag in _ZEROPP_FLAGS.items() if _given(args, name)]
+    if not given:
+        return
+    stage, where = _stage(args)
+    if stage is not None and stage != 3:
+        parser.error(f"{given[0]} needs ZeRO stage 3, got stage {stage}{where}: DeepSpeed applies ZeRO++ and MiCS "
+                     "at stage 3 only")  # fmt: skip
+    if _given(args, "hybrid"):
+        others = [flag for flag in given if flag != "--hybrid"]
+        if others:
+            parser.error(f"--hybrid (MiCS) does not combine with {others[0]}: DeepSpeed's MiCS neither keeps hpZ's "
+                         "secondary copy nor quantizes")  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", 0)) or _opt(args, "nproc")
+    for name, size in (("hybrid", args.hybrid), ("hpz", None if args.hpz is None else min(args.hpz, world))):
+        if size is not None and world % size:
+            parser.error(f"{_ZEROPP_FLAGS[name]} {getattr(args, name)} does not divide the {world} rank(s): its "
+                         "groups are consecutive ranks (set --nproc to a multiple)")  # fmt: skip
+
+
+def _stage(args: argparse.Namespace) -> tuple[int | None, str]:
+    """The run's ZeRO stage and where it comes from: `--stage`, else `--config`'s file (None if it cannot tell: the
+    file's own errors are reported when it is read), else the default."""
+    if _given(args, "stage"):
+        return args.stage, ""
+    if args.config is None:
+        return DEFAULTS["stage"], " (the default)"
+    try:
+        zero = json.loads(Path(args.config).read_text()).get("zero_optimization", {})
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+    stage = {"stage": 1 if zero else 0} if isinstance(zero, bool) else zero
+    if not isinstance(stage, dict) or not isinstance(stage.get("stage", 0), int):
+        return None, ""
+    return stage.get("stage", 0), f" from --config {args.config}"
 
 
 def _given(args: argparse.Namespace, name: str) -> bool:
@@ -167,6 +222,11 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
             block["device"] = getattr(args, flag)
             if args.nvme_path is not None:
                 block["nvme_path"] = args.nvme_path
+    zeropp = {"hybrid": "mics_shard_size", "hpz": "zero_hpz_partition_size", "qwz": "zero_quantized_weights",
+              "qgz": "zero_quantized_gradients"}  # fmt: skip
+    for flag, key in zeropp.items():
+        if _given(args, flag):
+            section("zero_optimization")[key] = getattr(args, flag)
     if want("precision"):
         precision = _opt(args, "precision")
         for key in ("fp16", "bf16", "bfloat16"):
@@ -209,7 +269,7 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
     argv = []
     for action_name in ("stage", "precision", "steps", "config", "batch", "accumulate", "lr", "warmup", "layers",
                         "d_model", "heads", "seq_len", "seed", "threads", "out", "print_every", "timeout",
-                        "tensorboard"):  # fmt: skip
+                        "tensorboard", "hybrid", "hpz"):  # fmt: skip
         value = getattr(args, action_name, None)
         if value is not None:
             argv += [f"--{action_name.replace('_', '-')}", str(value)]
@@ -218,8 +278,9 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
     for flag in ("offload_optimizer", "offload_param", "nvme_path"):
         if getattr(args, flag, None) is not None:
             argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    if getattr(args, "wandb", None):
-        argv.append("--wandb")
+    for flag in ("wandb", "qwz", "qgz"):
+        if getattr(args, flag, None):
+            argv.append(f"--{flag}")
     if args.no_progress:
         argv.append("--no-progress")
     return argv
@@ -257,6 +318,20 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary is not None else 1
 
 
+def _zeropp_text(cfg: Any) -> str:
+    """What the config's ZeRO++ and MiCS keys do in this run, for the summary line: `", MiCS shard groups of 2"`,
+    `", hpZ groups of 2, qwZ, qgZ"`, ... (`""`: nothing)."""
+    from ..config.build import zero_mesh_shape, zeropp_arguments
+
+    on, shape = zeropp_arguments(cfg), zero_mesh_shape(cfg)
+    parts = [f"{'MiCS shard' if on.get('hybrid') else 'hpZ'} groups of {shape['shard']}"] if shape else []
+    if on.get("qwz") or on.get("qwz_frozen"):
+        parts.append("qwZ" if on.get("qwz") else "qwZ of frozen weights")
+    if on.get("qgz"):
+        parts.append("qgZ")
+    return "".join(f", {p}" for p in parts)
+
+
 def _timeout(mesh: Any) -> str:
     seconds = getattr(mesh, "timeout", None)
     return f" (collective timeout {seconds:g} s)" if seconds is not None else ""
@@ -288,6 +363,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if c.precision == "fp16" and engine.device.type == "cpu":
         say("note: fp16 matrix multiplications are very slow on CPUs without native fp16; bf16 is the fast choice")
     offload = f", optimizer offload to {c['zero_optimization']['offload_optimizer']['device']}" if c.offload else ""
+    offload += _zeropp_text(c)
     say(
         f"fzero train: GPT {engine.state.layout.real_numel / 1e6:.2f}M params, ZeRO-{c.stage}, {c.precision}"
         f"{offload}, {engine.world_size} rank(s) over {engine.mesh!r}"

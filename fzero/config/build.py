@@ -22,6 +22,11 @@ loss scale, and the ZeRO preset chain.
 | `gradient_clipping` | `clip` |
 | `zero_optimization.offload_optimizer.device: cpu` | `shard_update(..., offload="cpu")` with the CPU Adam |
 | `zero_optimization.offload_optimizer.device: nvme` | `offload=Offload("nvme", path=...)`, CPU Adam |
+| stage 3, `zero_hpz_partition_size: N` > 1 (ZeRO++ hpZ) | `zero3(hpz=True)` on a `(W / N, N)` mesh |
+| stage 3, `zero_quantized_weights` | `zero3(qwz=True, qwz_frozen=True)` (every gather int8) |
+| stage 3, `zero_quantized_nontrainable_weights` | `zero3(qwz_frozen=True)` (frozen parameters' gathers) |
+| stage 3, `zero_quantized_gradients` (ZeRO++ qgZ) | `zero3(qgz=True)` |
+| stage 3, `mics_shard_size: S` > 0 (MiCS) | `zero3(hybrid=True)` on a `(W / S, S)` mesh; S == W: the 1-D preset |
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ __all__ = [
     "optimizer_kind",
     "optimizer_spec",
     "scheduled",
+    "zero_mesh_shape",
+    "zeropp_arguments",
 ]
 
 _DTYPES = {
@@ -395,13 +402,92 @@ def build_loss_scale(cfg: Config) -> Any:
     )
 
 
+def zero_mesh_shape(cfg: Config) -> dict[str, int] | None:
+    """The mesh the config's hpZ or MiCS asks for on `cfg.world` ranks: `{"replicate": W // n, "shard": n}` (the
+    `shard` axis innermost: groups of `n` consecutive ranks, as DeepSpeed's), or None for the 1-D mesh.
+
+    At stage 3 only (DeepSpeed ignores both keys below it). `mics_shard_size: S` > 0: `n = S`, which must divide
+    W (0.19.6 `runtime/zero/mics_utils.py` `_generate_mics_config`); `S == W` is the 1-D mesh (one shard group:
+    DeepSpeed's replicate all-reduce is over one rank and skipped); `S < W` takes no optimizer offload (0.19.6
+    `runtime/zero/mics.py` `allreduce_mics_shard_grads` raises for gradient shards off the accelerator).
+    `zero_hpz_partition_size: N` > 1: `n = min(N, W)`, which must divide W (0.19.8 `utils/groups.py`
+    `_create_zero_param_parallel_group`); `n == W` is the 1-D mesh (the secondary copy is then the primary shard:
+    plain stage 3), as is any N at world 1.
+
+    Args:
+      cfg: the validated config; `cfg.world` is the data-parallel world size.
+
+    Returns:
+      The mesh shape, or None.
+
+    Raises:
+      ConfigError: the group size does not divide the world size, naming the key.
+    """
+    zero, world = cfg["zero_optimization"], cfg.world
+    if cfg.stage != 3:
+        return None
+    if zero["mics_shard_size"] > 0:
+        n = zero["mics_shard_size"]
+        if world % n:
+            raise ConfigError("zero_optimization.mics_shard_size",
+                              f"{n} does not divide the world size {world}: MiCS shards over groups of {n} "
+                              "consecutive ranks (DeepSpeed's rule)")  # fmt: skip
+        if n < world and zero["offload_optimizer"]["device"] != "none":
+            raise ConfigError("zero_optimization.mics_shard_size",
+                              f"{n} < the world size {world} with offload_optimizer: DeepSpeed's MiCS all-reduces "
+                              "the gradient shards across its groups on the accelerator only (\"Local sharding has "
+                              "no support for CPU offloading\")")  # fmt: skip
+    elif zero["zero_hpz_partition_size"] > 1:
+        n = min(zero["zero_hpz_partition_size"], world)
+        if world % n:
+            raise ConfigError("zero_optimization.zero_hpz_partition_size",
+                              f"{n} does not divide the world size {world}: hpZ's secondary partition is over "
+                              f"groups of {n} consecutive ranks (DeepSpeed's rule)")  # fmt: skip
+    else:
+        return None
+    return None if n == world else {"replicate": world // n, "shard": n}
+
+
+def zeropp_arguments(cfg: Config) -> dict[str, Any]:
+    """The `fzero.zero3` keywords of the config's ZeRO++ and MiCS keys, only those that are on (`{}` below stage 3,
+    where DeepSpeed ignores them): `hpz=True` or `hybrid=True` where `zero_mesh_shape` is 2-D (the transform must
+    then run on a mesh of that shape), `qwz` and `qwz_frozen` for `zero_quantized_weights` (DeepSpeed's qwZ
+    quantizes the gathers of frozen parameters too), `qwz_frozen` for `zero_quantized_nontrainable_weights`, `qgz`
+    for `zero_quantized_gradients` (none with MiCS: DeepSpeed's MiCS optimizer quantizes nothing).
+    `mics_hierarchical_params_gather` changes only how DeepSpeed schedules MiCS's all-gather (inter-node, then
+    intra-node), not the gathered values: it has no counterpart.
+
+    Raises:
+      ConfigError: as `zero_mesh_shape`.
+    """
+    if cfg.stage != 3:
+        return {}
+    zero = cfg["zero_optimization"]
+    mics = zero["mics_shard_size"] > 0
+    out: dict[str, Any] = {}
+    if zero_mesh_shape(cfg) is not None:
+        out["hybrid" if mics else "hpz"] = True
+    if not mics:
+        # DeepSpeed's qwZ quantizes every gather (0.19.8 `partitioned_param_coordinator.py` `__all_gather_params`:
+        # all parameters not stored int8, frozen ones included); `zero_quantized_nontrainable_weights` the frozen ones
+        if zero["zero_quantized_weights"]:
+            out.update(qwz=True, qwz_frozen=True)
+        if zero["zero_quantized_nontrainable_weights"]:
+            out["qwz_frozen"] = True
+        if zero["zero_quantized_gradients"]:
+            out["qgz"] = True
+    return out
+
+
 def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
     """The ZeRO preset chain the config describes, around `optimizer`.
 
     Without optimizer offload this is exactly `fzero.zero{stage}(optimizer, accumulate=gas, precision=...,
     loss_scale=..., clip=..., skip_nonfinite=...)`, so the engine and a functional `train_step` built from the same
     preset compute the same values. `offload_optimizer.device: cpu` is the preset's `offload="cpu"`, `nvme` its
-    `offload=fzero.Offload("nvme", path=nvme_path, ...)`.
+    `offload=fzero.Offload("nvme", path=nvme_path, ...)`. At stage 3 the ZeRO++ and MiCS keys add
+    `zeropp_arguments(cfg)`; where `zero_mesh_shape(cfg)` is 2-D the chain must run on a mesh of that shape
+    (`fzero.initialize` builds it).
     """
     policy = build_policy(cfg)
     if cfg["bf16"]["bf16_master_weights_and_grads"]:  # float32 arithmetic, bf16 storage (DeepSpeed's CPU Adam's)
@@ -420,4 +506,5 @@ def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
         clip=clip,
         skip_nonfinite=skip,
         offload=cfg.offload_policy,
+        **zeropp_arguments(cfg),
     )

@@ -8,9 +8,10 @@
         engine.step()
 
 The mesh: under `torchrun` (or with a process group already initialised) a `DistMesh` over the world group, created
-from the environment if needed; in a plain single process a one-rank `SimMesh`: no process group, no port, no
-global `torch.distributed` state left behind, and at world 1 every collective is the identity, so the arithmetic is
-that of a `DistMesh` of one.
+from the environment if needed (of shape `{"replicate": W // n, "shard": n}` where the config's ZeRO++ hpZ or MiCS
+asks for groups of `n` ranks: `config_mesh`); in a plain single process a one-rank `SimMesh`: no process group, no
+port, no global `torch.distributed` state left behind, and at world 1 every collective is the identity, so the
+arithmetic is that of a `DistMesh` of one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..config.build import (
     group_keys,
     optimizer_kind,
     optimizer_spec,
+    zero_mesh_shape,
 )
 from ..config.build import scheduled as with_schedule
 from ..mesh import DistMesh, Mesh, SimMesh
@@ -86,6 +88,37 @@ def default_mesh() -> Mesh:
     if dist.is_available() and (dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)):
         return DistMesh()
     return SimMesh(1)
+
+
+def config_mesh(cfg: Config, mesh: Mesh, given: bool) -> Mesh:
+    """The mesh the config trains on: `mesh`, or, where ZeRO++ hpZ or MiCS asks for a 2-D mesh
+    (`fzero.config.build.zero_mesh_shape`), a `DistMesh` of that shape over `mesh`'s group (its sub-groups made
+    with `new_group`, on every rank alike).
+
+    Args:
+      cfg: the validated config, for `mesh.world` ranks.
+      mesh: the default mesh, or the caller's.
+      given: whether the caller passed `mesh` (`initialize(mesh=...)`): it is used as it is, and must then have the
+        shape the config asks for.
+
+    Raises:
+      ConfigError: a given mesh's shape is not the config's, naming the key and both shapes.
+    """
+    shape = zero_mesh_shape(cfg)
+    if shape is None:
+        return mesh
+    zero = cfg["zero_optimization"]
+    key = "mics_shard_size" if zero["mics_shard_size"] > 0 else "zero_hpz_partition_size"
+    have = dict(getattr(mesh, "shape", None) or {})
+    if given or mesh.stacked:
+        if list(have.items()) != list(shape.items()):
+            raise ConfigError(
+                f"zero_optimization.{key}",
+                f"{zero[key]} asks for a mesh of shape {shape} on {mesh.world} ranks, but the mesh given has shape "
+                f"{have or '1-D'}: {mesh!r}",
+            )
+        return mesh
+    return DistMesh(cast(DistMesh, mesh).group, shape=shape)
 
 
 def _device() -> torch.device:
@@ -262,7 +295,9 @@ def initialize(
       config: the DeepSpeed config: a dict or the path of a JSON file. Its `comms_config.timeout` (seconds), if
         given, is set on a `DistMesh`'s group.
       config_params: DeepSpeed's older name for `config`.
-      mesh: fzero only: the mesh to train on (default: see the module docstring).
+      mesh: fzero only: the mesh to train on (default: see the module docstring). With the config's
+        `zero_hpz_partition_size` or `mics_shard_size` at stage 3 it must have the shape they ask for (`{"replicate":
+        W // n, "shard": n}`); by default `initialize` builds that `DistMesh`.
       printer: fzero only: where the engine's console lines go (rank 0).
 
     Returns:
@@ -278,8 +313,10 @@ def initialize(
         raise NotImplementedError("model parallelism (mpu / mesh_param) is not supported by fzero: pass None")
     source = _config_source(args, config, config_params)
     device = _device()
+    given = mesh is not None
     mesh = mesh if mesh is not None else default_mesh()
     cfg = parse_config(source, world=mesh.world)
+    mesh = config_mesh(cfg, mesh, given)  # ZeRO++ hpZ and MiCS shard over groups of ranks: a 2-D mesh
     timeout = cfg["comms_config"]["timeout"]
     if timeout is not None:
         mesh.set_timeout(timeout)
