@@ -22,8 +22,10 @@ owned slice, twice the traffic.) Every preset takes:
   shards over `"replicate"`: FSDP's HSDP, on `SimMesh(shape={"replicate": R, "shard": S})` or a `DistMesh` of
   that shape), or a pair `(replicate_axis, shard_axis)` of other names; see docs/hybrid.md;
 - `qgz`: reduce gradients with `quantized_reduce_scatter` (ZeRO++'s qgZ: int8 with blockwise scales; lossy, its
-  error bound in its docstring); `qwz` (stages 1-2): gather the compute parameters with `quantized_gather`
-  (qwZ), at the end of each step instead of lazily, unit by unit, in the next forward;
+  error bound in its docstring); `qwz`: gather the compute parameters int8 (qwZ): at stages 1-2 with
+  `quantized_gather`, at the end of each step instead of lazily, unit by unit, in the next forward; at stage 3
+  each unit's gather, forward and backward (`gather(quantize=16)`); stage 3 also takes `qwz_frozen` (the frozen
+  parameters' gathers) and `hpz` (hpZ's secondary copies; see `zero3`);
 - `average`: where the gradients' mean divides by the world size (`fzero.Average`: after the sum by default,
   DeepSpeed's `prescale_gradients` and `gradient_predivide_factor` otherwise);
 - `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
