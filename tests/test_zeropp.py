@@ -175,3 +175,24 @@ def test_errors():
         fzero.init(tiny_gpt(0), fzero.zero3(fzero.adamw(), qgz=True, hpz=True), fzero.SimMesh(4))
     with pytest.raises(ValueError, match="takes no axis or replicate"):
         fzero.quantized_reduce_scatter(axis="shard", levels=("replicate", "shard"))
+
+
+def test_qwz_reads_the_same_weights_in_every_path():
+    """Every way a stage-3 state's compute parameters are read quantizes them alike: the per-unit gathers of the
+    step, the whole-buffer gather of `autodiff="func"`, and evaluation (`eval_step`)."""
+    mesh = fzero.SimMesh(shape={"replicate": 2, "shard": 2})
+    tx = fzero.zero3(fzero.adamw(1e-2), qwz=True, hpz=True)
+    by_path = {}
+    for autodiff in ("autograd", "func"):
+        model = tiny_gpt(0)
+        state = fzero.init(model, tx, mesh)
+        step = fzero.train_step(model, lm_loss(model), tx, mesh, autodiff=autodiff)
+        for batch in lm_batches(model, mesh.world, 1, 2, 2, 1):
+            state, _ = step(state, batch)
+        by_path[autodiff] = fzero.state_dict(state)
+        loss = fzero.eval_step(model, lm_loss(model), mesh)(state, batch)
+        mean = loss[0]
+        for r in range(1, mesh.world):  # the step's loss: the ranks' mean, summed in rank order
+            mean = mean + loss[r]
+        assert torch.equal(mean / mesh.world, step(state, batch)[1]["loss"])
+    assert not differing(by_path["func"], by_path["autograd"])
