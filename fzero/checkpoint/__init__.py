@@ -70,12 +70,12 @@ def _memory(state: Any) -> MemorySource:
 def reshard(state: Any, like: Any, *, strict: bool = True) -> Any:
     """`state` (a `SimMesh` state, or world 1) moved into `like`'s structure, world size and stage, in memory:
     what `load(save(state), like)` gives, without the files."""
+    if not getattr(like, "simulated", True) and like.layout.world > 1:
+        raise ValueError("reshard targets a SimMesh state or world 1; use save and load for a DistMesh")
     if hybrid_mesh(like) is not None:
         return expand_hybrid(reshard(state, shard_group(like), strict=strict), like)
     flat = flatten_state(like)
     ranks = list(range(flat.world)) if flat.simulated else [0]
-    if not flat.simulated and flat.world > 1:
-        raise ValueError("reshard targets a SimMesh state or world 1; use save and load for a DistMesh")
     return optree.tree_unflatten(flat.treespec, build_leaves(_memory(state), flat, ranks, strict=strict))
 
 

@@ -17,10 +17,10 @@ from torch import Tensor
 from ..storage import Offloaded, Store
 from . import rng
 from .coord import Coordinator
-from .hybrid import expand_hybrid, hybrid_mesh, shard_group
+from .hybrid import GroupCoordinator, expand_hybrid, hybrid_mesh, shard_group
 from .reader import Checkpoint
 from .reshard import build_leaves, check_compatible
-from .tree import flatten_state
+from .tree import FlatState, flatten_state
 
 __all__ = ["load"]
 
@@ -79,7 +79,8 @@ def load(
         checkpoint directory itself.
       like: a `TrainState` of the target run, e.g. `fzero.init(model, tx, mesh)`: it gives the structure, the
         static configuration and the layout; the values come from the files.
-      mesh: the target's `DistMesh` (every rank calls `load`); not needed on a `SimMesh`.
+      mesh: the target's `DistMesh` (every rank calls `load`); not needed on a `SimMesh`. For a hybrid state
+        (`DistMesh(shape=...)`) every replica loads its shard rank's part (`fzero.checkpoint.hybrid`).
       tag: which checkpoint of the root.
       restore_rng: set this process's random generators (torch, CUDA, Python, NumPy) to the saved ones: on a
         `DistMesh`, rank `r` gets those of saved process `r % processes`.
@@ -97,15 +98,36 @@ def load(
     Raises:
       CheckpointNotFoundError, CorruptCheckpointError, CheckpointVersionError, IncompatibleCheckpointError.
     """
-    if hybrid_mesh(like) is not None:  # load into its first shard group, then copy that to every replica
+    hybrid = hybrid_mesh(like, mesh)
+    if hybrid is not None and getattr(like, "simulated", False):
+        # load into its first shard group, then copy that to every replica
         state, extra = load(directory, shard_group(like), tag=tag, mesh=mesh, strict=strict, select=select,
                             verify=verify, restore_rng=restore_rng)  # fmt: skip
         state = expand_hybrid(state, like)
         to_disk = _ToDisk(optree.tree_leaves(like, namespace="fzero"))  # (the shard group was loaded in memory)
         leaves = to_disk.handles([to_disk(i, x) for i, x in enumerate(optree.tree_leaves(state, namespace="fzero"))])
         return optree.tree_unflatten(optree.tree_structure(like, namespace="fzero"), leaves), extra
+    if hybrid is not None:  # a DistMesh rank: its part of its shard group's world-S state, on every replica
+        flat = flatten_state(shard_group(like, mesh, check=False))
+        group = GroupCoordinator(mesh, flat.world, flat.device, saving=False)
+        state, extra = _load(directory, flat, group, tag, restore_rng, strict, select, verify)
+        return expand_hybrid(state, like), extra
     flat = flatten_state(like)
     coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
+    return _load(directory, flat, coord, tag, restore_rng, strict, select, verify)
+
+
+def _load(
+    directory: str | os.PathLike[str],
+    flat: FlatState,
+    coord: Coordinator | GroupCoordinator,
+    tag: str | None,
+    restore_rng: bool,
+    strict: bool,
+    select: Callable[[str], bool] | None,
+    verify: bool,
+) -> tuple[Any, dict[str, Any]]:
+    """`load` into the 1-D state `flat` (see there), for the ranks `coord` holds."""
     ckpt = None
     error: BaseException | None = None
     try:

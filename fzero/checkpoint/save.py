@@ -24,7 +24,7 @@ from . import rng
 from .atomic import check_tag, commit, fsync_dir, prepare, temp_dir
 from .coord import Coordinator
 from .errors import CheckpointError
-from .hybrid import hybrid_mesh, shard_group
+from .hybrid import GroupCoordinator, hybrid_mesh, shard_group
 from .manifest import VERSION, FileInfo, Manifest, StoredEntry, file_name, write_manifest
 from .safetensors_io import TensorSpec, write_safetensors
 from .sources import MemorySource, decide_storage
@@ -100,7 +100,9 @@ def save(
     Args:
       state: a `TrainState` (all ranks of a `SimMesh`, or this rank's of a `DistMesh`).
       directory: the root that holds tagged checkpoints and the ``latest`` pointer (created if needed).
-      mesh: the `DistMesh` of a distributed state (every rank must call `save`); not needed on a `SimMesh`.
+      mesh: the `DistMesh` of a distributed state (every rank must call `save`); not needed on a `SimMesh`. A hybrid
+        state (`DistMesh(shape=...)`) is saved as its first shard group's world-S state: replica 0's ranks write,
+        every rank takes part (`fzero.checkpoint.hybrid`).
       tag: the checkpoint's name; default ``step{N}`` with `N` the state's micro-step count.
       data_position: where the data loader stands (e.g. samples consumed), returned by `load`.
       user_state: anything JSON-serialisable to keep with the checkpoint (DeepSpeed's `client_state`).
@@ -114,11 +116,18 @@ def save(
 
     Raises:
       CheckpointError: the tag exists (without `overwrite`), or a rank failed to write; nothing becomes visible.
+      ValueError: a hybrid state whose replicas differ (a local accumulator mid-window): it names the leaf.
     """
-    hybrid = hybrid_mesh(state)
-    state = shard_group(state)  # a hybrid state: its first shard group's world-S state (fzero.checkpoint.hybrid)
+    hybrid = hybrid_mesh(state, mesh)
+    # a hybrid state: its first shard group's world-S state; on a DistMesh every rank takes part, replica 0's ranks
+    # write (fzero.checkpoint.hybrid)
+    state = shard_group(state, mesh)
     flat = flatten_state(state)
-    coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
+    coord: Coordinator | GroupCoordinator
+    if hybrid is not None and not flat.simulated:
+        coord = GroupCoordinator(mesh, flat.world, flat.device, saving=True)
+    else:
+        coord = Coordinator(mesh, distributed=not flat.simulated, world=flat.world, device=flat.device)
     if data_position is not None and (isinstance(data_position, bool) or not isinstance(data_position, int)):
         raise TypeError(f"save: data_position must be an int, got {data_position!r}")
     user_state, config = _json(user_state, "user_state"), _json(config, "config")
@@ -128,7 +137,8 @@ def save(
 
     gather = (lambda mine: coord.all_gather(mine)) if coord.distributed else None
     storage = decide_storage(flat, gather)
-    source = MemorySource(flat, storage, rank=coord.rank if coord.distributed else None)
+    # (this process's checkpoint rank; a replica that writes nothing reads nothing)
+    source = MemorySource(flat, storage, rank=(coord.ranks or [0])[0] if coord.distributed else None)
     tmp = temp_dir(root, tag)
 
     error: BaseException | None = None
@@ -178,9 +188,14 @@ def save(
     return final
 
 
-def _write_files(tmp: Path, source: MemorySource, coord: Coordinator, tag: str, fsync: bool) -> list[FileInfo]:
+def _write_files(
+    tmp: Path, source: MemorySource, coord: Coordinator | GroupCoordinator, tag: str, fsync: bool
+) -> list[FileInfo]:
     """This process's shard files, one thread per file (hashing and writing release the GIL, so a `SimMesh`'s
-    files are written side by side); the first of them also holds the process's generators."""
+    files are written side by side); the first of them also holds the process's generators. None for a replica
+    of a hybrid `DistMesh` state beyond the first."""
+    if not coord.ranks:
+        return []
     meta = {"fzero.tag": tag, "fzero.format_version": str(VERSION)}
     world, first = source.layout.world, coord.ranks[0]
     with ThreadPoolExecutor(min(len(coord.ranks), os.cpu_count() or 1)) as pool:
@@ -193,7 +208,7 @@ def _manifest(
     flat: FlatState,
     storage: dict[str, str],
     infos: list[FileInfo],
-    coord: Coordinator,
+    coord: Coordinator | GroupCoordinator,
     tag: str,
     step: int,
     data_position: int | None,
