@@ -207,7 +207,8 @@ def test_the_mapping_is_not_vacuous():
 def test_engine_on_4_processes_equals_zero3_on_the_2x2_sim_mesh(tmp_path):
     """The ZeRO++ tutorial config (hpZ 2, qwZ, qgZ) and a MiCS config (shard size 2) through `fzero.initialize`,
     `engine.backward`, `engine.step` on 4 gloo processes give bitwise the parameters of `fzero.zero3(...,
-    hpz=True, qwz=True, qgz=True)` and `zero3(..., hybrid=True)` on `SimMesh(shape={"replicate": 2, "shard": 2})`."""
+    hpz=True, qwz=True, qgz=True)` and `zero3(..., hybrid=True)` on `SimMesh(shape={"replicate": 2, "shard": 2})`;
+    an engine checkpoint saved half-way and loaded into a fresh engine resumes bitwise."""
     spawn(zeropp_worker.run, (zeropp_worker.WORLD, str(tmp_path)), zeropp_worker.WORLD)
     results = json.loads((tmp_path / "results.json").read_text())
     mesh = "DistMesh(shape={'replicate': 2, 'shard': 2}, world=4, rank=0, backend=gloo)"
@@ -215,6 +216,7 @@ def test_engine_on_4_processes_equals_zero3_on_the_2x2_sim_mesh(tmp_path):
         assert r["mesh"] == mesh, name
         assert r["keys_match"] and r["differ"] == {}, (name, r["differ"])
         assert r["same_on_all_ranks"] and r["global_steps"] == zeropp_worker.STEPS, name
+        assert r["resumed_bitwise"], name  # engine.save_checkpoint / load_checkpoint half-way, on the 2-D mesh
     # hpZ keeps the layout over every rank; MiCS shards over the 2 ranks of the shard axis
     assert (results["zeropp"]["layout_world"], results["mics"]["layout_world"]) == (4, 2)
 

@@ -66,17 +66,30 @@ def core(preset: dict) -> dict[str, torch.Tensor]:
     return fzero.state_dict(state, mesh)
 
 
-def engine_run(zero: dict, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """The DeepSpeed loop on this rank through `fzero.initialize` (the mesh its default); its consolidated
-    parameters and what it built."""
-    model = tiny_gpt(0)
-    engine, *_ = fzero.initialize(model=model, config=config(zero))
-    for batch in batches():
+def train_on(engine, rank: int, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    for batch in micro_batches:
         engine.backward(criterion(engine(batch["x"][rank]), batch["y"][rank]))
         engine.step()
+
+
+def engine_run(zero: dict, rank: int, out_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DeepSpeed loop on this rank through `fzero.initialize` (the mesh its default); its consolidated
+    parameters and what it built. Half-way, a checkpoint is saved and loaded into a fresh engine, which trains on
+    beside the first: `resumed_bitwise` says whether both end with the same parameters."""
+    model = tiny_gpt(0)
+    engine, *_ = fzero.initialize(model=model, config=config(zero))
+    half = len(batches()) // 2
+    train_on(engine, rank, batches()[:half])
+    engine.save_checkpoint(f"{out_dir}/ckpt-{zero.get('mics_shard_size', 'zeropp')}")
+    resumed, *_ = fzero.initialize(model=tiny_gpt(1), config=config(zero))
+    resumed.load_checkpoint(f"{out_dir}/ckpt-{zero.get('mics_shard_size', 'zeropp')}")
+    train_on(engine, rank, batches()[half:])
+    train_on(resumed, rank, batches()[half:])
     layout = engine.state.layout
-    built = {"mesh": repr(engine.mesh), "layout_world": layout.world, "global_steps": engine.global_steps}
-    return engine.module_state_dict(), built
+    got, again = engine.module_state_dict(), resumed.module_state_dict()
+    built = {"mesh": repr(engine.mesh), "layout_world": layout.world, "global_steps": engine.global_steps,
+             "resumed_bitwise": all(torch.equal(got[k], again[k]) for k in got)}  # fmt: skip
+    return got, built
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
@@ -85,7 +98,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
     init_worker(rank, world, f"{out_dir}/store")
     results: dict = {}
     for name, (zero, preset) in CASES.items():
-        got, built = engine_run(zero, rank)
+        got, built = engine_run(zero, rank, out_dir)
         flat = torch.cat([v.flatten() for v in got.values()])
         ref = flat.clone()
         dist.broadcast(ref, 0)
