@@ -127,6 +127,14 @@ def completed(work: Work) -> bool:
     return is_completed is not None and bool(is_completed())
 
 
+def progress(work: object) -> bool:
+    """Advance a collective in flight without blocking: a handle of chained collectives (a hybrid reduction's
+    reduce-scatter, then all-reduce: `fzero.transforms.collective._Chained`) starts its next one if the one before
+    has completed. Whether it has nothing left to start (True for a handle of one collective, or a result)."""
+    advance = getattr(work, "progress", None)
+    return advance is None or bool(advance())
+
+
 @dataclass
 class Ledger:
     """What the collectives moved while it was recording: `{collective: {calls, elements, sent, received}}`,

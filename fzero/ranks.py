@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .int8 import dequantize, quantize
 from .layout import Layout
-from .mesh import DistMesh, Mesh, Pending, SimMesh, Work, done
+from .mesh import DistMesh, Mesh, Pending, SimMesh, Work, done, progress
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
@@ -103,14 +103,6 @@ def _assemble(layout: Layout, parts: Sequence[Tensor | None]) -> Tensor:
     return torch.cat([p if p is not None else zeros(u) for u, p in enumerate(parts)], -1)
 
 
-def _progress(handle: Tensor | Work | None) -> bool:
-    """Advance a reduction in flight without blocking: a handle of chained collectives (a hybrid reduction's
-    reduce-scatter, then all-reduce: `fzero.transforms.collective._Chained`) starts its next one if the one before
-    has completed. Whether it has nothing left to start."""
-    progress = getattr(handle, "progress", None)
-    return progress is None or bool(progress())
-
-
 class _DistReduction:
     """Reduce each unit's gradient as it arrives, into this rank's gradient shard (added: a second backward through
     the graph accumulates, as autograd would). With a `budget`, the reduction may return a handle (it was started
@@ -152,10 +144,10 @@ class _DistReduction:
         self._fold(unit, pieces)
 
     def _advance(self) -> None:
-        """Start what the reductions in flight can start now (`_progress`), oldest first, stopping at the first that
-        cannot: so every rank starts them in unit order."""
+        """Start what the reductions in flight can start now (`fzero.mesh.progress`), oldest first, stopping at the
+        first that cannot: so every rank starts them in unit order."""
         for unit, i, _ in self.flight:
-            if not _progress(self.pieces[unit][i]):
+            if not progress(self.pieces[unit][i]):
                 break
 
     def _land(self) -> None:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..int8 import dequantize, quantize
 from ..layout import Layout, to_rank_major, to_unit_major
-from ..mesh import Mesh, ReduceOp, Work, completed
+from ..mesh import Mesh, ReduceOp, Work, completed, progress
 from ..plan import EXACT, Wire
 from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
@@ -115,13 +115,7 @@ class _After:
 
     def progress(self) -> bool:
         """The reduction's `progress()` (`_Chained`), if it has one; True (nothing left to start) if not."""
-        return _progress(self.work)
-
-
-def _progress(work: Work) -> bool:
-    """Advance a handle in flight without blocking (`_Chained.progress`); True if it has nothing left to start."""
-    progress = getattr(work, "progress", None)
-    return progress is None or bool(progress())
+        return progress(self.work)
 
 
 class _Chained:
