@@ -67,7 +67,7 @@ from torch import Tensor
 
 from . import process_group
 
-__all__ = ["CollectiveError", "DistMesh", "Ledger", "Mesh", "Pending", "Ready", "SimMesh", "Work", "done"]
+__all__ = ["AllOf", "CollectiveError", "DistMesh", "Ledger", "Mesh", "Pending", "Ready", "SimMesh", "Work", "done"]
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -599,8 +599,8 @@ def collective_error(
     )  # fmt: skip
 
 
-class _All:
-    """Several collectives in flight as one."""
+class AllOf:
+    """Several collectives in flight as one handle: `wait()` waits for each."""
 
     def __init__(self, works: list[Work]) -> None:
         self._works = works
@@ -854,7 +854,7 @@ class DistMesh(_LedgerMixin):
                 for r in range(self.world)
             ]  # fmt: skip
             chunks[self._rank].copy_(x)
-            work: Work = _All(cast(list[Work], works))
+            work: Work = AllOf(cast(list[Work], works))
         else:
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             work = cast(Work, self._run("all_gather", x, fn, out, x, group=self.group, async_op=True))

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .int8 import dequantize, quantize
 from .layout import Layout
-from .mesh import DistMesh, Mesh, Pending, SimMesh, Work, done, progress
+from .mesh import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, done, progress
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
@@ -312,7 +312,7 @@ class DistRanks(_OwnRank):
             out.copy_(dequantize(gq.view(n, -1), gs.view(n, -1), block, m).reshape(-1))
             return out
 
-        return Pending(_All(works), finish, q, scales, gq, gs)
+        return Pending(AllOf(works), finish, q, scales, gq, gs)
 
     def secondary(self, full: Tensor, axis: str) -> Tensor:
         """This rank's hpZ secondary chunk of a gathered unit: chunk `index(axis)` of `size(axis)` (a copy)."""
@@ -364,18 +364,6 @@ class _Row:
 
     def __call__(self, grads: Tensor, unit: int) -> Tensor:
         return _value(self.fn(grads.unsqueeze(0), unit))[0]
-
-
-class _All:
-    """Several collectives in flight as one: `wait()` waits for each."""
-
-    def __init__(self, works: list[Work]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
 
 
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..int8 import dequantize, quantize
 from ..layout import Layout, to_rank_major, to_unit_major
-from ..mesh import Mesh, ReduceOp, Work, completed, progress
+from ..mesh import AllOf, Mesh, ReduceOp, Work, completed, progress
 from ..plan import EXACT, Wire
 from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
@@ -328,9 +328,15 @@ def gather_params(
     if block is not None:  # the values a unit-by-unit int8 gather gives (sent here as they are read back)
         pieces = [params[..., layout.unit_shard_slice(u)] for u in range(len(layout.units))]
         params = torch.cat([dequantize(*quantize(p, block), block, p.shape[-1]).to(p.dtype) for p in pieces], -1)
-    if layout.axis is None:
-        return to_unit_major(layout, mesh.all_gather(params))
-    return to_unit_major(layout, mesh.all_gather(params, axis=layout.axis))
+    kw = {} if layout.axis is None else {"axis": layout.axis}
+    if not mesh.stacked:  # each unit's pieces gathered straight into its place: no rank-major copy to reorder
+        full = params.new_empty(layout.numel)
+        units = [u for u, unit in enumerate(layout.units) if unit.size]  # (a unit of frozen parameters: none here)
+        works = [mesh.all_gather_into(full[layout.unit_slice(u)], params[layout.unit_shard_slice(u)], True, **kw)
+                 for u in units]  # fmt: skip
+        AllOf(works).wait()
+        return full
+    return to_unit_major(layout, mesh.all_gather(params, **kw))
 
 
 @pytree.dataclasses.dataclass(frozen=True)
