@@ -81,15 +81,16 @@ def read_unit_by_unit(state: TrainState, mesh: Mesh) -> bool:
     return mesh.stacked and mesh.world == 1 and isinstance(state.compute, Offloaded)
 
 
-def compute_params(state: TrainState, mesh: Mesh) -> Tensor:
+def compute_params(state: TrainState, mesh: Mesh, out: Tensor | None = None) -> Tensor:
     """The full compute parameters per rank for the next forward: `state.compute`, all-gathered where the plan
-    keeps them sharded at rest (the first half of a step; `apply_gradients` is the second)."""
+    keeps them sharded at rest (the first half of a step; `apply_gradients` is the second); on a `DistMesh` into
+    `out` if given (a full buffer of the compute dtype, refilled in place)."""
     compute = in_memory(state.compute)  # (a shard offloaded to disk: read whole, for the paths that need it so)
     if compute is None:  # a chain without gather(): the master parameters are the compute parameters
         compute = state.params
     if state.plan.sharded_at_rest:
         with record_function("fzero.gather"):
-            compute = gather_params(mesh, state.layout, compute, block=state.plan.wire.blocks[0])
+            compute = gather_params(mesh, state.layout, compute, block=state.plan.wire.blocks[0], out=out)
     return compute
 
 

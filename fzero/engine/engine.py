@@ -141,8 +141,8 @@ class Engine(ConfigAccessors, nn.Module):
         self.counters = EngineCounters()
         self._micro: MicroStep | None = None
         # stages 1-2: (the state's compute shard, its all-gather), valid until the next update (a donated update
-        # changes the shard in place)
-        self._gathered: tuple[Tensor, Tensor] | None = None
+        # changes the shard in place: then the shard is None, and the buffer is refilled in place)
+        self._gathered: tuple[Tensor | None, Tensor] | None = None
         self._gas_factor = 1.0
         self._grad: Tensor | None = None
         self._loss: Tensor | None = None
@@ -257,8 +257,13 @@ class Engine(ConfigAccessors, nn.Module):
             return self._local(in_memory(compute))
         if not state.plan.keep_gathered:
             return None
-        if self._gathered is None or self._gathered[0] is not compute:  # dropped by every update (see step)
-            self._gathered = (compute, self._local(compute_params(state, self.mesh)))
+        if self._gathered is None or self._gathered[0] is not compute:  # stale after every update (see step)
+            # refilled in place: the module's parameters are views of it, so a new buffer would hold the model
+            # twice while they still point at the old one
+            old = self._gathered[1] if self._gathered is not None and not self._sim else None  # (sim: world 1)
+            if old is not None and (old.dtype != compute.dtype or old.numel() != state.layout.numel):
+                old = None
+            self._gathered = (compute, self._local(compute_params(state, self.mesh, out=old)))
         return self._gathered[1]
 
     def _forward_without_grad(self, args: Any, kwargs: Any) -> Any:
@@ -388,8 +393,8 @@ class Engine(ConfigAccessors, nn.Module):
         self.counters.step_losses.append(metrics["loss"])
         applied, skipped = bool(metrics["applied"]), bool(metrics["skipped"])
         self._step_applied = applied
-        if applied:
-            self._gathered = None  # the parameters changed (in place, donated)
+        if applied and self._gathered is not None:  # the parameters changed (in place, donated): stale
+            self._gathered = (None, self._gathered[1])
         if boundary != (applied or skipped):
             raise RuntimeError(
                 f"the transform chain and the engine disagree on the accumulation boundary at micro-step "

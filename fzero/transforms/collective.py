@@ -317,11 +317,17 @@ def check_axes(mesh: Mesh, axis: str | None, replicate: str | None = None) -> No
 
 
 def gather_params(
-    mesh: Mesh, layout: Layout, params: Tensor, dtype: torch.dtype | None = None, block: int | None = None
+    mesh: Mesh,
+    layout: Layout,
+    params: Tensor,
+    dtype: torch.dtype | None = None,
+    block: int | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Full (unit-major) parameters from this rank's shard (or a full buffer, returned as is), cast to `dtype`
     before communicating; with `block`, every unit's piece of the shard as a quantized gather of it reads it
-    (`gather(quantize=block)`: int8 per `block` elements of each unit's piece, read back in `dtype`)."""
+    (`gather(quantize=block)`: int8 per `block` elements of each unit's piece, read back in `dtype`). On a
+    `DistMesh`, `out` (a full buffer of the dtype) is gathered into, in place, rather than a new one."""
     params = _cast(params, dtype)
     if layout.is_full(params):
         return params
@@ -330,7 +336,7 @@ def gather_params(
         params = torch.cat([dequantize(*quantize(p, block), block, p.shape[-1]).to(p.dtype) for p in pieces], -1)
     kw = {} if layout.axis is None else {"axis": layout.axis}
     if not mesh.stacked:  # each unit's pieces gathered straight into its place: no rank-major copy to reorder
-        full = params.new_empty(layout.numel)
+        full = out if out is not None else params.new_empty(layout.numel)
         units = [u for u, unit in enumerate(layout.units) if unit.size]  # (a unit of frozen parameters: none here)
         works = [mesh.all_gather_into(full[layout.unit_slice(u)], params[layout.unit_shard_slice(u)], True, **kw)
                  for u in units]  # fmt: skip
