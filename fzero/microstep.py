@@ -180,7 +180,7 @@ class MicroStep:
     def __init__(self, state: TrainState, tx: Transform, mesh: Mesh, policy: GatherPolicy | None = None,
                  autodiff: str = "autograd") -> None:  # fmt: skip
         self.state, self.tx, self.mesh = state, tx, mesh
-        self.policy = policy or GatherPolicy()
+        self.policy = (policy or GatherPolicy()).on(mesh)
         self.per_unit = autodiff == "autograd" and state.plan.per_unit
         self._stack = contextlib.ExitStack()
         self.ledger = self._stack.enter_context(mesh.record())

@@ -269,7 +269,7 @@ def train_step(
     """
     _check_step_args(mesh, loss_fn, tx, autodiff)
     run = _Forward(model, loss_fn, has_aux)
-    policy = gather or GatherPolicy()
+    policy = (gather or GatherPolicy()).on(mesh)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, mesh)

@@ -46,6 +46,8 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ from typing import Any, cast
 
 import optree
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .bind import Unavailable
@@ -81,7 +84,8 @@ class GatherPolicy:
         SimMesh) in the step's metrics as `unit_times`: `{unit name: (forward, backward)}`.
       overlap_reduce: start each unit's reduction as soon as its gradient is complete and go on with the backward
         without waiting for it (a `DistMesh` backend's threads run it); all are waited on before the optimizer.
-        The same arithmetic in the same order: results are bitwise those without overlap [`overlap_comm`].
+        The same arithmetic in the same order: results are bitwise those without overlap [`overlap_comm`]. None
+        (the default): where it can pay on this machine (`overlap_pays`), decided by `on(mesh)`.
       reduce_bucket_elements: with `overlap_reduce`, the most gradient elements whose reduction is in flight at
         once: before starting one that would exceed it, the oldest are waited on. In-flight gradients stay alive,
         so this bounds the memory overlap costs [`reduce_bucket_size`].
@@ -91,21 +95,29 @@ class GatherPolicy:
     max_live_elements: int | None = None
     persistence_threshold: int = 0
     timings: bool = False
-    overlap_reduce: bool = False
+    overlap_reduce: bool | None = None
     reduce_bucket_elements: int = 500_000_000
 
     @property
     def reduce_budget(self) -> int | None:
-        """The in-flight bound the reduction gets: None without overlap (each unit's reduction is waited for)."""
+        """The in-flight bound the reduction gets: None without overlap (each unit's reduction is waited for; also
+        while `overlap_reduce` is undecided: see `on`)."""
         return self.reduce_bucket_elements if self.overlap_reduce else None
+
+    def on(self, mesh: Mesh) -> GatherPolicy:
+        """This policy on `mesh`: an undecided `overlap_reduce` (None) decided by `overlap_pays(mesh)`."""
+        if self.overlap_reduce is not None:
+            return self
+        return dataclasses.replace(self, overlap_reduce=overlap_pays(mesh))
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "persistence_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"GatherPolicy.{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.overlap_reduce, bool):
-            raise ValueError(f"GatherPolicy.overlap_reduce must be a bool, got {self.overlap_reduce!r}")
+        if self.overlap_reduce is not None and not isinstance(self.overlap_reduce, bool):
+            raise ValueError(f"GatherPolicy.overlap_reduce must be a bool or None (decided per machine), got "
+                             f"{self.overlap_reduce!r}")  # fmt: skip
         bucket = self.reduce_bucket_elements
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
             raise ValueError(f"GatherPolicy.reduce_bucket_elements must be an int >= 1, got {bucket!r}")
@@ -116,6 +128,28 @@ class GatherPolicy:
         ):
             got = self.max_live_elements
             raise ValueError(f"GatherPolicy.max_live_elements must be None or an int >= 1, got {got!r}")
+
+
+def overlap_pays(mesh: Mesh) -> bool:
+    """Whether overlapping each unit's reduction with the backward can make a step faster here: the rule an
+    undecided `GatherPolicy(overlap_reduce=None)` follows.
+
+    An overlapped reduction runs beside the backward, so it is only hidden where it runs on something the backward
+    does not use. NCCL runs it on the GPU's copy engines and a few of its cores: on (DeepSpeed's and FSDP's
+    default). gloo runs it on the host's CPU, in its own threads (the transfer, and here the sums of the
+    reduce-scatter): it then takes cores from the backward unless the host has cores to spare beyond those the
+    ranks on it compute with (`LOCAL_WORLD_SIZE` ranks, torchrun's; else every rank, x `torch.get_num_threads()`
+    each): on only with at least one spare core per rank. Measured on 2 cores, 2 gloo ranks of 1 thread
+    (`benchmarks/compare.py`, docs/performance.md): overlap made stages 0-2 slower and stage 3 no faster. A
+    `SimMesh` (one process) or one rank has nothing to overlap.
+    """
+    if mesh.stacked or mesh.world == 1:
+        return False
+    if dist.get_backend(getattr(mesh, "group", None)) == "nccl":
+        return True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or mesh.world)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - local * torch.get_num_threads() >= local
 
 
 class Abandoned(Exception):

@@ -525,11 +525,12 @@ def test_schema_paths_cover_nested_sections():
 
 @pytest.mark.parametrize(
     ("zero", "overlap"),
-    [({"stage": 3}, True), ({"stage": 2}, False), ({"stage": 1}, False), ({"stage": 2, "overlap_comm": True}, True),
+    [({"stage": 3}, None), ({"stage": 2}, None), ({"stage": 1}, None), ({"stage": 2, "overlap_comm": True}, True),
      ({"stage": 3, "overlap_comm": False}, False)],
 )  # fmt: skip
 def test_overlap_comm_and_reduce_bucket_size_take_effect(zero, overlap):
-    """DeepSpeed's default: overlap at stage 3 only; reduce_bucket_size bounds the gradient elements in flight."""
+    """overlap_comm as given; unset, undecided (None: `GatherPolicy.on(mesh)` decides per machine, not DeepSpeed's
+    stage-3-only default); reduce_bucket_size bounds the gradient elements in flight."""
     policy = build_gather_policy(parse({"zero_optimization": {**zero, "reduce_bucket_size": 1234}}))
     assert policy.overlap_reduce is overlap
     assert policy.reduce_bucket_elements == 1234

@@ -18,6 +18,9 @@ from tests.support import lm_batches, lm_loss, tiny_gpt
 def test_overlap_changes_nothing_on_two_gloo_processes(tmp_path):
     spawn(overlap_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
+    decided = results.pop("decided")  # overlap where it can pay (fzero.units.overlap_pays): gloo needs spare cores
+    assert decided["every core busy"] is False
+    assert decided["a spare core"] is (decided["cores"] >= 2)
     assert len(results) == len(overlap_worker.CASES)
     for case, runs in results.items():
         for budget, r in runs.items():
@@ -36,8 +39,12 @@ def test_the_policy_is_checked():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="reduce_bucket_elements must be an int >= 1"):
             fzero.GatherPolicy(overlap_reduce=True, reduce_bucket_elements=bad)
-    with pytest.raises(ValueError, match="overlap_reduce must be a bool"):
+    with pytest.raises(ValueError, match="overlap_reduce must be a bool or None"):
         fzero.GatherPolicy(overlap_reduce="yes")
+    # undecided until it meets a mesh; one process (a SimMesh) has nothing in flight to overlap
+    assert fzero.GatherPolicy().overlap_reduce is None and fzero.GatherPolicy().reduce_budget is None
+    assert fzero.GatherPolicy().on(fzero.SimMesh(2)).overlap_reduce is False
+    assert fzero.GatherPolicy(overlap_reduce=True).on(fzero.SimMesh(2)).overlap_reduce is True
 
 
 @pytest.mark.parametrize("preset", ["zero0", "zero2", "zero3"])

@@ -371,16 +371,17 @@ def build_policy(cfg: Config) -> Policy:
 def build_gather_policy(cfg: Config) -> GatherPolicy:
     """The per-unit collectives' schedule from DeepSpeed's knobs: a prefetch bucket of 0 disables prefetching
     (otherwise one unit ahead), `stage3_max_live_parameters` bounds the gathered elements,
-    `stage3_param_persistence_threshold` keeps small units gathered for the whole step; `overlap_comm` (unset: on
-    at stage 3 only, DeepSpeed's default) overlaps each unit's reduction with the backward, at most
-    `reduce_bucket_size` elements in flight."""
+    `stage3_param_persistence_threshold` keeps small units gathered for the whole step; `overlap_comm` overlaps
+    each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight (unset: where it can
+    pay on the machine, `fzero.units.overlap_pays`; DeepSpeed's default is on at stage 3 only, which on a CPU
+    without spare cores makes steps slower)."""
     zero = cfg["zero_optimization"]
     overlap = zero["overlap_comm"]
     return GatherPolicy(
         prefetch=1 if zero["stage3_prefetch_bucket_size"] > 0 else 0,
         max_live_elements=max(1, int(zero["stage3_max_live_parameters"])),
         persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
-        overlap_reduce=zero["stage"] == 3 if overlap is None else bool(overlap),
+        overlap_reduce=None if overlap is None else bool(overlap),
         reduce_bucket_elements=int(zero["reduce_bucket_size"]),
     )
 

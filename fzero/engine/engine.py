@@ -133,7 +133,7 @@ class Engine(ConfigAccessors, nn.Module):
         self._momentum = momentum
         self._device = device or next(model.parameters()).device
         self._policy = build_policy(config)
-        self._gather_policy = build_gather_policy(config)
+        self._gather_policy = build_gather_policy(config).on(mesh)
         self._sim = mesh.stacked
         if self._sim and mesh.world != 1:
             raise ValueError(f"the engine runs one rank per process: SimMesh(world={mesh.world}) is not one")
