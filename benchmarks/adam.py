@@ -3,7 +3,7 @@
 statistics; then parameter groups (the kernel with two groups against one).
 
     .venv/bin/python benchmarks/adam.py [--log2-sizes 24 26] [--threads 1 2] [--rounds 7]
-                                        [--parts plain offload stats groups]
+                                        [--parts plain offload stats groups bf16]
 
 For each size (float32 elements) and thread count (`torch.set_num_threads`, which the kernel follows):
 
@@ -20,7 +20,10 @@ For each size (float32 elements) and thread count (`torch.set_num_threads`, whic
   ungrouped call, on the plain update and on the offload update, for a realistic segmentation (the groups
   alternate every 2048-8192 elements: a decay / no-decay split of a model's parameters) and a worst case (a
   segment every 16-64 elements). The whole Python call is timed. The ungrouped call also runs twice under two
-  names: the ratio of the two is this run's noise floor.
+  names: the ratio of the two is this run's noise floor;
+- `bf16` (not run by default): the offload update (factor, AdamW, bfloat16 copy) on the `avx512bf16` path (the
+  copy by VCVTNEPS2BF16) against the `avx512` path (the copy by integer rounding), and the `avx512` path again
+  under another name (the noise floor); the paths this CPU lacks are left out.
 
 All variants of a size update the same four buffers (placement in physical memory moves a memory-bound kernel by
 several percent). Rounds alternate between the variants in a shuffled order (so machine noise hits all alike);
@@ -185,6 +188,27 @@ def group_variants(p, g, m, v) -> tuple[dict[str, Callable[[], None]], dict[str,
     return variants, {name: len(table[0]) for name, table in tables.items()}
 
 
+def bf16_variants(p, g, m, v) -> dict[str, Callable[[], None]]:
+    """The offload update on each AVX-512 path (`fzero.native.set_isa` before each call: a few microseconds)."""
+    out = torch.empty(p.numel(), dtype=torch.bfloat16)
+    step = [1]
+
+    def on(isa: str) -> Callable[[], None]:
+        def run():
+            native.set_isa(isa)
+            step[0] += 1
+            native.adam_step(p.detach(), g, m, v, step=step[0], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                             grad_scale=FACTOR, out=out)  # fmt: skip
+
+        return run
+
+    paths = [isa for isa in ("avx512", "avx512bf16") if isa in native.supported_isas()]
+    variants = {isa: on(isa) for isa in paths}
+    if "avx512" in variants:
+        variants["avx512 (control)"] = on("avx512")
+    return variants
+
+
 def measure(variants: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each variant, one per round; rounds visit the variants in a shuffled order."""
     for f in variants.values():
@@ -220,7 +244,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--parts", nargs="+", default=["plain", "offload", "stats", "groups"],
-                    choices=["plain", "offload", "stats", "groups"])  # fmt: skip
+                    choices=["plain", "offload", "stats", "groups", "bf16"])  # fmt: skip
     args = ap.parse_args()
     print(f"fzero.native: path {native.isa()}, OpenMP {native.openmp()}, torch {torch.__version__}")
     for threads in args.threads:
@@ -250,6 +274,12 @@ def main() -> None:
                        [("1 group (control: the same call again)", "1 group"),
                         ("2 groups, realistic", "1 group"), ("2 groups, worst case", "1 group"),
                         ("offload: 2 groups, realistic", "offload: 1 group")])  # fmt: skip
+            if "bf16" in args.parts:
+                before = native.isa()
+                paths = measure(bf16_variants(p, g, m, v), args.rounds)
+                native.set_isa(before)
+                report("offload update (factor + AdamW + bf16 copy) by path: above 1 is faster than avx512", n,
+                       paths, [("avx512 (control)", "avx512"), ("avx512bf16", "avx512")])  # fmt: skip
 
 
 if __name__ == "__main__":

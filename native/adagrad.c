@@ -133,6 +133,10 @@ FZ_AVX512 FZ_INLINE void fz_adagrad_loop_avx512(const fz_adagrad_args a, size_t 
 FZ_AVX512 static void fz_adagrad_range_avx512(const fz_adagrad_task *t, size_t b, size_t e) {
     FZ_DISPATCH(fz_adagrad_args, fz_adagrad_loop_avx512, FZ_ADAGRAD_L2, t, b, e);
 }
+
+FZ_AVX512 static void fz_adagrad_range_avx512bf16(const fz_adagrad_task *t, size_t b, size_t e) {
+    FZ_DISPATCH_BF16_HW(fz_adagrad_args, fz_adagrad_loop_avx512, FZ_ADAGRAD_L2, t, b, e);
+}
 #endif /* FZ_X86 */
 
 static void fz_adagrad_chunk(void *ctx, size_t k, size_t b, size_t e) {
@@ -152,7 +156,8 @@ int fz_adagrad_step_segments(const fz_adagrad_hyper *hypers, int ngroups, const 
     fz_adagrad_task t = {fz_adagrad_range_scalar,
                          {hypers[0], p_in, s_in, g, p_out, s_out, out16, g_dtype, out16_dtype, n >= FZ_STREAM_MIN},
                          hypers, ends, group, nseg};
-    FZ_PICK(t.fn, fz_adagrad_range_scalar, fz_adagrad_range_avx2, fz_adagrad_range_avx512);
+    FZ_PICK(t.fn, out16_dtype, fz_adagrad_range_scalar, fz_adagrad_range_avx2, fz_adagrad_range_avx512,
+            fz_adagrad_range_avx512bf16);
     fz_run(n, nthreads, fz_adagrad_chunk, &t);
     return 0;
 }

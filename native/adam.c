@@ -233,6 +233,11 @@ FZ_AVX512 static void fz_adam_range_avx512(const fz_adam_task *t, size_t b, size
     FZ_DISPATCH(fz_adam_args, fz_adam_loop_avx512, FZ_ADAM_L2, t, b, e);
 }
 
+/* The avx512bf16 path with a bfloat16 copy-out: the same loop, the copy by VCVTNEPS2BF16 (fz_store16). */
+FZ_AVX512 static void fz_adam_range_avx512bf16(const fz_adam_task *t, size_t b, size_t e) {
+    FZ_DISPATCH_BF16_HW(fz_adam_args, fz_adam_loop_avx512, FZ_ADAM_L2, t, b, e);
+}
+
 FZ_AVX512 FZ_INLINE void fz_sumsq16(__m512 x, __m512d *lo, __m512d *hi) {
     __m512d l = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
     __m512d u = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
@@ -293,13 +298,8 @@ int fz_adam_step_segments(const fz_adam_hyper *hypers, int ngroups, const int64_
     fz_adam_task t = {fz_adam_range_scalar,
                       {hypers[0], p_in, m_in, v_in, g, p_out, m_out, v_out, out16, g_dtype, out16_dtype, stream},
                       hypers, ends, group, nseg};
-#if FZ_X86
-    int isa = fz_isa();
-    if (isa == FZ_ISA_AVX512) t.fn = fz_adam_range_avx512;
-#if FZ_HAVE_AVX2
-    else if (isa == FZ_ISA_AVX2) t.fn = fz_adam_range_avx2;
-#endif
-#endif
+    FZ_PICK(t.fn, out16_dtype, fz_adam_range_scalar, fz_adam_range_avx2, fz_adam_range_avx512,
+            fz_adam_range_avx512bf16);
     fz_run(n, nthreads, fz_adam_chunk, &t);
     return 0;
 }
@@ -332,7 +332,7 @@ int fz_grad_stats(const void *g, int g_dtype, size_t n, double *sumsq, int *nonf
     t.g_dtype = g_dtype;
 #if FZ_X86
     int isa = fz_isa();
-    if (isa == FZ_ISA_AVX512) t.fn = fz_sumsq_range_avx512;
+    if (isa >= FZ_ISA_AVX512) t.fn = fz_sumsq_range_avx512; /* (avx512bf16 adds nothing here) */
 #if FZ_HAVE_AVX2
     else if (isa == FZ_ISA_AVX2) t.fn = fz_sumsq_range_avx2;
 #endif
@@ -363,7 +363,7 @@ void fz_ceiling(size_t n, float *p, const float *g, float *m, float *v, float a,
     fz_ceiling_task t = {fz_ceiling_range_scalar, {p, m, v, g, a}};
 #if FZ_X86
     int isa = fz_isa();
-    if (isa == FZ_ISA_AVX512) t.fn = fz_ceiling_range_avx512;
+    if (isa >= FZ_ISA_AVX512) t.fn = fz_ceiling_range_avx512;
 #if FZ_HAVE_AVX2
     else if (isa == FZ_ISA_AVX2) t.fn = fz_ceiling_range_avx2;
 #endif

@@ -14,18 +14,22 @@
 static int fz_supported(int isa) {
     if (isa == FZ_ISA_SCALAR) return 1;
 #if defined(FZ_EMULATE_AVX512)
-    return isa == FZ_ISA_AVX512;
+    return isa == FZ_ISA_AVX512 || isa == FZ_ISA_AVX512BF16;
 #elif FZ_HAVE_AVX2
     __builtin_cpu_init();
     /* GCC's and Clang's checks include the OS's support for the wider registers (XCR0), not only CPUID */
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (isa == FZ_ISA_AVX2) return avx2;
-    if (isa == FZ_ISA_AVX512) return avx2 && __builtin_cpu_supports("avx512f");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f");
+    if (isa == FZ_ISA_AVX512) return avx512;
+    /* (GCC 12's name for the feature; like avx512f, reported only where the OS saves the 512-bit state) */
+    if (isa == FZ_ISA_AVX512BF16) return avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
     return 0;
 }
 
 int fz_isa_detected(void) {
+    if (fz_supported(FZ_ISA_AVX512BF16)) return FZ_ISA_AVX512BF16;
     if (fz_supported(FZ_ISA_AVX512)) return FZ_ISA_AVX512;
     if (fz_supported(FZ_ISA_AVX2)) return FZ_ISA_AVX2;
     return FZ_ISA_SCALAR;

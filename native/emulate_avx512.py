@@ -7,6 +7,11 @@ steps (`lion.c`, `adagrad.c`), ungrouped and grouped, the same way.
 
     pip install --target /tmp/simde cmeel-simde     # SIMDe's headers, from PyPI
     .venv/bin/python native/emulate_avx512.py --simde /tmp/simde/cmeel.prefix/include
+    .venv/bin/python native/emulate_avx512.py --simde /tmp/simde/cmeel.prefix/include --isa avx512bf16
+
+`--isa avx512bf16` runs the same checks on the avx512bf16 path (the bfloat16 copy-out through the VCVTNEPS2BF16
+dispatch and its subnormal fix-up; the instruction itself follows its SDM definition, in C, in this build), plus
+the copy-out of every kind of float32 bit pattern (subnormals, ties, NaNs, infinities) against the scalar path.
 
 This is a development check, not part of the test suite: it validates the AVX-512 code's logic (lane order,
 packing, tails, conversions), not the hardware; on an AVX-512 machine tests/test_native.py runs the real thing.
@@ -54,15 +59,18 @@ def build(simde: str, tmp: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--simde", required=True, help="the include directory that holds simde/x86/avx512.h")
+    ap.add_argument("--isa", choices=["avx512", "avx512bf16"], default="avx512", help="the path to check")
     args = ap.parse_args()
+    isa = {"avx512": 2, "avx512bf16": 3}[args.isa]  # (FZ_ISA_* in fzero_native.h)
     from fzero import native
 
     native.set_isa("scalar")
     codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
     with tempfile.TemporaryDirectory() as tmp:
         ffi, lib = build(args.simde, tmp)
-        assert lib.fz_set_isa(2) == 0 and lib.fz_isa() == 2, "the emulated build must run its AVX-512 path"
+        assert lib.fz_set_isa(isa) == 0 and lib.fz_isa() == isa, f"the emulated build must run its {args.isa} path"
         ptr = lambda t: ffi.cast("void *", t.data_ptr())  # noqa: E731
+        copies = check_bf16_copy(ffi, lib, ptr, native) if args.isa == "avx512bf16" else 0
         gen = torch.Generator().manual_seed(0)
         cases = 0
         sizes = [*range(0, 80), 255, 1000, (1 << 20) + 21]
@@ -103,11 +111,39 @@ def main() -> None:
         grouped = check_segments(ffi, lib, ptr, codes, native)
         others = check_lion_adagrad(ffi, lib, ptr, codes, native, sizes)
         print(
-            f"AVX-512 path (emulated by SIMDe) equals the scalar path bitwise: {cases} Adam cases, "
+            f"{args.isa} path (emulated by SIMDe) equals the scalar path bitwise: {cases} Adam cases, "
             f"sizes 0-79, 255, 1000 and 2^20 + 21, offsets 0-5, every dtype pairing; statistics agree; "
             f"{grouped} grouped cases equal the scalar path's per-segment calls; {others} Lion and Adagrad cases "
-            "(ungrouped and grouped)"
+            "(ungrouped and grouped)" + (f"; {copies} bfloat16 copies of special values" if copies else "")
         )
+
+
+def check_bf16_copy(ffi, lib, ptr, native) -> int:
+    """The bfloat16 copy-out of float32 values of every kind (random bit patterns of all exponents, subnormals of
+    both signs alone among normal values, ties, NaNs, infinities) by an Adam step that leaves them as they are
+    (lr 0, zero gradients and state), at every length 0-47 and output offsets 0-3, against the scalar path."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    bits[::3] &= 0x807FFFFF  # subnormals (and zeros), among normal values
+    bits[1::7] = (bits[1::7] & 0xFFFF0000) | 0x8000  # ties
+    bits[2::11] |= 0x7F800000  # infinities and NaNs
+    unsigned = bits & 0xFFFFFFFF
+    values = torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned).to(torch.int32).view(torch.float32)
+    h = ffi.new("fz_adam_hyper *", native.adam_hyper(1, 0.0, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0)._asdict())
+    cases = 0
+    for n in (*range(48), 4096):
+        for offset in range(4):
+            p = values[:n].clone()
+            zero = torch.zeros(n)
+            native.set_isa("scalar")
+            want = torch.empty(n, dtype=torch.bfloat16)
+            native.adam_step(p.clone(), zero, zero.clone(), zero.clone(), step=1, lr=0.0, out=want)
+            got = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
+            outs = [torch.empty(n) for _ in range(3)]  # (held here: the C call gets bare pointers)
+            rc = lib.fz_adam_step(h, n, ptr(p), ptr(zero), 0, ptr(zero), ptr(zero), *map(ptr, outs), ptr(got), 1, 1)
+            assert rc == 0 and torch.equal(want.view(torch.int16), got.view(torch.int16)), (n, offset)
+            cases += 1
+    return cases
 
 
 def check_segments(ffi, lib, ptr, codes, native) -> int:

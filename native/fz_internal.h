@@ -4,9 +4,10 @@
  * machinery (common.c: the instruction-set choice, the split of work into chunks for the OpenMP threads, the
  * segment table's check).
  *
- * Every kernel follows one pattern, so that its three paths agree bitwise: a scalar element step (fz_<k>1) whose
+ * Every kernel follows one pattern, so that its paths agree bitwise: a scalar element step (fz_<k>1) whose
  * operations the AVX2 and AVX-512 loops perform lane by lane in the same order (tails run the scalar step), under
- * -ffp-contract=off so the compiler fuses nothing on its own.
+ * -ffp-contract=off so the compiler fuses nothing on its own. The avx512bf16 path is the AVX-512 loops with the
+ * bfloat16 copy-out done by VCVTNEPS2BF16 (FZ_BF16_HW below); every other case runs the AVX-512 code itself.
  */
 #ifndef FZ_INTERNAL_H
 #define FZ_INTERNAL_H
@@ -26,8 +27,9 @@
 #include <simde/x86/f16c.h>
 #define FZ_X86 1
 #define FZ_AVX512
-/* Two instructions SIMDe lacks, by their definitions: VPMOVDW truncates each 32-bit lane to 16 bits; VCVTPS2PH
- * converts each lane (here with SIMDe's own F16C conversion, not fzero's). */
+/* Instructions SIMDe lacks, by their definitions: VPMOVDW truncates each 32-bit lane to 16 bits; VCVTPS2PH
+ * converts each lane (here with SIMDe's own F16C conversion, not fzero's); VPTESTNMD sets the lanes whose AND is
+ * zero. */
 static inline __m256i fz_emu_cvtepi32_epi16(__m512i x) {
     int32_t in[16];
     uint16_t out[16];
@@ -49,7 +51,11 @@ static inline __m512d fz_emu_cvtps_pd(__m256 x) {
     for (int k = 0; k < 8; k++) out[k] = (double)in[k];
     return _mm512_loadu_pd(out);
 }
+static inline __mmask16 fz_emu_testn_epi32_mask(__m512i a, __m512i b) {
+    return (__mmask16)~_mm512_test_epi32_mask(a, b);
+}
 #define _mm512_cvtepi32_epi16 fz_emu_cvtepi32_epi16
+#define _mm512_testn_epi32_mask fz_emu_testn_epi32_mask
 #define _mm512_cvtps_ph fz_emu_cvtps_ph
 #define _mm512_cvtps_pd fz_emu_cvtps_pd
 #ifndef _MM_FROUND_NO_EXC
@@ -132,8 +138,13 @@ FZ_INLINE float fz_load1(const void *g, int dt, size_t i) {
     return ((const float *)g)[i];
 }
 
+/* An internal copy-out code, never accepted from a caller (fz_check_dtypes): bfloat16 written by VCVTNEPS2BF16
+ * (fz_to_bf16_16_hw), which the avx512bf16 path's loops are instantiated with (FZ_DISPATCH_BF16_HW). The scalar
+ * step (the loops' tails) writes it as FZ_BF16: the same bits. */
+#define FZ_BF16_HW 3
+
 FZ_INLINE void fz_store1(void *out, int odt, size_t i, float x) {
-    if (odt == FZ_BF16) ((uint16_t *)out)[i] = fz_to_bf16(x);
+    if (odt == FZ_BF16 || odt == FZ_BF16_HW) ((uint16_t *)out)[i] = fz_to_bf16(x);
     else if (odt == FZ_F16) ((uint16_t *)out)[i] = fz_to_f16(x);
 }
 
@@ -210,20 +221,41 @@ FZ_INLINE size_t fz_segment_of(const int64_t *ends, size_t nseg, size_t i) {
         default: break;                                                                                         \
         }                                                                                                       \
     } while (0)
+/* The avx512bf16 path's walk: only the bfloat16 copy-out differs from the AVX-512 path, so only those three
+ * (gradient dtype, FZ_BF16) cases are instantiated again, with the copy-out code FZ_BF16_HW. */
+#define FZ_DISPATCH_BF16_HW(ARGS, LOOP, VARIANT, t, b, e)                                                       \
+    do {                                                                                                        \
+        switch ((t)->args.g_dtype) {                                                                            \
+        case FZ_F32: FZ_WALK(ARGS, LOOP, VARIANT, t, b, e, FZ_F32, FZ_BF16_HW); break;                          \
+        case FZ_BF16: FZ_WALK(ARGS, LOOP, VARIANT, t, b, e, FZ_BF16, FZ_BF16_HW); break;                        \
+        case FZ_F16: FZ_WALK(ARGS, LOOP, VARIANT, t, b, e, FZ_F16, FZ_BF16_HW); break;                          \
+        default: break;                                                                                         \
+        }                                                                                                       \
+    } while (0)
 /* For a kernel with one loop only. */
 #define FZ_NO_VARIANT(h) 0
 
-/* Pick the chosen path's function into `dst` (the scalar one unless the path is a SIMD one this build has). */
+/* Pick the chosen path's function into `dst` (the scalar one unless the path is a SIMD one this build has). The
+ * avx512bf16 path runs its own function (`avx512bf16`) for a bfloat16 copy-out (odt), the AVX-512 one otherwise. */
 #if FZ_X86 && FZ_HAVE_AVX2
-#define FZ_PICK(dst, scalar, avx2, avx512)                                                                      \
+#define FZ_PICK(dst, odt, scalar, avx2, avx512, avx512bf16)                                                     \
     do {                                                                                                        \
         int isa_ = fz_isa();                                                                                    \
-        dst = isa_ == FZ_ISA_AVX512 ? (avx512) : isa_ == FZ_ISA_AVX2 ? (avx2) : (scalar);                       \
+        dst = isa_ == FZ_ISA_AVX512BF16 && (odt) == FZ_BF16 ? (avx512bf16)                                      \
+              : isa_ >= FZ_ISA_AVX512                       ? (avx512)                                          \
+              : isa_ == FZ_ISA_AVX2                         ? (avx2)                                            \
+                                                            : (scalar);                                         \
     } while (0)
 #elif FZ_X86
-#define FZ_PICK(dst, scalar, avx2, avx512) dst = fz_isa() == FZ_ISA_AVX512 ? (avx512) : (scalar)
+#define FZ_PICK(dst, odt, scalar, avx2, avx512, avx512bf16)                                                     \
+    do {                                                                                                        \
+        int isa_ = fz_isa();                                                                                    \
+        dst = isa_ == FZ_ISA_AVX512BF16 && (odt) == FZ_BF16 ? (avx512bf16)                                      \
+              : isa_ >= FZ_ISA_AVX512                       ? (avx512)                                          \
+                                                            : (scalar);                                         \
+    } while (0)
 #else
-#define FZ_PICK(dst, scalar, avx2, avx512) dst = (scalar)
+#define FZ_PICK(dst, odt, scalar, avx2, avx512, avx512bf16) dst = (scalar)
 #endif
 
 #if FZ_HAVE_AVX2
@@ -285,9 +317,50 @@ FZ_AVX512 FZ_INLINE __m256i fz_to_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(r); /* truncate each u32 (<= 0xFFFF) to u16 */
 }
 
+/* VCVTNEPS2BF16 (AVX512_BF16), as inline assembly rather than the intrinsic: the instruction must sit inside the
+ * AVX-512F loops (fz_store16 is inlined into them), and GCC and Clang refuse to inline a target("avx512bf16")
+ * intrinsic into a function compiled for less; giving the AVX-512 path that target instead would let the compiler
+ * use the instruction where the avx512 path runs on a CPU without it. Only the avx512bf16 path, which the run-time
+ * check admits where the CPU has the instruction, reaches this (odt FZ_BF16_HW). The emulated build (SIMDe, which
+ * cannot run it) follows the instruction's definition in the SDM instead. */
+#if defined(FZ_EMULATE_AVX512)
+static inline __m256i fz_cvtneps2bf16(__m512 x) {
+    uint32_t in[16];
+    uint16_t out[16];
+    _mm512_storeu_si512((void *)in, _mm512_castps_si512(x));
+    for (int k = 0; k < 16; k++) {
+        uint32_t u = in[k];
+        if ((u & 0x7F800000u) == 0) out[k] = (uint16_t)((u >> 16) & 0x8000u); /* zero or subnormal: signed zero */
+        else out[k] = fz_to_bf16(fz_float(u)); /* NaN quieted, or round to nearest even (inf stays inf) */
+    }
+    return _mm256_loadu_si256((const __m256i *)out);
+}
+#else
+FZ_AVX512 FZ_INLINE __m256i fz_cvtneps2bf16(__m512 x) {
+    __m256i h;
+    __asm__("vcvtneps2bf16 {%1, %0|%0, %1}" : "=v"(h) : "v"(x)); /* {AT&T | Intel} operand order */
+    return h;
+}
+#endif
+
+/* torch's bfloat16 rounding by VCVTNEPS2BF16. The instruction rounds to nearest even whatever MXCSR says and
+ * quiets a NaN exactly as fz_to_bf16 does (x >> 16 | 0x40), but flushes a subnormal input to a signed zero (the
+ * SDM's definition) where torch rounds it (0x00400000 -> 0x0040). Checked against fz_to_bf16 for all 2^32 inputs
+ * on a Zen 4: those subnormals are the only difference. So a vector with a subnormal lane (exponent 0, mantissa
+ * not 0; never in practice) takes the integer rounding of fz_to_bf16_16 as a whole, and the rest costs the
+ * conversion, two mask tests and a branch that is always predicted. */
+FZ_AVX512 FZ_INLINE __m256i fz_to_bf16_16_hw(__m512 x) {
+    __m512i b = _mm512_castps_si512(x);
+    __mmask16 zero_exp = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x7F800000));
+    __mmask16 subnormal = _mm512_mask_test_epi32_mask(zero_exp, b, _mm512_set1_epi32(0x007FFFFF));
+    if (__builtin_expect(subnormal != 0, 0)) return fz_to_bf16_16(x);
+    return fz_cvtneps2bf16(x);
+}
+
 FZ_AVX512 FZ_INLINE void fz_store16(void *out, int odt, size_t i, __m512 x, int stream) {
     __m256i h;
     if (odt == FZ_BF16) h = fz_to_bf16_16(x);
+    else if (odt == FZ_BF16_HW) h = fz_to_bf16_16_hw(x);
     else if (odt == FZ_F16) h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     else return;
     __m256i *dst = (__m256i *)((uint16_t *)out + i);

@@ -2,9 +2,10 @@
  * gradient statistics (sum of squares, non-finite flag), and a bandwidth-ceiling kernel for the benchmark.
  *
  * Every kernel has three implementations (scalar, AVX2+FMA+F16C, AVX-512F) chosen at run time from the CPU's
- * features (never from the build machine's), and runs on `nthreads` OpenMP threads above a size threshold.
+ * features (never from the build machine's), and runs on `nthreads` OpenMP threads above a size threshold. A fourth
+ * path, avx512bf16, is the AVX-512F one with the bfloat16 copy-out by VCVTNEPS2BF16 (where the CPU has AVX512_BF16).
  * The optimizer steps' paths perform the same IEEE operations (multiply, fused multiply-add, square root, divide,
- * compare, round to nearest even) on every element in the same order, so all three give bitwise identical results.
+ * compare, round to nearest even) on every element in the same order, so all of them give bitwise identical results.
  * Each step also takes its hyper-parameters per segment of the buffer (parameter groups: fz_*_step_segments), each
  * segment bitwise what an ungrouped call on it gives. Sources: adam.c, lion.c, adagrad.c (the steps; their element
  * arithmetic is stated at the top of each), common.c and fz_internal.h (what they share).
@@ -52,7 +53,7 @@ typedef struct fz_adagrad_hyper {
 /* dtype codes of gradients and of the low-precision copy-out */
 enum { FZ_NONE = -1, FZ_F32 = 0, FZ_BF16 = 1, FZ_F16 = 2 };
 /* instruction-set paths */
-enum { FZ_ISA_AUTO = -1, FZ_ISA_SCALAR = 0, FZ_ISA_AVX2 = 1, FZ_ISA_AVX512 = 2 };
+enum { FZ_ISA_AUTO = -1, FZ_ISA_SCALAR = 0, FZ_ISA_AVX2 = 1, FZ_ISA_AVX512 = 2, FZ_ISA_AVX512BF16 = 3 };
 
 /* One Adam step over n elements. p_out, m_out, v_out may equal p_in, m_in, v_in (in place). g has dtype g_dtype
  * (FZ_F32, FZ_BF16 or FZ_F16). If out16_dtype is FZ_BF16 or FZ_F16, out16 receives the updated parameters

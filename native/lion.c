@@ -141,6 +141,10 @@ FZ_AVX512 FZ_INLINE void fz_lion_loop_avx512(const fz_lion_args a, size_t b, siz
 FZ_AVX512 static void fz_lion_range_avx512(const fz_lion_task *t, size_t b, size_t e) {
     FZ_DISPATCH(fz_lion_args, fz_lion_loop_avx512, FZ_NO_VARIANT, t, b, e);
 }
+
+FZ_AVX512 static void fz_lion_range_avx512bf16(const fz_lion_task *t, size_t b, size_t e) {
+    FZ_DISPATCH_BF16_HW(fz_lion_args, fz_lion_loop_avx512, FZ_NO_VARIANT, t, b, e);
+}
 #endif /* FZ_X86 */
 
 static void fz_lion_chunk(void *ctx, size_t k, size_t b, size_t e) {
@@ -159,7 +163,8 @@ int fz_lion_step_segments(const fz_lion_hyper *hypers, int ngroups, const int64_
     fz_lion_task t = {fz_lion_range_scalar,
                       {hypers[0], p_in, m_in, g, p_out, m_out, out16, g_dtype, out16_dtype, n >= FZ_STREAM_MIN},
                       hypers, ends, group, nseg};
-    FZ_PICK(t.fn, fz_lion_range_scalar, fz_lion_range_avx2, fz_lion_range_avx512);
+    FZ_PICK(t.fn, out16_dtype, fz_lion_range_scalar, fz_lion_range_avx2, fz_lion_range_avx512,
+            fz_lion_range_avx512bf16);
     fz_run(n, nthreads, fz_lion_chunk, &t);
     return 0;
 }

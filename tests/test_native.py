@@ -670,6 +670,178 @@ def test_grouped_custom_op_compiles_into_one_graph():
             assert torch.equal(bits(a), bits(b)) and torch.equal(bits(a), bits(c))
 
 
+# --- the avx512bf16 path: the bfloat16 copy-out by VCVTNEPS2BF16 ---------------------------------------------------
+
+BF16_HW = "avx512bf16"
+needs_bf16_hw = pytest.mark.skipif(
+    BF16_HW not in COMPILED,
+    reason=f"this CPU cannot run the {BF16_HW} path (no AVX512_BF16; it supports {', '.join(native.supported_isas())})",
+)
+
+
+def from_bits(values: list[int] | torch.Tensor) -> torch.Tensor:
+    """Float32 values from their bit patterns (unsigned 32-bit integers)."""
+    unsigned = torch.as_tensor(values, dtype=torch.int64) & 0xFFFFFFFF
+    return torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned).to(torch.int32).view(torch.float32)
+
+
+def bf16_edges() -> torch.Tensor:
+    """The float32 values where VCVTNEPS2BF16 and torch's rounding could part, each with both signs: subnormals
+    (the instruction flushes them to zero; torch rounds them), the largest subnormal (rounds up to the smallest
+    normal bfloat16), the smallest normals, ties to even and their neighbours, the values that round up to inf,
+    inf, NaNs with payloads (signalling and quiet), and zero."""
+    edges = [0x00000000, 0x00000001, 0x00007FFF, 0x00008000, 0x00008001, 0x00018000, 0x00400000, 0x00412345,
+             0x007F7FFF, 0x007F8000, 0x007FFFFF,  # zero, subnormals
+             0x00800000, 0x00800001, 0x00808000, 0x00818000,  # the smallest normal, ties above it
+             0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x3F80FFFF,  # ties to even, their neighbours
+             0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000,  # the largest that stays finite; round to inf; inf
+             0x7F800001, 0x7F810000, 0x7FA00000, 0x7FBFFFFF, 0x7FC00000, 0x7FC12345, 0x7FFFFFFF]  # NaNs  # fmt: skip
+    return from_bits(edges + [e | 0x80000000 for e in edges])
+
+
+def bf16_values(n: int, seed: int) -> torch.Tensor:
+    """`bf16_edges`, then random bit patterns of every exponent, random subnormals, and vectors of normal values
+    with one subnormal at each of the 16 lanes (a lone lane that needs the fix-up among lanes that do not), then
+    random normal values: `n` values at least."""
+    gen = torch.Generator().manual_seed(seed)
+    sign = torch.randint(0, 2, (256,), generator=gen, dtype=torch.int64) << 31
+    subnormal = sign | torch.randint(1, 2**23, (256,), generator=gen, dtype=torch.int64)
+    lone = torch.randn(16, 16, generator=gen)
+    lone[torch.arange(16), torch.arange(16)] = from_bits(subnormal[:16])
+    parts = [bf16_edges(), from_bits(torch.randint(0, 2**32, (1024,), generator=gen, dtype=torch.int64)),
+             from_bits(subnormal), lone.flatten()]  # fmt: skip
+    rest = max(0, n - sum(x.numel() for x in parts))
+    return torch.cat([*parts, torch.randn(rest, generator=gen) * 100])
+
+
+def bf16_rule(x: torch.Tensor) -> torch.Tensor:
+    """fzero's bfloat16 of `x`, as int16 bits: torch's `x.to(torch.bfloat16)` (round to nearest even, subnormals
+    rounded too), and a NaN quieted with its sign and top payload bits kept (`x >> 16 | 0x40`). torch's own NaN
+    bits depend on its vector ISA (0x7FC0 on ATEN_CPU_CAPABILITY=default, 0xFFFF on avx2 / avx512), so NaNs are
+    held to fzero's rule, which every compiled path follows."""
+    want = x.to(torch.bfloat16).view(torch.int16)
+    quiet = ((x.view(torch.int32) >> 16) | 0x40).to(torch.int16)  # (arithmetic shift: the sign stays in bit 15)
+    return torch.where(x.isnan(), quiet, want)
+
+
+def bf16_copy(kernel: str, isa: str, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A step of `kernel` on path `isa` that leaves the parameters' values as they are (lr 0, zero gradients and
+    state) and writes the bfloat16 copy into `out`; returns the new float32 parameters, whose rounding `out` is."""
+    native.set_isa(isa)
+    p = p.clone()
+    zero = torch.zeros_like(p)
+    if kernel == "adam":
+        native.adam_step(p, zero, zero.clone(), zero.clone(), step=1, lr=0.0, out=out)
+    elif kernel == "lion":
+        native.lion_step(p, zero, zero.clone(), lr=0.0, out=out)
+    else:
+        native.adagrad_step(p, zero, zero.clone(), step=1, lr=0.0, out=out)
+    return p
+
+
+@needs_bf16_hw
+@pytest.mark.parametrize("kernel", ["adam", "lion", "adagrad"])
+def test_bf16_hw_copy_out_is_torch_cast_bitwise(kernel):
+    """The avx512bf16 path's copy-out is bitwise `params.to(torch.bfloat16)` (NaNs: fzero's rule, `bf16_rule`)
+    and bitwise the scalar and avx512 paths' copy, for every edge of the rounding, subnormals of both signs alone in
+    a vector or among others, and random values."""
+    p = bf16_values(8192, 0)
+    outs = {}
+    for isa in ("scalar", "avx512", BF16_HW):
+        out = torch.empty(p.shape, dtype=torch.bfloat16)
+        pk = bf16_copy(kernel, isa, p, out)
+        nan = p.isnan()
+        # the values stay (by value: Lion's p * 1 + 0 turns -0 into +0); the copy is held to the new bits
+        assert torch.equal(pk.isnan(), nan) and torch.equal(pk[~nan], p[~nan]), (kernel, isa)
+        got = out.view(torch.int16)
+        wrong = (got != bf16_rule(pk)).nonzero().flatten()[:5].tolist()
+        assert not wrong, (
+            kernel,
+            isa,
+            [(hex(int(bits(pk)[i]) & 0xFFFFFFFF), hex(int(got[i]) & 0xFFFF)) for i in wrong],
+        )
+        outs[isa] = got
+    assert torch.equal(outs[BF16_HW], outs["scalar"]) and torch.equal(outs[BF16_HW], outs["avx512"]), kernel
+
+
+@needs_bf16_hw
+@pytest.mark.parametrize("kernel", ["adam", "lion", "adagrad"])
+def test_bf16_hw_every_tail_and_offset(kernel):
+    """Lengths 0-79 (every tail below 32 after up to two vectors of 16) at element offsets 0-3 of the parameters
+    and of the copy, in both combinations (unaligned loads, unaligned stores): the avx512bf16 path's copy and
+    parameters bitwise the scalar path's, the copy bitwise `bf16_rule` of the parameters."""
+    pool = bf16_values(4096, 1)
+    start = 0
+    for n in range(80):
+        for offset, out_offset in itertools.product(range(4), repeat=2):
+            values = pool[start % 4000 : start % 4000 + n]
+            start += 37
+            p = torch.empty(n + offset)[offset:].copy_(values)
+            got = {}
+            for isa in ("scalar", BF16_HW):
+                out = torch.full((n + out_offset,), -1.0, dtype=torch.bfloat16)[out_offset:]
+                got[isa] = bits(bf16_copy(kernel, isa, p, out)), out.view(torch.int16)
+            (p_s, out_s), (p_h, out_h) = got["scalar"], got[BF16_HW]
+            where = (kernel, n, offset, out_offset)
+            assert torch.equal(p_h, p_s) and torch.equal(out_h, out_s), where
+            assert torch.equal(out_h, bf16_rule(p_h.view(torch.float32))), where
+
+
+@needs_bf16_hw
+def test_bf16_hw_adam_step_streaming_and_threads():
+    """A full Adam step (gradient factor, AdamW, bfloat16 gradients) over 2^20 + 37 elements with subnormals and
+    NaNs among the parameters: from 2^20 elements on the aligned copy is streamed (non-temporal stores), and the
+    work is split among threads. The avx512bf16 path's parameters, moments and copy, aligned and not, on 1-3
+    threads, are bitwise the scalar path's on one thread, and the copy is `bf16_rule` of the parameters."""
+    n = (1 << 20) + 37
+    gen = torch.Generator().manual_seed(9)
+    p = torch.randn(n, generator=gen)
+    g, m = torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
+    where = torch.randint(0, n, (4096,), generator=gen)
+    p[where] = bf16_values(4096, 2)[:4096]
+    g[where], m[where] = 0, 0  # no update there (0 / eps), so the subnormals stay subnormal (decayed)
+    v = m.square()
+    h = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "decoupled": True,
+         "bias_correction": True, "grad_scale": 0.37}  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run("scalar", p, g, m, v, 3, h, torch.bfloat16)
+        assert torch.equal(want[3].view(torch.int16), bf16_rule(want[0]))
+        assert int((want[0] != 0).logical_and(want[0].abs() < torch.finfo(torch.float32).tiny).sum()) > 200
+        for k in (1, 2, 3):
+            torch.set_num_threads(k)
+            assert_bitwise(run(BF16_HW, p, g, m, v, 3, h, torch.bfloat16), want, (BF16_HW, k))
+            unaligned = torch.empty(n + 1, dtype=torch.bfloat16)[1:]
+            q = p.clone()
+            native.adam_step(q, g, m.clone(), v.clone(), step=3, out=unaligned, **h)
+            assert torch.equal(bits(q), bits(want[0])) and torch.equal(bits(unaligned), bits(want[3])), k
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_hw_path_follows_the_cpu_flags():
+    """`avx512bf16` is offered exactly where the CPU (as the OS reports it) has AVX-512F and AVX512_BF16, is the
+    path chosen there by default, and is refused elsewhere with an error that names it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None:
+        pytest.skip("/proc/cpuinfo has no flags here")
+    has = "avx512f" in flags and "avx512_bf16" in flags and "avx2" in flags
+    assert (BF16_HW in native.supported_isas()) == has, flags
+    if has:
+        native.set_isa(BF16_HW)
+        assert native.isa() == BF16_HW
+        native.set_isa("auto")
+        assert native.isa() == BF16_HW
+    else:
+        with pytest.raises(ValueError, match=f"set_isa: this CPU cannot run the '{BF16_HW}' path"):
+            native.set_isa(BF16_HW)
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter at the repository root (so `tests.support` imports), with `env` and
     without the caller's `FZERO_ISA` (scripts/isa-matrix sets it; these tests choose the path themselves)."""

@@ -166,7 +166,8 @@ def test_forcing_a_path(runs, path):
 def test_an_unknown_path_fails_naming_the_variable(runs):
     r = runs["unknown"]
     assert r.returncode == 1
-    message = "FZERO_ISA: unknown instruction-set path 'fast'; expected one of scalar, avx2, avx512, torch, auto"
+    message = ("FZERO_ISA: unknown instruction-set path 'fast'; expected one of scalar, avx2, avx512, avx512bf16, "
+               "torch, auto")  # fmt: skip
     assert _row(_json(r), "kernel", "selected") == {"status": "FAIL", "value": None, "note": message}
     assert f"fzero report: FAIL kernel.selected: {message}" in r.stderr
     assert _json(r)["exit_code"] == 1 and _json(r)["status"] == "FAIL"

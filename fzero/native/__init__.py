@@ -2,9 +2,10 @@
 statistics.
 
 The C sources are in `native/` at the repository root; `pip install` compiles them with cffi (API mode) into
-`fzero.native._kernel`. Three instruction-set paths are built into that one binary and chosen at run time from
-the CPU's features: `"avx512"` (AVX-512F), `"avx2"` (AVX2 + FMA + F16C) and `"scalar"` (portable C). All three
-give bitwise identical optimizer steps (the same IEEE operations per element in the same order). Where the extension
+`fzero.native._kernel`. Four instruction-set paths are built into that one binary and chosen at run time from
+the CPU's features: `"avx512bf16"` (AVX-512F, the bfloat16 copy-out by AVX512_BF16's `VCVTNEPS2BF16`), `"avx512"`
+(AVX-512F), `"avx2"` (AVX2 + FMA + F16C) and `"scalar"` (portable C). All of them give bitwise identical optimizer
+steps (the same IEEE operations per element in the same order). Where the extension
 is missing (no C compiler at install time), a pure-torch twin with the same signatures runs instead (`"torch"`),
 with one warning.
 
@@ -25,7 +26,7 @@ bitwise what an ungrouped call on its slice with its group's values gives.
     >>> p
     tensor([0.9000, 0.8000, 0.8000, 0.8000])
 
-Choosing the path: `FZERO_ISA=scalar|avx2|avx512|torch|auto` in the environment (read at first use), or
+Choosing the path: `FZERO_ISA=scalar|avx2|avx512|avx512bf16|torch|auto` in the environment (read at first use), or
 `set_isa(...)` (tests use it to run every path on one machine). The kernels run on `torch.get_num_threads()`
 OpenMP threads above `parallel_threshold()` elements and release the GIL.
 

@@ -1,8 +1,9 @@
 """The compiled extension `fzero.native._kernel` and the choice of the instruction-set path its kernels run.
 
-Three paths are built into the one binary and chosen at run time from the CPU's features: `"avx512"`, `"avx2"`
-and `"scalar"`; `"torch"` is the pure-torch twin (`fzero.native.twin`), the only path where the extension is
-missing. The choice is made at first use (`FZERO_ISA`, else the best the CPU supports), or by `set_isa`.
+Four paths are built into the one binary and chosen at run time from the CPU's features: `"avx512bf16"` (the
+AVX-512 path with the bfloat16 copy-out by the AVX512_BF16 instruction `VCVTNEPS2BF16`), `"avx512"`, `"avx2"` and
+`"scalar"`; `"torch"` is the pure-torch twin (`fzero.native.twin`), the only path where the extension is missing.
+The choice is made at first use (`FZERO_ISA`, else the best the CPU supports), or by `set_isa`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ except ImportError as e:  # built without a compiler, or the build failed: the t
     ffi = lib = None
     IMPORT_ERROR = e
 
-ISAS = ("scalar", "avx2", "avx512")
-"""The compiled paths, slowest first."""
-_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+"""The compiled paths, slowest first; each needs what the one before it needs (the C side's FZ_ISA_* codes)."""
+_CODE = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 
 _choice: str | None = None  # None until first use: then "torch" or one of ISAS
 _warned = False
@@ -81,8 +82,8 @@ def supported_isas() -> tuple[str, ...]:
 
 
 def set_isa(name: str | None) -> str | None:
-    """Force a path: `"scalar"`, `"avx2"`, `"avx512"`, `"torch"` (the twin), or `None` / `"auto"` (the best this
-    CPU supports). Overrides `FZERO_ISA`.
+    """Force a path: `"scalar"`, `"avx2"`, `"avx512"`, `"avx512bf16"`, `"torch"` (the twin), or `None` / `"auto"`
+    (the best this CPU supports). Overrides `FZERO_ISA`.
 
     Args:
       name: the path, case and surrounding blanks ignored.
@@ -100,7 +101,7 @@ def set_isa(name: str | None) -> str | None:
 
 
 def isa() -> str:
-    """The path the kernels run: `"avx512"`, `"avx2"`, `"scalar"` or `"torch"` (the twin).
+    """The path the kernels run: `"avx512bf16"`, `"avx512"`, `"avx2"`, `"scalar"` or `"torch"` (the twin).
 
     Returns:
       The path chosen, choosing it now (from `FZERO_ISA`) if none was.
@@ -129,7 +130,7 @@ def _resolve(name: str | None, where: str) -> str:
     if name == "torch":
         return "torch"
     if name not in (*ISAS, "auto"):
-        raise ValueError(f"{where}: unknown instruction-set path {name!r}; expected one of scalar, avx2, avx512, "
+        raise ValueError(f"{where}: unknown instruction-set path {name!r}; expected one of {', '.join(ISAS)}, "
                          "torch, auto")  # fmt: skip
     if lib is None:
         if name != "auto":
