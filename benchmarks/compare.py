@@ -1,7 +1,8 @@
-"""fzero against DDP, FSDP2 and DeepSpeed: step time and peak memory, side by side, on 2 gloo processes.
+"""fzero against DDP, FSDP2 and DeepSpeed: step time and peak memory, side by side, on 2 gloo processes (or
+`--nproc`).
 
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
-                                            [--memory] [--threads 1] [--profile] [--floor]
+                                            [--memory] [--threads 1] [--profile] [--floor] [--nproc 2] [--comm]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -14,9 +15,14 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
 - `fzero-zeroN` (the functional core, `train_step(donate=True)`), `fzero-zeroN-overlap` (the same, each unit's
   reduction overlapped with the backward: `GatherPolicy(overlap_reduce=True)`) and `fzero-shell-zeroN`
-  (`fzero.initialize`, the config's defaults: overlap at stage 3 only, as DeepSpeed).
+  (`fzero.initialize`, the config's defaults: overlap at stage 3 only, as DeepSpeed);
+- ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
+  of 2 consecutive ranks standing for a node): `fzero-hybrid3` (`zero3(hybrid=True)`: sharded over `shard`,
+  averaged over `replicate`), and sharded over all ranks `fzero-hpz3` (`hpz=True`), `fzero-qwz3` (`qwz=True`),
+  `fzero-qgz3` (`qgz=True`), `fzero-zero++3` (all three). They run only when named in `--only` (an even `--nproc`),
+  e.g. `--nproc 4 --only ddp fzero-zero3 fzero-hybrid3 fzero-hpz3 fzero-qwz3 fzero-qgz3 fzero-zero++3`.
 
-Every trainer lives in the same two processes and runs in rotating order, round after round (machine noise hits
+Every trainer lives in the same processes and runs in rotating order, round after round (machine noise hits
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
 ratio to DDP's, with `--floor` its ratio to the floor (the same model's forward + backward alone, without
 communication or optimizer, plus the update alone over a 1/W share of the parameters: the physical limit of a ZeRO
@@ -26,12 +32,21 @@ processes. `--profile` prints instead rank 0's per-phase split of a step (comput
 optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
 time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
 `fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`).
+
+`--nproc N` runs N processes instead of 2 (`--rounds` and `--steps` then default to 3 and 2: on this 2-core machine
+4 processes share the cores). With `--comm`, or whenever a 2-D trainer above runs, every `fzero-zeroN*` and 2-D row
+also gets the bytes per step per rank of one step (rank 0's ledger, the step after one warm-up step, every trainer
+on the same 2-D `DistMesh`: a 1-D `DistMesh` records no bytes, and the 1-D trainers' collectives over all ranks are
+the same on it): the payload per axis (`world`: over all ranks) and the bytes received from outside the rank's
+shard group (`fzero.mesh.Ledger.crossing(shape, "shard")`: the slow, cross-node share when a shard group is a node),
+with `fzero-zero3`'s cross-node bytes over the row's.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import resource
@@ -139,11 +154,38 @@ def deepspeed_engine(stage: int) -> Callable[[nn.Module, str], Step]:
     return build
 
 
-def fzero_core(stage: int, overlap: bool = False) -> Callable[[nn.Module, str], Step]:
-    def build(model: nn.Module, precision: str) -> Step:
-        mesh = fzero.DistMesh()
+def grid(world: int) -> dict[str, int]:
+    """The 2-D trainers' mesh shape for `world` processes: shard groups of 2 consecutive ranks (a node of 2)."""
+    if world % 2:
+        raise ValueError(f"the 2-D trainers need an even number of processes (shard groups of 2), got --nproc {world}")
+    return {"replicate": world // 2, "shard": 2}
+
+
+@functools.cache
+def grid_mesh() -> fzero.DistMesh:
+    """This process's 2-D `DistMesh`, made once and shared by the trainers (its sub-groups are collectives to make)."""
+    return fzero.DistMesh(shape=grid(dist.get_world_size()))
+
+
+def fzero_core(stage: int, overlap: bool = False, two_d: bool = False, **options: bool) -> Callable[..., Step]:
+    """fzero's functional step under `fzero.zero{stage}(..., **options)`.
+
+    Args:
+      stage: the ZeRO stage.
+      overlap: overlap each unit's reduction with the backward (`GatherPolicy(overlap_reduce=True)`).
+      two_d: on `grid_mesh()` instead of the 1-D `DistMesh()`.
+      options: the preset's ZeRO++ and hybrid flags (`hybrid`, `hpz`, `qwz`, `qgz`).
+
+    Returns:
+      `build(model, precision, mesh=None)`; `mesh` overrides the trainer's own (the `--comm` ledger's).
+    """
+
+    def build(model: nn.Module, precision: str, mesh: fzero.DistMesh | None = None) -> Step:
+        if mesh is None:
+            mesh = grid_mesh() if two_d else fzero.DistMesh()
         preset = getattr(fzero, f"zero{stage}")
-        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=True), precision=None if precision == "fp32" else precision)
+        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=True), precision=None if precision == "fp32" else precision,
+                    **options)  # fmt: skip
 
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
             return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
@@ -202,6 +244,13 @@ def floor_update(model: nn.Module, precision: str) -> Step:
 
 
 FLOOR = ("floor-fwdbwd", "floor-update")
+ZEROPP3 = {  # on the 2-D mesh; named in --only to run
+    "fzero-hybrid3": {"hybrid": True},
+    "fzero-hpz3": {"hpz": True},
+    "fzero-qwz3": {"qwz": True},
+    "fzero-qgz3": {"qgz": True},
+    "fzero-zero++3": {"hpz": True, "qwz": True, "qgz": True},
+}
 
 
 def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
@@ -217,7 +266,24 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     for stage in (0, 1, 2, 3):
         out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
+    for name, options in ZEROPP3.items():
+        out[name] = fzero_core(3, two_d=True, **options)
     return out
+
+
+def has_ledger(name: str) -> bool:
+    """Whether the `--comm` table measures trainer `name` (fzero's functional core: its builder takes `mesh=`)."""
+    return name in ZEROPP3 or (name.startswith("fzero-zero") and not name.startswith("fzero-shell"))
+
+
+def step_ledger(name: str, precision: str, data: list[dict[str, torch.Tensor]]) -> dict[str, dict[str, int]]:
+    """One step's ledger (after one warm-up step) of a fresh `name` trainer on `grid_mesh()`, this rank's."""
+    mesh = grid_mesh()
+    step = trainers()[name](copy.deepcopy(make_model()), precision, mesh=mesh)
+    step(data[0])
+    with mesh.record() as ledger:
+        step(data[1 % len(data)])
+    return ledger.as_dict()
 
 
 def batches(rank: int, n: int) -> list[dict[str, torch.Tensor]]:
@@ -260,10 +326,11 @@ def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, pre
                     steps[name](batch)
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / len(data))
+        comm = {name: step_ledger(name, precision, data) for name in steps if args.comm and has_ledger(name)}
         if rank == 0:
             result = {name: statistics.median(t) for name, t in times.items()}
             with open(os.path.join(os.path.dirname(store), f"times-{precision}.json"), "w") as f:
-                json.dump({"median": result, "all": times, "skipped": skipped}, f)
+                json.dump({"median": result, "all": times, "skipped": skipped, "comm": comm}, f)
     finally:
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
@@ -339,18 +406,27 @@ def memory_worker(rank: int, world: int, store: str, name: str, precision: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=None, help="default 5 (3 with --nproc above 2)")
+    parser.add_argument("--steps", type=int, default=None, help="default 4 (2 with --nproc above 2)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--only", nargs="+", default=[n for n in trainers() if n not in FLOOR], choices=list(trainers())
-    )
+    default = [n for n in trainers() if n not in FLOOR and n not in ZEROPP3]
+    parser.add_argument("--only", nargs="+", default=default, choices=list(trainers()))
     parser.add_argument("--floor", action="store_true",
                         help="also time the floor (forward + backward alone, ZeRO's share of the update alone) and "
                         "print every row's ratio to their sum")  # fmt: skip
     parser.add_argument("--memory", action="store_true", help="also peak RSS per rank, each trainer alone")
     parser.add_argument("--profile", action="store_true", help="instead of timing: rank 0's per-phase profile")
+    parser.add_argument("--nproc", type=int, default=2, help="gloo processes (the 2-D trainers: an even number)")
+    comm_help = "also the fzero rows' bytes per step, per axis and cross-node (on with a 2-D row)"
+    parser.add_argument("--comm", action="store_true", help=comm_help)
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 5 if args.nproc <= 2 else 3
+    if args.steps is None:
+        args.steps = 4 if args.nproc <= 2 else 2
+    args.comm = args.comm or any(n in ZEROPP3 for n in args.only)
+    if args.comm:
+        grid(args.nproc)  # an odd count fails here, naming --nproc, not in the workers
     if args.floor:
         args.only = [*args.only, *(n for n in FLOOR if n not in args.only)]
     psi = sum(p.numel() for p in make_model().parameters())
@@ -359,10 +435,12 @@ def main() -> None:
             if args.profile:
                 print(f"\n{precision}: rank 0's self CPU time per step by phase (torch.profiler), {args.steps} steps")
                 store = os.path.join(tmp, f"store-prof-{precision}")
-                mp.start_processes(profile_worker, args=(2, store, args, precision), nprocs=2, start_method="spawn")
+                mp.start_processes(profile_worker, args=(args.nproc, store, args, precision), nprocs=args.nproc,
+                                   start_method="spawn")  # fmt: skip
                 continue
             store = os.path.join(tmp, f"store-{precision}")
-            mp.start_processes(time_worker, args=(2, store, args, precision), nprocs=2, start_method="spawn")
+            mp.start_processes(time_worker, args=(args.nproc, store, args, precision), nprocs=args.nproc,
+                               start_method="spawn")  # fmt: skip
             with open(os.path.join(tmp, f"times-{precision}.json")) as f:
                 times = json.load(f)
             memory = {}
@@ -370,7 +448,8 @@ def main() -> None:
                 for name in times["median"]:
                     print(f"peak memory: {name} ({precision})", flush=True)  # a worker that dies is named
                     store = os.path.join(tmp, f"store-mem-{name}-{precision}")
-                    mp.start_processes(memory_worker, args=(2, store, name, precision), nprocs=2, start_method="spawn")
+                    mp.start_processes(memory_worker, args=(args.nproc, store, name, precision), nprocs=args.nproc,
+                                       start_method="spawn")  # fmt: skip
                     with open(os.path.join(tmp, f"mem-{name}-{precision}.json")) as f:
                         memory[name] = json.load(f)
             report(times, memory, precision, psi, args)
@@ -380,10 +459,10 @@ def report(times: dict, memory: dict, precision: str, psi: int, args: argparse.N
     median = times["median"]
     base = median.get("ddp")
     floor = sum(median[n] for n in FLOOR) if all(n in median for n in FLOOR) else None
-    print(f"\n{precision}: {psi / 1e6:.1f}M parameters, 2 gloo ranks x {args.threads} thread(s), micro-batch {MICRO} x "
-          f"{CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps")  # fmt: skip
+    print(f"\n{precision}: {psi / 1e6:.1f}M parameters, {args.nproc} gloo ranks x {args.threads} thread(s), "
+          f"micro-batch {MICRO} x {CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps")  # fmt: skip
     if floor is not None:
-        print(f"floor (forward + backward alone, plus ZeRO's 1/2 share of the update alone): {floor:.3f} s")
+        print(f"floor (forward + backward alone, plus ZeRO's 1/{args.nproc} share of the update alone): {floor:.3f} s")
     print(f"| trainer | step s | vs DDP |{' vs floor |' if floor else ''}{' peak RSS MiB/rank |' if memory else ''}")
     print(f"|---|---|---|{'---|' if floor else ''}{'---|' if memory else ''}")
     for name, t in median.items():
@@ -393,6 +472,27 @@ def report(times: dict, memory: dict, precision: str, psi: int, args: argparse.N
         print(f"| {name} | {t:.3f} | {ratio} |{over}{mem}")
     for name, why in times["skipped"].items():
         print(f"| {name} | {why} | | {'|' if memory else ''}")
+    if times.get("comm"):
+        report_comm(times["comm"], args.nproc)
+
+
+def report_comm(comm: dict[str, dict], world: int) -> None:
+    """The bytes table: per fzero row, one step's payload per axis and the bytes received from other shard groups."""
+    shape = grid(world)
+    slow = {name: fzero.mesh.Ledger(world, entries).crossing(shape, "shard") for name, entries in comm.items()}
+    print(f"\nbytes per step per rank (rank 0's ledger of one step on DistMesh(shape={shape}); payload: elements x "
+          f"element size; cross-node: received from outside the rank's shard group of {shape['shard']})")  # fmt: skip
+    print("| trainer | world | shard | replicate | cross-node | fzero-zero3 / this |")
+    print("|---|---|---|---|---|---|")
+    for name, entries in comm.items():
+        axes: dict[str, int] = {}
+        for key, entry in entries.items():
+            axis = key.partition(":")[2] or "world"
+            axes[axis] = axes.get(axis, 0) + entry.get("bytes", 0)
+        cells = " | ".join(f"{axes[a]:,}" if a in axes else "-" for a in ("world", "shard", "replicate"))
+        base = slow.get("fzero-zero3")
+        ratio = f"{base / slow[name]:.2f}x" if base and slow[name] else "-"
+        print(f"| {name} | {cells} | {slow[name]:,} | {ratio} |")
 
 
 if __name__ == "__main__":
