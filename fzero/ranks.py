@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .int8 import dequantize, quantize
 from .layout import Layout
-from .mesh import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, done, progress
+from .mesh import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, completed, done, progress
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
@@ -145,12 +145,16 @@ class _DistReduction:
 
     def _advance(self) -> None:
         """Start what the reductions in flight can start now (`fzero.mesh.progress`), oldest first, stopping at the
-        first that cannot: so every rank starts them in unit order."""
+        first that cannot: so every rank starts them in unit order. Then land those that have completed, oldest
+        first (without blocking): their units' gradients are freed as soon as they can be, not when the budget or
+        the end of the backward says so."""
         for unit, i, _ in self.flight:
             if not progress(self.pieces[unit][i]):
                 break
+        while self.flight and completed(cast(Work, self.pieces[self.flight[0][0]][self.flight[0][1]])):
+            self._land(advance=False)
 
-    def _land(self) -> None:
+    def _land(self, advance: bool = True) -> None:
         """Wait for the oldest reduction in flight (which starts what it has not started yet: it is the oldest),
         then advance the others."""
         unit, i, n = self.flight.popleft()
@@ -158,7 +162,8 @@ class _DistReduction:
         pieces[i] = _value(cast(Work, pieces[i]))
         self.elements -= n
         self._fold(unit, pieces)
-        self._advance()
+        if advance:
+            self._advance()
 
     def _fold(self, unit: int, pieces: list[Tensor | Work | None]) -> None:
         """Add the unit's landed pieces, in arrival order up to the first still in flight, into the shard."""

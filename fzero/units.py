@@ -47,7 +47,6 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +54,6 @@ from typing import Any, cast
 
 import optree
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .bind import Unavailable
@@ -85,7 +83,7 @@ class GatherPolicy:
       overlap_reduce: start each unit's reduction as soon as its gradient is complete and go on with the backward
         without waiting for it (a `DistMesh` backend's threads run it); all are waited on before the optimizer.
         The same arithmetic in the same order: results are bitwise those without overlap [`overlap_comm`]. None
-        (the default): where it can pay on this machine (`overlap_pays`), decided by `on(mesh)`.
+        (the default): decided for the mesh by `on(mesh)` (`overlap_pays`: on for several processes).
       reduce_bucket_elements: with `overlap_reduce`, the most gradient elements whose reduction is in flight at
         once: before starting one that would exceed it, the oldest are waited on. In-flight gradients stay alive,
         so this bounds the memory overlap costs [`reduce_bucket_size`].
@@ -132,24 +130,17 @@ class GatherPolicy:
 
 def overlap_pays(mesh: Mesh) -> bool:
     """Whether overlapping each unit's reduction with the backward can make a step faster here: the rule an
-    undecided `GatherPolicy(overlap_reduce=None)` follows.
+    undecided `GatherPolicy(overlap_reduce=None)` follows. On every mesh of several processes; off on a `SimMesh`
+    (one process reduces every rank's part at once: nothing is in flight) or one rank.
 
-    An overlapped reduction runs beside the backward, so it is only hidden where it runs on something the backward
-    does not use. NCCL runs it on the GPU's copy engines and a few of its cores: on (DeepSpeed's and FSDP's
-    default). gloo runs it on the host's CPU, in its own threads (the transfer, and here the sums of the
-    reduce-scatter): it then takes cores from the backward unless the host has cores to spare beyond those the
-    ranks on it compute with (`LOCAL_WORLD_SIZE` ranks, torchrun's; else every rank, x `torch.get_num_threads()`
-    each): on only with at least one spare core per rank. Measured on 2 cores, 2 gloo ranks of 1 thread
-    (`benchmarks/compare.py`, docs/performance.md): overlap made stages 0-2 slower and stage 3 no faster. A
-    `SimMesh` (one process) or one rank has nothing to overlap.
+    Measured where it was most in doubt, on 2 CPU cores shared by 2 gloo ranks of 1 thread
+    (`benchmarks/compare.py`, docs/performance.md): whether the reduction's threads take the backward's cores or
+    not, a rank that need not wait for each unit's reduction does not wait for the other rank either, and the
+    overlapped step was as fast or faster at every stage in every paired run. (NCCL reduces on the accelerator's
+    own engines: there it pays more.) The cost is memory: each unit's gradient stays alive while its reduction is
+    in flight, at most `reduce_bucket_elements` of them.
     """
-    if mesh.stacked or mesh.world == 1:
-        return False
-    if dist.get_backend(getattr(mesh, "group", None)) == "nccl":
-        return True
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or mesh.world)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores - local * torch.get_num_threads() >= local
+    return not mesh.stacked and mesh.world > 1
 
 
 class Abandoned(Exception):

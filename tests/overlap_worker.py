@@ -48,17 +48,5 @@ def run(rank: int, world: int, out_dir: str) -> None:
 
 
 def decisions(mesh: fzero.DistMesh) -> dict[str, bool]:
-    """`GatherPolicy(overlap_reduce=None).on(mesh)` on this gloo mesh, as many ranks per host as cores (every core
-    computing), and one rank alone on the host with one thread (a core to spare, where the host has two)."""
-    import os
-
-    cores = len(os.sched_getaffinity(0))
-    out = {}
-    for name, local in (("every core busy", cores), ("a spare core", 1)):
-        os.environ["LOCAL_WORLD_SIZE"] = str(local)
-        try:
-            out[name] = bool(fzero.GatherPolicy().on(mesh).overlap_reduce)
-        finally:
-            del os.environ["LOCAL_WORLD_SIZE"]
-    out["cores"] = cores
-    return out
+    """`GatherPolicy(overlap_reduce=None).on(mesh)` on this gloo mesh (`fzero.units.overlap_pays`)."""
+    return {"undecided": bool(fzero.GatherPolicy().on(mesh).overlap_reduce)}

@@ -372,9 +372,8 @@ def build_gather_policy(cfg: Config) -> GatherPolicy:
     """The per-unit collectives' schedule from DeepSpeed's knobs: a prefetch bucket of 0 disables prefetching
     (otherwise one unit ahead), `stage3_max_live_parameters` bounds the gathered elements,
     `stage3_param_persistence_threshold` keeps small units gathered for the whole step; `overlap_comm` overlaps
-    each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight (unset: where it can
-    pay on the machine, `fzero.units.overlap_pays`; DeepSpeed's default is on at stage 3 only, which on a CPU
-    without spare cores makes steps slower)."""
+    each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight (unset: decided for
+    the mesh by `fzero.units.overlap_pays`, on for several processes; DeepSpeed's default is on at stage 3 only)."""
     zero = cfg["zero_optimization"]
     overlap = zero["overlap_comm"]
     return GatherPolicy(

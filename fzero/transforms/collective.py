@@ -117,6 +117,9 @@ class _After:
         """The reduction's `progress()` (`_Chained`), if it has one; True (nothing left to start) if not."""
         return progress(self.work)
 
+    def is_completed(self) -> bool:
+        return completed(self.work)
+
 
 class _Chained:
     """Two collectives in flight one after the other as one handle (a hybrid reduction: the reduce-scatter over the
