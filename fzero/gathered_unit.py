@@ -284,8 +284,8 @@ class GatheredUnit:
         if axis is None or self.phase is not Phase.IDLE or not sp.gradients or not torch.is_grad_enabled():
             return
         if self.kept[space] is None:
-            self.kept[space] = sp.ranks.secondary(_alias(self.store(space)), axis)
-            sp.kept_elements += self.kept[space].shape[-1]
+            kept = self.kept[space] = sp.ranks.secondary(_alias(self.store(space)), axis)
+            sp.kept_elements += kept.shape[-1]
             sp.kept_peak = max(sp.kept_peak, sp.kept_elements)
 
     def _drop(self, space: int) -> None:

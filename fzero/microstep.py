@@ -208,7 +208,7 @@ class MicroStep:
         this opens the micro-step's speculation, which it tells as each unit lands (`reducer.landed`)."""
         if self.speculation is None:
             self.speculation = self._speculate()
-        ctx = Context(self.mesh, self.state.layout, overlap=self.policy.overlap_reduce)
+        ctx = Context(self.mesh, self.state.layout, overlap=bool(self.policy.overlap_reduce))  # (decided: `on`)
         return _Reducer(unit_reducer(self.tx), ctx, self.speculation)
 
     # ------------------------------------------------------------------------------- the shell's half (one rank)
