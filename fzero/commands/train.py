@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
 def _zeropp_text(cfg: Any) -> str:
     """What the config's ZeRO++ and MiCS keys do in this run, for the summary line: `", MiCS shard groups of 2"`,
     `", hpZ groups of 2, qwZ, qgZ"`, ... (`""`: nothing)."""
-    from ..config.build import zero_mesh_shape, zeropp_arguments
+    from ..config.zeropp import zero_mesh_shape, zeropp_arguments
 
     on, shape = zeropp_arguments(cfg), zero_mesh_shape(cfg)
     parts = [f"{'MiCS shard' if on.get('hybrid') else 'hpZ'} groups of {shape['shard']}"] if shape else []

@@ -52,6 +52,7 @@ from ..transforms import (
 )
 from ..units import GatherPolicy
 from . import Config, ConfigError
+from .zeropp import zeropp_arguments
 
 __all__ = [
     "GroupSpec",
@@ -64,8 +65,6 @@ __all__ = [
     "optimizer_kind",
     "optimizer_spec",
     "scheduled",
-    "zero_mesh_shape",
-    "zeropp_arguments",
 ]
 
 _DTYPES = {
@@ -400,83 +399,6 @@ def build_loss_scale(cfg: Config) -> Any:
         consecutive_hysteresis=fp16["consecutive_hysteresis"],
         min_loss_scale=float(fp16["min_loss_scale"]),
     )
-
-
-def zero_mesh_shape(cfg: Config) -> dict[str, int] | None:
-    """The mesh the config's hpZ or MiCS asks for on `cfg.world` ranks: `{"replicate": W // n, "shard": n}` (the
-    `shard` axis innermost: groups of `n` consecutive ranks, as DeepSpeed's), or None for the 1-D mesh.
-
-    At stage 3 only (DeepSpeed ignores both keys below it). `mics_shard_size: S` > 0: `n = S`, which must divide
-    W (0.19.6 `runtime/zero/mics_utils.py` `_generate_mics_config`); `S == W` is the 1-D mesh (one shard group:
-    DeepSpeed's replicate all-reduce is over one rank and skipped); `S < W` takes no optimizer offload (0.19.6
-    `runtime/zero/mics.py` `allreduce_mics_shard_grads` raises for gradient shards off the accelerator).
-    `zero_hpz_partition_size: N` > 1: `n = min(N, W)`, which must divide W (0.19.8 `utils/groups.py`
-    `_create_zero_param_parallel_group`); `n == W` is the 1-D mesh (the secondary copy is then the primary shard:
-    plain stage 3), as is any N at world 1.
-
-    Args:
-      cfg: the validated config; `cfg.world` is the data-parallel world size.
-
-    Returns:
-      The mesh shape, or None.
-
-    Raises:
-      ConfigError: the group size does not divide the world size, naming the key.
-    """
-    zero, world = cfg["zero_optimization"], cfg.world
-    if cfg.stage != 3:
-        return None
-    if zero["mics_shard_size"] > 0:
-        n = zero["mics_shard_size"]
-        if world % n:
-            raise ConfigError("zero_optimization.mics_shard_size",
-                              f"{n} does not divide the world size {world}: MiCS shards over groups of {n} "
-                              "consecutive ranks (DeepSpeed's rule)")  # fmt: skip
-        if n < world and zero["offload_optimizer"]["device"] != "none":
-            raise ConfigError("zero_optimization.mics_shard_size",
-                              f"{n} < the world size {world} with offload_optimizer: DeepSpeed's MiCS all-reduces "
-                              "the gradient shards across its groups on the accelerator only (\"Local sharding has "
-                              "no support for CPU offloading\")")  # fmt: skip
-    elif zero["zero_hpz_partition_size"] > 1:
-        n = min(zero["zero_hpz_partition_size"], world)
-        if world % n:
-            raise ConfigError("zero_optimization.zero_hpz_partition_size",
-                              f"{n} does not divide the world size {world}: hpZ's secondary partition is over "
-                              f"groups of {n} consecutive ranks (DeepSpeed's rule)")  # fmt: skip
-    else:
-        return None
-    return None if n == world else {"replicate": world // n, "shard": n}
-
-
-def zeropp_arguments(cfg: Config) -> dict[str, Any]:
-    """The `fzero.zero3` keywords of the config's ZeRO++ and MiCS keys, only those that are on (`{}` below stage 3,
-    where DeepSpeed ignores them): `hpz=True` or `hybrid=True` where `zero_mesh_shape` is 2-D (the transform must
-    then run on a mesh of that shape), `qwz` and `qwz_frozen` for `zero_quantized_weights` (DeepSpeed's qwZ
-    quantizes the gathers of frozen parameters too), `qwz_frozen` for `zero_quantized_nontrainable_weights`, `qgz`
-    for `zero_quantized_gradients` (none with MiCS: DeepSpeed's MiCS optimizer quantizes nothing).
-    `mics_hierarchical_params_gather` changes only how DeepSpeed schedules MiCS's all-gather (inter-node, then
-    intra-node), not the gathered values: it has no counterpart.
-
-    Raises:
-      ConfigError: as `zero_mesh_shape`.
-    """
-    if cfg.stage != 3:
-        return {}
-    zero = cfg["zero_optimization"]
-    mics = zero["mics_shard_size"] > 0
-    out: dict[str, Any] = {}
-    if zero_mesh_shape(cfg) is not None:
-        out["hybrid" if mics else "hpz"] = True
-    if not mics:
-        # DeepSpeed's qwZ quantizes every gather (0.19.8 `partitioned_param_coordinator.py` `__all_gather_params`:
-        # all parameters not stored int8, frozen ones included); `zero_quantized_nontrainable_weights` the frozen ones
-        if zero["zero_quantized_weights"]:
-            out.update(qwz=True, qwz_frozen=True)
-        if zero["zero_quantized_nontrainable_weights"]:
-            out["qwz_frozen"] = True
-        if zero["zero_quantized_gradients"]:
-            out["qgz"] = True
-    return out
 
 
 def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:

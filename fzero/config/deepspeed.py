@@ -16,7 +16,7 @@ Three kinds of keys:
 
 ZeRO++ (`zero_hpz_partition_size`, `zero_quantized_weights`, `zero_quantized_nontrainable_weights`,
 `zero_quantized_gradients`) and MiCS (`mics_shard_size`, `mics_hierarchical_params_gather`) act at stage 3, as in
-DeepSpeed, and are ignored with a `ConfigWarning` below it; `fzero.config.build.zero_mesh_shape` and
+DeepSpeed, and are ignored with a `ConfigWarning` below it; `fzero.config.zeropp.zero_mesh_shape` and
 `zeropp_arguments` turn them into the mesh and the `fzero.zero3` arguments (docs/hybrid.md, "From a DeepSpeed
 config").
 
@@ -53,6 +53,7 @@ from .schema import (
     Tagged,
     off,
 )
+from .zeropp import zeropp_checks, zeropp_top_checks
 
 __all__ = ["SCHEMA"]
 
@@ -120,57 +121,7 @@ def _zero_checks(values: dict[str, Any], path: str) -> None:
     if values["allgather_bucket_size"] % 2:
         raise ConfigError(f"{path}.allgather_bucket_size", "must be a multiple of 2 (DeepSpeed's rule)")
     check_offload(values, path)
-    _zeropp_checks(values, path)
-
-
-def _zeropp_checks(values: dict[str, Any], path: str) -> None:
-    """ZeRO++ (hpZ, qwZ, qgZ) and MiCS: the stages and combinations DeepSpeed applies them at (the rules that
-    depend on the world size are `fzero.config.build.zero_mesh_shape`'s).
-
-    DeepSpeed hands these keys to its stage-3 optimizer only (0.19.8 `runtime/engine.py` `_configure_zero_optimizer`,
-    MiCS in 0.19.6's): at stages 0-2 they are no-ops there, so here too, with a `ConfigWarning`. With MiCS,
-    DeepSpeed's optimizer gets neither qgZ's all-to-all groups nor hpZ's size, and its gather drops the
-    quantization (0.19.6 `runtime/zero/mics.py`).
-    """
-    hpz, mics = values["zero_hpz_partition_size"] > 1, values["mics_shard_size"] > 0
-    on = {
-        "zero_hpz_partition_size": hpz,
-        "zero_quantized_weights": values["zero_quantized_weights"],
-        "zero_quantized_nontrainable_weights": values["zero_quantized_nontrainable_weights"],
-        "zero_quantized_gradients": values["zero_quantized_gradients"],
-        "mics_shard_size": mics,
-        "mics_hierarchical_params_gather": values["mics_hierarchical_params_gather"],
-    }
-    if values["stage"] < 3:
-        _ignored([k for k, v in on.items() if v], path, f"at stage {values['stage']}: DeepSpeed applies ZeRO++ and "
-                 "MiCS at stage 3 only")  # fmt: skip
-        return
-    if on["mics_hierarchical_params_gather"] and not mics:
-        _ignored(["mics_hierarchical_params_gather"], path, "without mics_shard_size > 0 (MiCS)")
-    if not mics:
-        if on["zero_quantized_gradients"] and not values["reduce_scatter"]:
-            raise ConfigError(f"{path}.zero_quantized_gradients",
-                              "needs reduce_scatter true at stage 3 (DeepSpeed's rule: its all-to-all reduce "
-                              "replaces the reduce-scatter)")  # fmt: skip
-        return
-    if hpz:
-        raise ConfigError(f"{path}.zero_hpz_partition_size",
-                          f"{values['zero_hpz_partition_size']} with mics_shard_size {values['mics_shard_size']}: "
-                          "give one of them (hpZ keeps the layout over every rank and a secondary copy per group, "
-                          "MiCS shards within a group; DeepSpeed has no combined mode)")  # fmt: skip
-    if on["zero_quantized_nontrainable_weights"]:
-        raise ConfigError(f"{path}.zero_quantized_nontrainable_weights",
-                          "is not supported with mics_shard_size > 0: DeepSpeed stores the frozen shards as int8, "
-                          "and its MiCS gather all-gathers the shards as stored, without dequantizing")  # fmt: skip
-    _ignored([k for k in ("zero_quantized_weights", "zero_quantized_gradients") if on[k]], path,
-             "with mics_shard_size > 0: DeepSpeed's MiCS optimizer gathers and reduces unquantized")  # fmt: skip
-
-
-def _ignored(keys: list[str], path: str, why: str) -> None:
-    """One `ConfigWarning` naming `keys` (none: nothing) and why DeepSpeed, and so fzero, ignores them."""
-    if keys:
-        names = ", ".join(f"{path}.{k}" for k in keys)
-        warnings.warn(f"{names} {'is' if len(keys) == 1 else 'are'} ignored {why}", ConfigWarning, stacklevel=2)
+    zeropp_checks(values, path)
 
 
 ZERO = Section(
@@ -376,14 +327,7 @@ def _top_checks(values: dict[str, Any], path: str) -> None:
     if values["fp16"]["enabled"] and values["bf16"]["enabled"]:
         raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled")
     _bf16_master_checks(values)
-    zero = values["zero_optimization"]
-    qgz = zero["stage"] == 3 and zero["zero_quantized_gradients"] and zero["mics_shard_size"] <= 0
-    if qgz and (values["prescale_gradients"] or values["gradient_predivide_factor"] != 1.0):
-        raise ConfigError(
-            "zero_optimization.zero_quantized_gradients",
-            "takes no prescale_gradients or gradient_predivide_factor: qgZ quantizes with its own scales and "
-            "divides after the sum (and DeepSpeed's stage 3 refuses a predivide factor with reduce_scatter)",
-        )
+    zeropp_top_checks(values)
 
 
 def _bf16_master_checks(values: dict[str, Any]) -> None:

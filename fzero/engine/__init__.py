@@ -36,9 +36,9 @@ from ..config.build import (
     group_keys,
     optimizer_kind,
     optimizer_spec,
-    zero_mesh_shape,
 )
 from ..config.build import scheduled as with_schedule
+from ..config.zeropp import zero_mesh_shape
 from ..mesh import DistMesh, Mesh, SimMesh
 from ..precision import round_params
 from .client import OptimizerView, client_spec, live, trainable_params
@@ -92,7 +92,7 @@ def default_mesh() -> Mesh:
 
 def config_mesh(cfg: Config, mesh: Mesh, given: bool) -> Mesh:
     """The mesh the config trains on: `mesh`, or, where ZeRO++ hpZ or MiCS asks for a 2-D mesh
-    (`fzero.config.build.zero_mesh_shape`), a `DistMesh` of that shape over `mesh`'s group (its sub-groups made
+    (`fzero.config.zeropp.zero_mesh_shape`), a `DistMesh` of that shape over `mesh`'s group (its sub-groups made
     with `new_group`, on every rank alike).
 
     Args:
