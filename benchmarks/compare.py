@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
                                             [--memory] [--threads 1] [--profile] [--floor] [--nproc 2] [--comm]
+                                            [--sweep 6,12,24]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -40,12 +41,20 @@ on the same 2-D `DistMesh`: a 1-D `DistMesh` records no bytes, and the 1-D train
 the same on it): the payload per axis (`world`: over all ranks) and the bytes received from outside the rank's
 shard group (`fzero.mesh.Ledger.crossing(shape, "shard")`: the slow, cross-node share when a shard group is a node),
 with `fzero-zero3`'s cross-node bytes over the row's.
+
+`--sweep 6,12,24` repeats the run for each layer count (the model otherwise the same; `--only` then defaults to
+`ddp fsdp2-zero3 deepspeed-zero3 fzero-zero3 fzero-shell-zero3`): each size is timed in its own processes, every
+row as a ratio to DDP's in the same run, and with `--memory` each trainer alone per size. It prints one table per
+metric, a row per trainer and a column per size, with each row's ratio-to-DDP trend from the smallest to the largest
+size (flat: within 5%) and, for the fzero rows, whether their peak RSS is at most FSDP2's and DeepSpeed's at stage 3
+at every size. A memory worker that dies is named and its cell left empty rather than ending the sweep.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -74,10 +83,11 @@ MICRO, LR, WD = 4, 1e-4, 0.01
 Step = Callable[[dict[str, torch.Tensor]], None]
 
 
-def make_model() -> GPT:
+def make_model(n_layer: int = CFG.n_layer) -> GPT:
+    """The benchmark's model, `CFG` with `n_layer` blocks (seed 0, an untied head)."""
     torch.manual_seed(0)
-    model = GPT(CFG)
-    model.head.weight = nn.Parameter(torch.randn(CFG.vocab_size, CFG.d_model) * 0.02)  # untied: 27.3M
+    model = GPT(dataclasses.replace(CFG, n_layer=n_layer))
+    model.head.weight = nn.Parameter(torch.randn(CFG.vocab_size, CFG.d_model) * 0.02)  # untied: 27.3M at 6 layers
     return model
 
 
@@ -244,6 +254,8 @@ def floor_update(model: nn.Module, precision: str) -> Step:
 
 
 FLOOR = ("floor-fwdbwd", "floor-update")
+SWEEP = ("ddp", "fsdp2-zero3", "deepspeed-zero3", "fzero-zero3", "fzero-shell-zero3")  # --sweep's default --only
+PEERS3 = ("fsdp2-zero3", "deepspeed-zero3")  # --sweep: the stage-3 peak RSS that fzero's rows should stay within
 ZEROPP3 = {  # on the 2-D mesh; named in --only to run
     "fzero-hybrid3": {"hybrid": True},
     "fzero-hpz3": {"hpz": True},
@@ -276,10 +288,12 @@ def has_ledger(name: str) -> bool:
     return name in ZEROPP3 or (name.startswith("fzero-zero") and not name.startswith("fzero-shell"))
 
 
-def step_ledger(name: str, precision: str, data: list[dict[str, torch.Tensor]]) -> dict[str, dict[str, int]]:
+def step_ledger(
+    name: str, precision: str, data: list[dict[str, torch.Tensor]], n_layer: int = CFG.n_layer
+) -> dict[str, dict[str, int]]:
     """One step's ledger (after one warm-up step) of a fresh `name` trainer on `grid_mesh()`, this rank's."""
     mesh = grid_mesh()
-    step = trainers()[name](copy.deepcopy(make_model()), precision, mesh=mesh)
+    step = trainers()[name](copy.deepcopy(make_model(n_layer)), precision, mesh=mesh)
     step(data[0])
     with mesh.record() as ledger:
         step(data[1 % len(data)])
@@ -292,11 +306,11 @@ def batches(rank: int, n: int) -> list[dict[str, torch.Tensor]]:
     return [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
 
 
-def build_all(names: list[str], precision: str) -> tuple[dict[str, Step], dict[str, str]]:
+def build_all(names: list[str], precision: str, n_layer: int = CFG.n_layer) -> tuple[dict[str, Step], dict[str, str]]:
     steps, skipped = {}, {}
     for name in names:
         try:
-            steps[name] = trainers()[name](copy.deepcopy(make_model()), precision)
+            steps[name] = trainers()[name](copy.deepcopy(make_model(n_layer)), precision)
         except ImportError as e:  # DeepSpeed not installed
             skipped[name] = f"not installed ({e.name})"
     return steps, skipped
@@ -308,10 +322,12 @@ def init(rank: int, world: int, store: str, threads: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
 
-def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, precision: str) -> None:
+def time_worker(
+    rank: int, world: int, store: str, args: argparse.Namespace, precision: str, n_layer: int = CFG.n_layer
+) -> None:
     init(rank, world, store, args.threads)
     try:
-        steps, skipped = build_all(args.only, precision)
+        steps, skipped = build_all(args.only, precision, n_layer)
         data = batches(rank, args.steps)
         for step in steps.values():  # warm-up: two steps each
             step(data[0])
@@ -326,7 +342,7 @@ def time_worker(rank: int, world: int, store: str, args: argparse.Namespace, pre
                     steps[name](batch)
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / len(data))
-        comm = {name: step_ledger(name, precision, data) for name in steps if args.comm and has_ledger(name)}
+        comm = {name: step_ledger(name, precision, data, n_layer) for name in steps if args.comm and has_ledger(name)}
         if rank == 0:
             result = {name: statistics.median(t) for name, t in times.items()}
             with open(os.path.join(os.path.dirname(store), f"times-{precision}.json"), "w") as f:
@@ -387,10 +403,10 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
 
-def memory_worker(rank: int, world: int, store: str, name: str, precision: str) -> None:
+def memory_worker(rank: int, world: int, store: str, name: str, precision: str, n_layer: int = CFG.n_layer) -> None:
     init(rank, world, store, 1)
     try:
-        steps, _ = build_all([name], precision)
+        steps, _ = build_all([name], precision, n_layer)
         if name in steps:
             for batch in batches(rank, 3):
                 steps[name](batch)
@@ -403,14 +419,64 @@ def memory_worker(rank: int, world: int, store: str, name: str, precision: str) 
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
 
+def layer_counts(text: str) -> list[int]:
+    """`--sweep`'s layer counts: "6,12,24" -> [6, 12, 24]."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--sweep takes layer counts separated by commas (6,12,24), got {text!r}"
+        ) from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--sweep takes positive layer counts, got {text!r}")
+    return counts
+
+
+def measure(tmp: str, precision: str, args: argparse.Namespace, n_layer: int = CFG.n_layer) -> tuple[dict, dict]:
+    """Times `args.only` together in one set of processes and, with `--memory`, each alone in fresh ones.
+
+    Args:
+      tmp: an empty folder for the process-group stores and the workers' result files.
+      precision: "fp32" or "bf16".
+      args: the parsed command line.
+      n_layer: the model's layer count.
+
+    Returns:
+      `(times, memory)`: the time workers' results (`median`, `all`, `skipped`, `comm`) and the peak RSS per rank in
+      MiB by trainer (`None` for one skipped, or, under `--sweep`, one whose memory worker died).
+    """
+    store = os.path.join(tmp, f"store-{precision}")
+    mp.start_processes(time_worker, args=(args.nproc, store, args, precision, n_layer), nprocs=args.nproc,
+                       start_method="spawn")  # fmt: skip
+    with open(os.path.join(tmp, f"times-{precision}.json")) as f:
+        times = json.load(f)
+    memory = {}
+    for name in times["median"] if args.memory else ():
+        sized = f", {n_layer} layers" if args.sweep else ""
+        print(f"peak memory: {name} ({precision}{sized})", flush=True)  # a worker that dies is named
+        store = os.path.join(tmp, f"store-mem-{name}-{precision}")
+        try:
+            mp.start_processes(memory_worker, args=(args.nproc, store, name, precision, n_layer), nprocs=args.nproc,
+                               start_method="spawn")  # fmt: skip
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            if not args.sweep:
+                raise
+            print(f"peak memory: {name} ({precision}{sized}): the worker died: {e}", flush=True)  # keep the sweep
+            memory[name] = None
+            continue
+        with open(os.path.join(tmp, f"mem-{name}-{precision}.json")) as f:
+            memory[name] = json.load(f)
+    return times, memory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=None, help="default 5 (3 with --nproc above 2)")
     parser.add_argument("--steps", type=int, default=None, help="default 4 (2 with --nproc above 2)")
     parser.add_argument("--threads", type=int, default=1)
-    default = [n for n in trainers() if n not in FLOOR and n not in ZEROPP3]
-    parser.add_argument("--only", nargs="+", default=default, choices=list(trainers()))
+    parser.add_argument("--only", nargs="+", default=None, choices=list(trainers()),
+                        help="default: every 1-D trainer (with --sweep: " + " ".join(SWEEP) + ")")  # fmt: skip
     parser.add_argument("--floor", action="store_true",
                         help="also time the floor (forward + backward alone, ZeRO's share of the update alone) and "
                         "print every row's ratio to their sum")  # fmt: skip
@@ -419,7 +485,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="gloo processes (the 2-D trainers: an even number)")
     comm_help = "also the fzero rows' bytes per step, per axis and cross-node (on with a 2-D row)"
     parser.add_argument("--comm", action="store_true", help=comm_help)
+    parser.add_argument("--sweep", type=layer_counts, default=None, metavar="L1,L2,...",
+                        help="repeat for each layer count; one table per metric, a column per size")  # fmt: skip
     args = parser.parse_args()
+    if args.sweep and args.profile:
+        parser.error("--sweep times and measures memory; --profile profiles one size: give one of them")
+    if args.only is None:
+        args.only = list(SWEEP) if args.sweep else [n for n in trainers() if n not in FLOOR and n not in ZEROPP3]
     if args.rounds is None:
         args.rounds = 5 if args.nproc <= 2 else 3
     if args.steps is None:
@@ -429,30 +501,29 @@ def main() -> None:
         grid(args.nproc)  # an odd count fails here, naming --nproc, not in the workers
     if args.floor:
         args.only = [*args.only, *(n for n in FLOOR if n not in args.only)]
-    psi = sum(p.numel() for p in make_model().parameters())
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precision:
+            if args.sweep:
+                runs = {}
+                for n in args.sweep:
+                    print(f"sweep: {n} layers ({precision})", flush=True)
+                    os.mkdir(folder := os.path.join(tmp, f"layers-{n}-{precision}"))
+                    runs[n] = measure(folder, precision, args, n)
+                report_sweep(runs, precision, args)
+                continue
             if args.profile:
                 print(f"\n{precision}: rank 0's self CPU time per step by phase (torch.profiler), {args.steps} steps")
                 store = os.path.join(tmp, f"store-prof-{precision}")
                 mp.start_processes(profile_worker, args=(args.nproc, store, args, precision), nprocs=args.nproc,
                                    start_method="spawn")  # fmt: skip
                 continue
-            store = os.path.join(tmp, f"store-{precision}")
-            mp.start_processes(time_worker, args=(args.nproc, store, args, precision), nprocs=args.nproc,
-                               start_method="spawn")  # fmt: skip
-            with open(os.path.join(tmp, f"times-{precision}.json")) as f:
-                times = json.load(f)
-            memory = {}
-            if args.memory:
-                for name in times["median"]:
-                    print(f"peak memory: {name} ({precision})", flush=True)  # a worker that dies is named
-                    store = os.path.join(tmp, f"store-mem-{name}-{precision}")
-                    mp.start_processes(memory_worker, args=(args.nproc, store, name, precision), nprocs=args.nproc,
-                                       start_method="spawn")  # fmt: skip
-                    with open(os.path.join(tmp, f"mem-{name}-{precision}.json")) as f:
-                        memory[name] = json.load(f)
-            report(times, memory, precision, psi, args)
+            times, memory = measure(tmp, precision, args)
+            report(times, memory, precision, n_params(CFG.n_layer), args)
+
+
+def n_params(n_layer: int) -> int:
+    """The parameter count of `make_model(n_layer)`."""
+    return sum(p.numel() for p in make_model(n_layer).parameters())
 
 
 def report(times: dict, memory: dict, precision: str, psi: int, args: argparse.Namespace) -> None:
@@ -493,6 +564,69 @@ def report_comm(comm: dict[str, dict], world: int) -> None:
         base = slow.get("fzero-zero3")
         ratio = f"{base / slow[name]:.2f}x" if base and slow[name] else "-"
         print(f"| {name} | {cells} | {slow[name]:,} | {ratio} |")
+
+
+def trend(first: float, last: float, tolerance: float = 0.05) -> str:
+    """How a ratio to DDP moved from the smallest to the largest model: flat within `tolerance` (relative), else
+    falling or rising."""
+    change = last / first - 1
+    word = "flat" if abs(change) <= tolerance else ("falling" if change < 0 else "rising")
+    return f"{word} ({first:.2f}x -> {last:.2f}x, {change:+.0%})"
+
+
+def report_sweep(runs: dict[int, tuple[dict, dict]], precision: str, args: argparse.Namespace) -> None:
+    """`--sweep`'s tables: step time as a ratio to DDP and (`--memory`) peak RSS per rank, a column per layer count.
+
+    Args:
+      runs: by layer count, `measure`'s `(times, memory)`.
+      precision: "fp32" or "bf16".
+      args: the parsed command line.
+    """
+    sizes = list(runs)
+    head = " | ".join(f"{n} layers, {n_params(n) / 1e6:.1f}M" for n in sizes)
+    rows = list(dict.fromkeys(name for times, _ in runs.values() for name in times["median"]))
+    print(f"\n{precision} sweep: {args.nproc} gloo ranks x {args.threads} thread(s), micro-batch {MICRO} x "
+          f"{CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps, "
+          "each size in its own processes")  # fmt: skip
+    print("step time: ratio to DDP in the same run (median step s)")
+    print(f"| trainer | {head} | ratio to DDP, {sizes[0]} -> {sizes[-1]} layers |")
+    print(f"|---|{'---|' * len(sizes)}---|")
+    for name in rows:
+        cells, ratios = [], []
+        for times, _ in runs.values():
+            t, base = times["median"].get(name), times["median"].get("ddp")
+            ratios.append(t / base if t and base else None)
+            cells.append("-" if t is None else f"{ratios[-1]:.2f}x ({t:.3f} s)" if base else f"- ({t:.3f} s)")
+        ok = name != "ddp" and len(sizes) > 1 and ratios[0] is not None and ratios[-1] is not None
+        print(f"| {name} | {' | '.join(cells)} | {trend(ratios[0], ratios[-1]) if ok else '-'} |")
+    for n, (times, _) in runs.items():
+        for name, why in times["skipped"].items():
+            print(f"{n} layers: {name} {why}")
+    if any(memory for _, memory in runs.values()):
+        print("peak RSS MiB per rank, each trainer alone (-: skipped or its worker died)")
+        print(f"| trainer | {head} | at most {' and '.join(PEERS3)} at every size |")
+        print(f"|---|{'---|' * len(sizes)}---|")
+        for name in rows:
+            peaks = [memory.get(name) for _, memory in runs.values()]
+            cells = " | ".join("-" if p is None else f"{p:.0f}" for p in peaks)
+            print(f"| {name} | {cells} | {within_peers(name, runs) if name.startswith('fzero') else '-'} |")
+    for n, (times, _) in runs.items():
+        if times.get("comm"):
+            print(f"\n{n} layers:", end="")
+            report_comm(times["comm"], args.nproc)
+
+
+def within_peers(name: str, runs: dict[int, tuple[dict, dict]]) -> str:
+    """Whether row `name`'s peak RSS is at most every `PEERS3` row's at every size: "yes"/"no", with its largest
+    ratio to the smaller peer and the size where it was, or "-" where a size lacks a figure."""
+    worst = None
+    for n, (_, memory) in runs.items():
+        peers = [memory.get(p) for p in PEERS3]
+        if memory.get(name) is None or None in peers:
+            return "-"
+        ratio = memory[name] / min(peers)
+        worst = max(worst or (ratio, n), (ratio, n))
+    return f"{'yes' if worst[0] <= 1 else 'no'} (highest: {worst[0]:.2f}x the smaller, at {worst[1]} layers)"
 
 
 if __name__ == "__main__":
