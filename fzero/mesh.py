@@ -745,26 +745,17 @@ class DistMesh(_LedgerMixin):
         return self._rank
 
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
-        if axis is not None:
-            sub = self._axis(axis)
-            self._log("all_reduce", x.numel(), axis, x.element_size())
-            return sub.all_reduce(x, op)
-        return self.all_reduce_start(x, op).wait()
+        return self.all_reduce_start(x, op, axis).wait()
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
-        if axis is not None:
-            sub = self._axis(axis)
-            _check_chunks(x, sub.world, "reduce_scatter")
-            self._log("reduce_scatter", x.numel(), axis, x.element_size())
-            return sub.reduce_scatter(x, op)
-        return self.reduce_scatter_start(x, op).wait()
+        return self.reduce_scatter_start(x, op, axis).wait()
 
     def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending:
         """Start `all_reduce` (over `axis`: on this rank's group along it): the handle's `wait()` returns the
         result (the backend works meanwhile)."""
         if axis is not None:
             sub = self._axis(axis)
-            self._log("all_reduce", x.numel(), axis, x.element_size())  # (as `all_reduce(axis=)`: the same ledger)
+            self._log("all_reduce", x.numel(), axis, x.element_size())
             return sub.all_reduce_start(x, op)
         self._log("all_reduce", x.numel(), None, x.element_size())
         if self.world == 1:
@@ -779,7 +770,7 @@ class DistMesh(_LedgerMixin):
         if axis is not None:
             sub = self._axis(axis)
             _check_chunks(x, sub.world, "reduce_scatter")
-            self._log("reduce_scatter", x.numel(), axis, x.element_size())  # (as `reduce_scatter(axis=)`)
+            self._log("reduce_scatter", x.numel(), axis, x.element_size())
             return sub.reduce_scatter_start(x, op)
         s = _check_chunks(x, self.world, "reduce_scatter")
         self._log("reduce_scatter", x.numel(), None, x.element_size())
