@@ -260,9 +260,7 @@ class Engine(ConfigAccessors, nn.Module):
         if self._gathered is None or self._gathered[0] is not compute:  # stale after every update (see step)
             # refilled in place: the module's parameters are views of it, so a new buffer would hold the model
             # twice while they still point at the old one
-            old = self._gathered[1] if self._gathered is not None and not self._sim else None  # (sim: world 1)
-            if old is not None and (old.dtype != compute.dtype or old.numel() != state.layout.numel):
-                old = None
+            old = None if self._gathered is None else self._gathered[1]
             self._gathered = (compute, self._local(compute_params(state, self.mesh, out=old)))
         return self._gathered[1]
 
