@@ -27,8 +27,10 @@ would: a `DistMesh`'s backend works on it meanwhile (stages reduce each unit's g
 goes on; a hybrid reduction chains an axis's reduce-scatter and the other's all-reduce), a `SimMesh` has computed it
 already.
 
-A mean is the rank-ordered sum divided by `world` on every implementation, so `SimMesh` and `DistMesh` agree
-bitwise wherever the backend's sum does (always for two ranks).
+A collective never writes the caller's tensor, except an all-reduce given `inplace=True` (the caller hands `x`
+over, e.g. a gradient it has just cast: a `DistMesh` then reduces in it instead of in a copy; a `SimMesh` computes a
+new tensor either way). A mean is the rank-ordered sum divided by `world` on every implementation, so `SimMesh` and
+`DistMesh` agree bitwise wherever the backend's sum does (always for two ranks).
 
 The ledger (`Mesh.record()`) counts, per collective, calls, the logical element count of the operation
 (`elements`: the full buffer size for reduce-scatter and all-gather, twice it for an all-reduce: the ZeRO paper's
@@ -214,11 +216,13 @@ class Mesh(Protocol):
 
     def exchange(self, x: Tensor) -> Tensor: ...
 
-    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False) -> Tensor: ...
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
 
-    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending: ...
+    def all_reduce_start(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False
+    ) -> Ready | Pending: ...
 
     def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending: ...
 
@@ -312,10 +316,12 @@ def _check_chunks(x: Tensor, world: int, what: str) -> int:
 
 
 def _finish(total: Tensor, op: ReduceOp, world: int) -> Tensor:
+    """The reduction's result from its sum `total`, a buffer of the collective's own: divided in place for "mean"
+    (bitwise `total / world`, without a fresh buffer)."""
     if op == "sum" or (op == "mean" and world == 1):  # x / 1 == x bitwise: skip a pass over the buffer
         return total
     if op == "mean":
-        return total / world
+        return total.div_(world)
     raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
 
 
@@ -412,7 +418,7 @@ class SimMesh(_LedgerMixin):
             total = total + x[r]
         return total
 
-    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False) -> Tensor:
         if axis is not None:
             self._rows(x, "all_reduce")
             self._log("all_reduce", x[0].numel(), axis, x.element_size())
@@ -437,7 +443,9 @@ class SimMesh(_LedgerMixin):
         total = _finish(self._sum(x), op, self.world)  # [..., world * s]
         return total.unflatten(-1, (self.world, -1)).movedim(-2, 0).contiguous()
 
-    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready:
+    def all_reduce_start(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False
+    ) -> Ready:
         """`all_reduce` (over `axis`), as a handle (simulated ranks reduce at once)."""
         return Ready(self.all_reduce(x, op, axis=axis))
 
@@ -744,23 +752,26 @@ class DistMesh(_LedgerMixin):
     def rank(self) -> int:
         return self._rank
 
-    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
-        return self.all_reduce_start(x, op, axis).wait()
+    def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False) -> Tensor:
+        return self.all_reduce_start(x, op, axis, inplace).wait()
 
     def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
         return self.reduce_scatter_start(x, op, axis).wait()
 
-    def all_reduce_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending:
+    def all_reduce_start(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False
+    ) -> Ready | Pending:
         """Start `all_reduce` (over `axis`: on this rank's group along it): the handle's `wait()` returns the
-        result (the backend works meanwhile)."""
+        result (the backend works meanwhile); `inplace`: reduce in `x` itself (the caller hands it over), not in a
+        copy."""
         if axis is not None:
             sub = self._axis(axis)
             self._log("all_reduce", x.numel(), axis, x.element_size())
-            return sub.all_reduce_start(x, op)
+            return sub.all_reduce_start(x, op, inplace=inplace)
         self._log("all_reduce", x.numel(), None, x.element_size())
         if self.world == 1:
             return Ready(_finish(x, op, 1))
-        out = x.clone()  # a collective writes in place; the caller's tensor is never touched
+        out = x if inplace and x.is_contiguous() else x.clone()  # gloo reduces in place: never the caller's own
         work = self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(self._guard(work, "all_reduce", x), lambda: _finish(out, op, self.world), out)
 

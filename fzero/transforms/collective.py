@@ -188,19 +188,24 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
 
     avg = average or Average()
 
-    def reduce(x: Tensor, ctx: Context) -> Tensor | Work:
+    def reduce(grads: Tensor, ctx: Context) -> Tensor | Work:
         run = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
-        if avg.is_default:
-            return run(x, "mean")
-        return _averaged(run(avg.before(x, ctx.mesh.world), "sum"), avg, ctx.mesh.world)
+        x = _cast(grads, dtype)
+        if not avg.is_default:
+            x = avg.before(x, ctx.mesh.world)
+        # a cast or a prescale made `x` a tensor of this reduction's own: reduced in place (no copy); the gradient
+        # handed in may be another's (autograd passes one tensor to several inputs): never written
+        op: ReduceOp = "mean" if avg.is_default else "sum"
+        total = run(x, op, inplace=x is not grads)
+        return total if avg.is_default else _averaged(total, avg, ctx.mesh.world)
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "all_reduce")
-        grads = cast(Tensor, reduce(_cast(flow.gradients("all_reduce"), dtype), ctx._replace(overlap=False)))
+        grads = cast(Tensor, reduce(flow.gradients("all_reduce"), ctx._replace(overlap=False)))
         return flow._replace(grads=grads).with_facts(reduced=True), state
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
-        return reduce(_cast(grads, dtype), ctx)
+        return reduce(grads, ctx)
 
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
@@ -258,12 +263,12 @@ def reduce_scatter(
             world = sharding_world(ctx.mesh, axis) * (1 if replicate is None else ctx.mesh.size(replicate))
             total = ctx.mesh.reduce_scatter(avg.before(x, world), "sum", axis=axis)
             if replicate is not None:
-                total = ctx.mesh.all_reduce(total, "sum", axis=replicate)
+                total = ctx.mesh.all_reduce(total, "sum", axis=replicate, inplace=True)
             return avg.after(total, world)
         if axis is None:
             return ctx.mesh.reduce_scatter(x, "mean")
         x = ctx.mesh.reduce_scatter(x, "mean", axis=axis)
-        return x if replicate is None else ctx.mesh.all_reduce(x, "mean", axis=replicate)
+        return x if replicate is None else ctx.mesh.all_reduce(x, "mean", axis=replicate, inplace=True)
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "reduce_scatter")
@@ -280,7 +285,8 @@ def reduce_scatter(
         first = mesh.reduce_scatter_start(x, op) if axis is None else mesh.reduce_scatter_start(x, op, axis=axis)
         handle: Work = first
         if replicate is not None:
-            handle = _Chained(first, lambda shard: mesh.all_reduce_start(shard, op, axis=replicate))
+            # (the shard is the reduce-scatter's own result: reduced in place)
+            handle = _Chained(first, lambda shard: mesh.all_reduce_start(shard, op, axis=replicate, inplace=True))
         return handle if avg.is_default else cast(Work, _averaged(handle, avg, world))
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
