@@ -14,7 +14,8 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   ZeRO-3-like; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), torch's AdamW;
 - `deepspeed-zeroN`: DeepSpeed's engine with the same JSON config, when DeepSpeed is installed (`pip install
   ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
-- `fzero-zeroN` (the functional core, `train_step(donate=True)`), `fzero-zeroN-overlap` (the same, each unit's
+- `fzero-zeroN` (the functional core, `train_step(donate=True)`; the model moved to `meta` after `fzero.init`, which
+  copies its parameters into the state), `fzero-zeroN-overlap` (the same, each unit's
   reduction overlapped with the backward: `GatherPolicy(overlap_reduce=True)`) and `fzero-shell-zeroN`
   (`fzero.initialize`, the config's defaults: overlap at stage 3 only, as DeepSpeed);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
@@ -203,6 +204,7 @@ def fzero_core(stage: int, overlap: bool = False, two_d: bool = False, **options
         policy = fzero.GatherPolicy(overlap_reduce=True) if overlap else None
         train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)
         box = [fzero.init(model, tx, mesh)]
+        model.to("meta")  # the state holds the parameters: free the template's own (as `fully_shard` replaces them)
 
         def step(batch: dict[str, torch.Tensor]) -> None:
             box[0], _ = train(box[0], batch)

@@ -85,8 +85,10 @@ def init(
     """The initial `TrainState` of `model` under `tx` on `mesh`.
 
     The state holds copies: the model's own tensors are never referenced, and training never changes the model
-    (load `fzero.state_dict(state)` into it when you want its parameters). On `DistMesh`, rank 0's values are
-    broadcast so all ranks start equal.
+    (load `fzero.state_dict(state)` into it when you want its parameters). So the model's own parameters are a
+    second copy the steps never read: `model.to("meta")` after `init` frees them (the steps, `eval_step` and
+    `fzero.state_dict` work from the state's), or build the model on `meta` to begin with. On `DistMesh`, rank 0's
+    values are broadcast so all ranks start equal.
 
     Args:
       model: the module; its trainable parameters must share one floating dtype (and so must its frozen ones). On

@@ -128,6 +128,32 @@ def test_evaluation_between_steps_changes_nothing():
 
 
 @pytest.mark.parametrize("preset", ["zero0", "zero1", "zero2", "zero3"])
+def test_the_model_moved_to_meta_after_init_trains_the_same(preset):
+    """`model.to("meta")` right after `fzero.init` (freeing the model's own copy of the parameters, which the
+    state has copied; `fzero.init`'s docstring): GPT-2 (tied head) trains and evaluates bitwise as with the model
+    left alone."""
+    mesh = fzero.SimMesh(2)
+    finals, outputs = [], []
+    for to_meta in (False, True):
+        model = gpt2()
+        tx = getattr(fzero, preset)(fzero.adamw(LR))
+        state = fzero.init(model, tx, mesh)
+        if to_meta:
+            model.to("meta")
+        step = fzero.train_step(model, lm_loss(model), tx, mesh)
+        evaluate = fzero.eval_step(model, lambda p, b, m=model: torch.func.functional_call(m, p, (b["x"],)).logits,
+                                   mesh)  # fmt: skip
+        for batch in BATCHES:
+            state, _ = step(state, batch)
+        model.eval()
+        outputs.append(evaluate(state, BATCHES[0]))
+        finals.append(fzero.state_dict(state))
+    assert all(p.is_meta for p in model.parameters())
+    assert_bitwise(finals[1], finals[0])
+    assert torch.equal(outputs[1], outputs[0])
+
+
+@pytest.mark.parametrize("preset", ["zero0", "zero1", "zero2", "zero3"])
 def test_frozen_tied_embedding(preset):
     """GPT-2 with `wte` frozen (and `lm_head` tied to it): both names in the state dict, the embedding unchanged,
     the rest as plain AdamW trains it; stage 3 shards the frozen embedding and equals stage 2 bitwise."""
