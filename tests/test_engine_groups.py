@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,6 +195,27 @@ def test_client_scheduler_on_the_view_drives_each_group():
     ref_sched = make(ref_opt)
     _bitwise(engine, _torch(ref, ref_opt, _data(), sched=ref_sched))
     assert lrs[1] == [1e-2 / 2, 3e-2 / 2, 1e-2] and engine.get_lr() == ref_sched.get_last_lr()
+
+
+def test_the_view_refuses_a_group_added_after_initialize_and_imports_no_dynamo():
+    """The view's groups are the engine's: a group added afterwards would silently not train, so
+    `add_param_group` refuses it (naming what to do); building the view does not import `torch._dynamo` (torch's
+    own `add_param_group` would: 72 MiB resident for a view that never steps), in a fresh interpreter."""
+    model = mlp([5, 7, 3], 0)
+    _, optimizer, *_ = fzero.initialize(model=model, model_parameters=_groups(model), config=_config())
+    with pytest.raises(RuntimeError, match="add_param_group: the engine trains the parameters given"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert [len(g["params"]) for g in optimizer.param_groups] == [len(g["params"]) for g in _groups(model)]
+    code = (
+        "import sys, torch, fzero\n"
+        "m = torch.nn.Linear(3, 2)\n"
+        "fzero.initialize(model=m, config={'train_micro_batch_size_per_gpu': 1, "
+        "'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}}}, mesh=fzero.SimMesh(1))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 # --------------------------------------------------------------------------------------- client torch.optim groups

@@ -37,10 +37,33 @@ class OptimizerView(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], kind: str) -> None:
         params = list(params) or [nn.Parameter(torch.zeros(0))]
+        self._building = True
         super().__init__(params, defaults)
+        self._building = False
         self.kind = kind
         self.cur_scale = 1.0
         self.overflow = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only while the engine builds the view (from groups `fzero.engine.groups` has checked): the engine trains
+        the parameters it was initialised with, so a group added later would silently not train; refused.
+
+        (torch's own `add_param_group` is wrapped in `torch._disable_dynamo`, whose first call imports
+        `torch._dynamo`: 72 MiB resident and about a second, for a view that never steps.)
+
+        Raises:
+          RuntimeError: called after `initialize`.
+        """
+        if not self._building:
+            raise RuntimeError(
+                "engine.optimizer.add_param_group: the engine trains the parameters given to fzero.initialize (their "
+                "layout is fixed); pass every parameter group there (model_parameters=[...] or the client optimizer)"
+            )
+        params = param_group["params"]  # in place, as torch's: the dict given is the group
+        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+        for key, value in self.defaults.items():
+            param_group.setdefault(key, value)
+        self.param_groups.append(param_group)
 
     @property
     def loss_scale(self) -> float:
