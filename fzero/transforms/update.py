@@ -216,9 +216,16 @@ class _ShardUpdate:
                                                      self.compute_dtype, self.chunk)  # fmt: skip
             return flow._replace(params=params, compute=compute).with_facts(applied=True), state
         compute, cdt = None, self.compute_dtype
-        if cdt is not None and cdt != flow.params.dtype and "out" in self.optimizer.features:
-            compute = kw["out"] = torch.empty(flow.params.shape, dtype=cdt, device=flow.params.device)
+        # a donated step's compute copy (this rank's, as the parameters) is rewritten in place: a fresh buffer of
+        # that size would fault in page by page every step
+        old = flow.compute
+        reuse = ctx.donate and old is not None and old.shape == flow.params.shape and old.dtype == cdt
+        fused = cdt is not None and cdt != flow.params.dtype and "out" in self.optimizer.features
+        if fused:
+            compute = kw["out"] = old if reuse else torch.empty(flow.params.shape, dtype=cdt, device=flow.params.device)
         params, state = self.optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
+        if reuse and not fused and cdt != params.dtype:
+            compute = cast(Tensor, old).copy_(params)  # the rounding `gather`'s cast would make (to nearest even)
         return flow._replace(params=params, compute=compute).with_facts(applied=True), state
 
 
