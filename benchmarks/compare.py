@@ -14,10 +14,10 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   ZeRO-3-like; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), torch's AdamW;
 - `deepspeed-zeroN`: DeepSpeed's engine with the same JSON config, when DeepSpeed is installed (`pip install
   ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
-- `fzero-zeroN` (the functional core, `train_step(donate=True)`; the model moved to `meta` after `fzero.init`, which
-  copies its parameters into the state), `fzero-zeroN-overlap` (the same, each unit's
-  reduction overlapped with the backward: `GatherPolicy(overlap_reduce=True)`) and `fzero-shell-zeroN`
-  (`fzero.initialize`, the config's defaults: overlap at stage 3 only, as DeepSpeed);
+- `fzero-zeroN` (the functional core, `train_step(donate=True)`, its defaults: each unit's reduction overlapped with
+  the backward on a mesh of several processes; the model moved to `meta` after `fzero.init`, which copies its
+  parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
+  `GatherPolicy(overlap_reduce=False)`) and `fzero-shell-zeroN` (`fzero.initialize`, the config's defaults);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
   of 2 consecutive ranks standing for a node): `fzero-hybrid3` (`zero3(hybrid=True)`: sharded over `shard`,
   averaged over `replicate`), and sharded over all ranks `fzero-hpz3` (`hpz=True`), `fzero-qwz3` (`qwz=True`),
@@ -178,12 +178,13 @@ def grid_mesh() -> fzero.DistMesh:
     return fzero.DistMesh(shape=grid(dist.get_world_size()))
 
 
-def fzero_core(stage: int, overlap: bool = False, two_d: bool = False, **options: bool) -> Callable[..., Step]:
+def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **options: bool) -> Callable[..., Step]:
     """fzero's functional step under `fzero.zero{stage}(..., **options)`.
 
     Args:
       stage: the ZeRO stage.
-      overlap: overlap each unit's reduction with the backward (`GatherPolicy(overlap_reduce=True)`).
+      overlap: overlap each unit's reduction with the backward (`GatherPolicy(overlap_reduce=...)`; None: the
+        default, decided by the mesh).
       two_d: on `grid_mesh()` instead of the 1-D `DistMesh()`.
       options: the preset's ZeRO++ and hybrid flags (`hybrid`, `hpz`, `qwz`, `qgz`).
 
@@ -201,7 +202,7 @@ def fzero_core(stage: int, overlap: bool = False, two_d: bool = False, **options
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
             return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
 
-        policy = fzero.GatherPolicy(overlap_reduce=True) if overlap else None
+        policy = None if overlap is None else fzero.GatherPolicy(overlap_reduce=overlap)
         train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)
         box = [fzero.init(model, tx, mesh)]
         model.to("meta")  # the state holds the parameters: free the template's own (as `fully_shard` replaces them)
@@ -276,7 +277,7 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     for stage in (0, 1, 2, 3):
         out[f"fzero-zero{stage}"] = fzero_core(stage)
     for stage in (0, 1, 2, 3):
-        out[f"fzero-zero{stage}-overlap"] = fzero_core(stage, overlap=True)
+        out[f"fzero-zero{stage}-serial"] = fzero_core(stage, overlap=False)
     for stage in (0, 1, 2, 3):
         out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
