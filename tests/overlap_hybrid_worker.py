@@ -111,11 +111,28 @@ def starts(mesh: fzero.DistMesh, rank: int) -> dict[str, object]:
     return out
 
 
+def one_rank_shards(rank: int) -> dict[str, bool]:
+    """On a (4, 1) mesh a unit's reduce-scatter over the one-rank `shard` axis returns its input: the all-reduce
+    over `replicate` that follows must not reduce in it (it is the caller's gradient). Per average and overlap:
+    the input unchanged and the result the mean over the ranks."""
+    mesh = fzero.DistMesh(shape={"replicate": 4, "shard": 1})
+    rows = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+    out = {}
+    for average, avg in AVERAGES.items():
+        tx = fzero.reduce_scatter(axis="shard", replicate="replicate", average=avg)
+        for overlap in (False, True):
+            x = rows[rank].clone()
+            got = tx.unit(x, 0, fzero.Context(mesh, None, overlap=overlap))  # type: ignore[arg-type]
+            got = got if isinstance(got, torch.Tensor) else got.wait()
+            out[f"{average}-{overlap}"] = torch.equal(x, rows[rank]) and torch.allclose(got, rows.mean(0))
+    return out
+
+
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_worker(rank, world, f"{out_dir}/store")
     mesh = fzero.DistMesh(shape=SHAPE)
-    results: dict[str, object] = {"starts": starts(mesh, rank), "cases": {}}
+    results: dict[str, object] = {"starts": starts(mesh, rank), "one_rank_shards": one_rank_shards(rank), "cases": {}}
     for case in CASES:
         runs = {}
         for key, budget in BUDGETS.items():

@@ -40,6 +40,9 @@ def test_overlapped_hybrid_on_four_gloo_processes(tmp_path):
             assert r["equal"] and r["same_ledger"], (rank, key)
             assert r["ledger"]  # (something was recorded: under "{collective}:{axis}")
             assert all(k.endswith(":" + key.split("-")[0]) for k in r["ledger"]), (rank, key, r["ledger"])
+        # a one-rank shard axis: the replicate all-reduce never writes the caller's gradient
+        kept = results["one_rank_shards"]
+        assert kept and all(kept.values()), (rank, kept)
         assert results["cases"].keys() == {worker.name(*c) for c in worker.CASES}
         for case in worker.CASES:
             runs = results["cases"][worker.name(*case)]

@@ -258,17 +258,21 @@ def reduce_scatter(
 
     avg = average or Average()
 
+    # The all-reduce over `replicate` reduces the reduce-scatter's result in place, which is its own buffer unless
+    # the shard axis has one rank (then it is the input itself, the caller's: copied as any collective's input).
+
     def reduce(x: Tensor, ctx: Context) -> Tensor:
         if not avg.is_default:  # one sum over every rank averaged over, then the one division
             world = sharding_world(ctx.mesh, axis) * (1 if replicate is None else ctx.mesh.size(replicate))
             total = ctx.mesh.reduce_scatter(avg.before(x, world), "sum", axis=axis)
             if replicate is not None:
-                total = ctx.mesh.all_reduce(total, "sum", axis=replicate, inplace=True)
+                total = ctx.mesh.all_reduce(total, "sum", axis=replicate, inplace=total is not x)
             return avg.after(total, world)
         if axis is None:
             return ctx.mesh.reduce_scatter(x, "mean")
-        x = ctx.mesh.reduce_scatter(x, "mean", axis=axis)
-        return x if replicate is None else ctx.mesh.all_reduce(x, "mean", axis=replicate, inplace=True)
+        shard = ctx.mesh.reduce_scatter(x, "mean", axis=axis)
+        return shard if replicate is None else ctx.mesh.all_reduce(shard, "mean", axis=replicate,
+                                                                   inplace=shard is not x)  # fmt: skip
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "reduce_scatter")
@@ -280,13 +284,13 @@ def reduce_scatter(
         reduction's all-reduce starts once its reduce-scatter has completed (`_Chained`)."""
         mesh, world = ctx.mesh, sharding_world(ctx.mesh, axis) * (1 if replicate is None else ctx.mesh.size(replicate))
         op: ReduceOp = "mean" if avg.is_default else "sum"
-        x = x if avg.is_default else avg.before(x, world)
+        y = x if avg.is_default else avg.before(x, world)
         # (axis= only for a named axis: a 1-D mesh's `*_start` need not take it)
-        first = mesh.reduce_scatter_start(x, op) if axis is None else mesh.reduce_scatter_start(x, op, axis=axis)
+        first = mesh.reduce_scatter_start(y, op) if axis is None else mesh.reduce_scatter_start(y, op, axis=axis)
         handle: Work = first
         if replicate is not None:
-            # (the shard is the reduce-scatter's own result: reduced in place)
-            handle = _Chained(first, lambda shard: mesh.all_reduce_start(shard, op, axis=replicate, inplace=True))
+            handle = _Chained(first, lambda shard: mesh.all_reduce_start(shard, op, axis=replicate,
+                                                                         inplace=shard is not x))  # fmt: skip
         return handle if avg.is_default else cast(Work, _averaged(handle, avg, world))
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
