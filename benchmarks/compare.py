@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
                                             [--memory] [--threads 1] [--profile] [--floor] [--nproc 2] [--comm]
-                                            [--sweep 6,12,24]
+                                            [--sweep 6,12,24] [--default-malloc]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -24,6 +24,8 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   `fzero-qgz3` (`qgz=True`), `fzero-zero++3` (all three). They run only when named in `--only` (an even `--nproc`),
   e.g. `--nproc 4 --only ddp fzero-zero3 fzero-hybrid3 fzero-hpz3 fzero-qwz3 fzero-qgz3 fzero-zero++3`.
 
+Every process asks for huge pages and keeps the memory its steps free for their next step (`fzero.hostmem`:
+`enable_huge_pages()`, and `retain_freed_memory()` unless `--default-malloc`), whichever trainer it runs.
 Every trainer lives in the same processes and runs in rotating order, round after round (machine noise hits
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
 ratio to DDP's, with `--floor` its ratio to the floor (the same model's forward + backward alone, without
@@ -78,6 +80,8 @@ from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
+if os.environ.get("FZERO_BENCH_MALLOC") != "default":  # (`--default-malloc`; the workers inherit the environment)
+    fzero.hostmem.retain_freed_memory()  # every trainer's freed memory kept for its next step
 
 CFG = GPTConfig(vocab_size=8192, seq_len=64, n_layer=6, n_head=8, d_model=512)
 MICRO, LR, WD = 4, 1e-4, 0.01
@@ -490,7 +494,11 @@ def main() -> None:
     parser.add_argument("--comm", action="store_true", help=comm_help)
     parser.add_argument("--sweep", type=layer_counts, default=None, metavar="L1,L2,...",
                         help="repeat for each layer count; one table per metric, a column per size")  # fmt: skip
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc be (default: fzero.hostmem.retain_freed_memory())")  # fmt: skip
     args = parser.parse_args()
+    if args.default_malloc:
+        os.environ["FZERO_BENCH_MALLOC"] = "default"
     if args.sweep and args.profile:
         parser.error("--sweep times and measures memory; --profile profiles one size: give one of them")
     if args.only is None:

@@ -30,6 +30,18 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def retained(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The calls of `fzero.hostmem.retain_freed_memory` made in this process (by a command run in it: `fzero train`),
+    recorded instead of made: glibc's settings cannot be put back, so the real call would change the malloc of every
+    later test. tests/test_hostmem.py makes it in processes of its own."""
+    import fzero
+
+    calls: list[int] = []
+    monkeypatch.setattr(fzero.hostmem, "retain_freed_memory", lambda: bool(calls.append(1)))
+    return calls
+
+
 def _global_state() -> dict:
     """What a test may change that would change a later test's arithmetic or behaviour: torch's threads and numeric
     switches, the native kernel's instruction-set path, the environment, a default process group, the directory."""

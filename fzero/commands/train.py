@@ -298,10 +298,11 @@ def run(args: argparse.Namespace) -> int:
     this returns (`fzero.process_group.shutdown`), whatever happened."""
     from .. import process_group
     from ..config import ConfigError
-    from ..hostmem import enable_huge_pages
+    from ..hostmem import enable_huge_pages, retain_freed_memory
     from ..mesh import CollectiveError
 
     enable_huge_pages()  # before the model's first tensor (and inherited by the ranks torchrun starts)
+    retain_freed_memory()  # (this process's; each rank torchrun starts runs this function too)
     nproc = _opt(args, "nproc")
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, nproc)
