@@ -35,7 +35,8 @@ peak resident memory per rank of each trainer run alone in a fresh pair of
 processes. `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
 optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
 time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
-`fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`).
+`fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`), and the count and total size of one
+step's allocations of 2 MiB or more (`torch.profiler`'s `profile_memory`, in a step of their own).
 
 `--nproc N` runs N processes instead of 2 (`--rounds` and `--steps` then default to 3 and 2: on this 2-core machine
 4 processes share the cores). With `--comm`, or whenever a 2-D trainer above runs, every `fzero-zeroN*` and 2-D row
@@ -58,6 +59,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import datetime
 import functools
 import json
 import os
@@ -85,6 +87,7 @@ if os.environ.get("FZERO_BENCH_MALLOC") != "default":  # (`--default-malloc`; th
 
 CFG = GPTConfig(vocab_size=8192, seq_len=64, n_layer=6, n_head=8, d_model=512)
 MICRO, LR, WD = 4, 1e-4, 0.01
+COLLECTIVE_TIMEOUT_S = 600  # longer than any one trainer's steps between two barriers here (24 layers: ~20 s)
 Step = Callable[[dict[str, torch.Tensor]], None]
 
 
@@ -326,7 +329,9 @@ def build_all(names: list[str], precision: str, n_layer: int = CFG.n_layer) -> t
 def init(rank: int, world: int, store: str, threads: int) -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what launchers set
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # a rank whose peer is gone fails within minutes rather than gloo's default half hour: the run ends, naming it
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
 
 
 def time_worker(
@@ -406,6 +411,13 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
                           if e.key.startswith("fzero.")}  # fmt: skip
                 if ranges:
                     print(f"|   fzero phases | {' | '.join(f'{k} {v:.0f} ms' for k, v in sorted(ranges.items()))} |")
+            # one more step for its large allocations (blocks a step maps or takes from the heap afresh), apart from
+            # the timed ones: recording every allocation slows a step
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as allocs:
+                step(data[0])
+            if rank == 0:
+                big = [e.self_cpu_memory_usage for e in allocs.events() if e.self_cpu_memory_usage >= 2 << 20]
+                print(f"|   allocations of 2 MiB or more | {len(big)} a step, {sum(big) / 2**20:.0f} MiB |", flush=True)
     finally:
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
