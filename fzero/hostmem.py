@@ -23,10 +23,11 @@ heap removes the faults: the next step's buffers of the same sizes reuse the pag
 buckets and as torch's CUDA caching allocator does on a GPU. glibc is told (`mallopt`) to serve blocks up to 1 GiB
 from its heap rather than a mapping of their own (`M_MMAP_THRESHOLD`) and not to hand the heap's free top back to
 the kernel below 2 GiB (`M_TRIM_THRESHOLD`), which also stops its threshold from moving with the sizes freed. The
-resident memory then stays at the step's peak between steps instead of dipping, and the peak itself rises, as blocks
-that had mappings of their own now share one heap with its gaps: 1-12% per rank in docs/performance.md (fzero's steps
-7-12%, DDP's 1%), for steps 5-15% faster. Takes effect from the next allocation on: call it any time before the
-training loop. `release_freed_memory()` hands the heap's free memory back (glibc's `malloc_trim`), e.g. after training.
+resident memory then stays at the step's peak between steps instead of dipping, and the peak itself may rise, as
+blocks that had mappings of their own now share one heap with its gaps (docs/performance.md, fp32: fzero's 5-12%,
+FSDP2's 8%, DeepSpeed's 18%, DDP's 1%; bf16: -7% to +1%), for fzero's steps 1.05-1.25x DDP's before, 0.96-1.10x
+after. Takes effect from the next allocation on: call it any time before the training loop. `release_freed_memory()`
+hands the heap's free memory back (glibc's `malloc_trim`), e.g. after training.
 """
 
 from __future__ import annotations
