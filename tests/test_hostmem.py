@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -83,7 +84,7 @@ def test_too_late_after_the_first_cpu_tensor():
 # the block freed, so steps 1 and 2 use two blocks, which later steps alternate between). Then free a 256 MiB buffer
 # and print how much of it `release_freed_memory` hands back (resident MiB before minus after).
 LINUX = pathlib.Path("/proc/self/statm").exists()
-needs_glibc = pytest.mark.skipif(not LINUX or "glibc" not in " ".join(__import__("platform").libc_ver()),
+needs_glibc = pytest.mark.skipif(not LINUX or platform.libc_ver()[0] != "glibc",
                                  reason="glibc's malloc on Linux")  # fmt: skip
 FAULTS = """
 import resource, torch, fzero
