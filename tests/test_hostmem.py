@@ -77,12 +77,13 @@ def test_too_late_after_the_first_cpu_tensor():
     assert not advised("torch.zeros(4)\nfzero.hostmem.enable_huge_pages()")
 
 
-# A "step" fills a fresh 64 MiB buffer; print the page faults of steps 3-6. By default glibc maps a block that large
+# A "step" fills a fresh 64 MiB buffer; print each of 12 steps' page faults. By default glibc maps a block that large
 # anew every time (its dynamic threshold stops at 32 MiB) and the kernel faults every page in again (at least 32 a
 # step on huge pages, 16,384 on 4 KiB ones). A heap that keeps freed memory serves the steps from pages already
-# mapped once it has reached the steps' own peak (two steps here: torch's aligned allocation needs a little more than
-# the block freed, so steps 1 and 2 use two blocks, which later steps alternate between). Then free a 256 MiB buffer
-# and print how much of it `release_freed_memory` hands back (resident MiB before minus after).
+# mapped once it holds the steps' own blocks: torch's aligned allocation needs a little more than the block freed, so
+# the heap grows one second block at step 2 or 3 (which, depends on its layout), and the steps alternate between the
+# two from then on. Then free a 256 MiB buffer and print how much of it `release_freed_memory` hands back (resident
+# MiB before minus after).
 LINUX = pathlib.Path("/proc/self/statm").exists()
 needs_glibc = pytest.mark.skipif(not LINUX or platform.libc_ver()[0] != "glibc",
                                  reason="glibc's malloc on Linux")  # fmt: skip
@@ -100,8 +101,7 @@ def faults_of_a_fresh_buffer():
 def resident_mib():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
 
-faults_of_a_fresh_buffer(), faults_of_a_fresh_buffer()
-print(sum(faults_of_a_fresh_buffer() for _ in range(4)))
+print(",".join(str(faults_of_a_fresh_buffer()) for _ in range(12)))
 torch.empty(64 << 20).fill_(1.0)
 before = resident_mib()
 fzero.hostmem.release_freed_memory()
@@ -109,26 +109,28 @@ print(before - resident_mib())
 """
 
 
-def _faults(setup: str, **env: str) -> tuple[str, int, float]:
-    """(what `setup` printed, steps 3-6's page faults, MiB released) in a fresh process with `env`."""
+def _faults(setup: str, **env: str) -> tuple[str, list[int], float]:
+    """(what `setup` printed, each step's page faults, MiB released) in a fresh process with `env`."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env
     out = subprocess.run([sys.executable, "-c", FAULTS.format(setup=setup)], env=environ, capture_output=True,
                          text=True, check=True).stdout.split()  # fmt: skip
-    return out[0], int(out[1]), float(out[2])
+    return out[0], [int(f) for f in out[1].split(",")], float(out[2])
 
 
 @needs_glibc
 def test_freed_memory_is_mapped_afresh_by_default():
     """The control: what `retain_freed_memory` removes is there to remove (the test below can fail)."""
     _, faults, _ = _faults("None")
-    assert faults >= 4 * 32
+    assert min(faults) >= 32
 
 
 @needs_glibc
 def test_retained_memory_serves_the_next_buffer_without_faults():
     took, faults, released = _faults("fzero.hostmem.retain_freed_memory()")
     assert took == "True"
-    assert faults < 8  # (a page or two of Python's or glibc's own bookkeeping may be new)
+    # after the first step, one more block at most (the heap's second); every other step faults a page or two at
+    # most (Python's or glibc's own bookkeeping)
+    assert sum(f > 8 for f in faults[1:]) <= 1, faults
     assert released >= 128  # the freed 256 MiB stayed until released
 
 
@@ -136,6 +138,6 @@ def test_retained_memory_serves_the_next_buffer_without_faults():
 def test_the_environments_own_malloc_settings_win():
     took, faults, _ = _faults("fzero.hostmem.retain_freed_memory()", MALLOC_TRIM_THRESHOLD_="131072")
     assert took == "False"
-    assert faults >= 4 * 32
+    assert min(faults) >= 32
     took, _, _ = _faults("fzero.hostmem.retain_freed_memory()", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")
     assert took == "False"
