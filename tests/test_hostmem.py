@@ -37,8 +37,10 @@ for line in open("/proc/self/smaps"):
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    """`code` in a fresh interpreter whose environment is ours without THP_MEM_ALLOC_ENABLE, plus `env`."""
-    environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env
+    """`code` in a fresh interpreter whose environment is ours without THP_MEM_ALLOC_ENABLE and glibc's malloc
+    settings (`MALLOC_*`, `GLIBC_TUNABLES`), plus `env`."""
+    mine = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")
+    environ = {k: v for k, v in os.environ.items() if k not in mine and not k.startswith("MALLOC_")} | env
     return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
 
 
@@ -110,10 +112,8 @@ print(before - resident_mib())
 
 
 def _faults(setup: str, **env: str) -> tuple[str, list[int], float]:
-    """(what `setup` printed, each step's page faults, MiB released) in a fresh process with `env`."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env
-    out = subprocess.run([sys.executable, "-c", FAULTS.format(setup=setup)], env=environ, capture_output=True,
-                         text=True, check=True).stdout.split()  # fmt: skip
+    """(what `setup` printed, each step's page faults, MiB released) in a fresh process with `env` (`_run`)."""
+    out = _run(FAULTS.format(setup=setup), **env).stdout.split()
     return out[0], [int(f) for f in out[1].split(",")], float(out[2])
 
 
