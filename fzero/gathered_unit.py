@@ -23,6 +23,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor, nn
 
+from . import scratch
 from .bind import carry_attributes
 from .layout import ROOT_UNIT, Layout, unit_views
 from .mesh import Work
@@ -68,7 +69,7 @@ def _full(layout: Layout | None, buffer: Tensor | None, mode: str) -> Tensor | N
         return buffer
     if mode == KEEP:
         assert layout is not None and buffer is not None  # (a space without them is `RESHARD`)
-        return buffer.new_empty(layout.numel)
+        return scratch.new_empty("gathered", buffer, (layout.numel,))
     return None
 
 
@@ -145,7 +146,7 @@ class Spaces:
             modes = (KEEP if keep else RESHARD, modes[1])
         full = [_full(lay, x, mode) for lay, x, mode in zip(layouts, shards, modes, strict=True)]
         if source is not None and modes[0] == KEEP:
-            full[0] = shards[0].new_empty(layout.numel)
+            full[0] = scratch.new_empty("gathered", shards[0], (layout.numel,))
         return cls(ranks, rank, layouts, shards, everyone, gradients, modes, full, source=source, wire=wire)
 
 

@@ -1,12 +1,13 @@
 """Large host buffers: on transparent huge pages, and kept in the process from one step to the next.
 
-A training step allocates its large buffers afresh every step (the gathered parameters, each unit's gradient,
-the reduction's receive and sum buffers, the assembled gradient shard). glibc serves each block of 32 MiB or more with
-a `mmap` of its own and unmaps it on `free`, so every step maps them again and each 4 KiB page faults in again,
-zero-filled by the kernel, on first touch: a fresh 27.3M-element fp32 buffer took 70 ms to fill on this project's
-reference machine (26,664 page faults) against 14 ms on huge pages (93 faults), and fzero's sharded steps ran
-1.3x slower than DDP's (which keeps its gradient buckets) for that alone (docs/performance.md). Two remedies, each
-the process's choice, so each asked for explicitly (`import fzero` changes nothing):
+A training step allocates large buffers afresh every step (autograd's gradients, each unit's gradient, the
+reduction's receive buffers; stage 3's gathered units and gradient shard; fzero's own step-sized buffers of stages
+0-2, the gathered parameters and the assembled gradient, it keeps itself: `fzero.scratch`). glibc serves each block
+of 32 MiB or more with a `mmap` of its own and unmaps it on `free`, so every step maps them again and each 4 KiB page
+faults in again, zero-filled by the kernel, on first touch: a fresh 27.3M-element fp32 buffer took 70 ms to fill on
+this project's reference machine (26,664 page faults) against 14 ms on huge pages (93 faults), and fzero's sharded
+steps ran 1.3x slower than DDP's (which keeps its gradient buckets) for that alone (docs/performance.md). Two
+remedies for all of them, each the process's choice, so each asked for explicitly (`import fzero` changes nothing):
 
 **Huge pages** (`enable_huge_pages`). torch's CPU allocator puts every block of 2 MiB or more on transparent huge
 pages (2 MiB aligned, `madvise(..., MADV_HUGEPAGE)`) when the environment says `THP_MEM_ALLOC_ENABLE=1`. It reads
@@ -35,6 +36,8 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable
+
+from . import scratch
 
 __all__ = ["VARIABLE", "enable_huge_pages", "huge_pages_requested", "release_freed_memory", "retain_freed_memory"]
 
@@ -110,11 +113,13 @@ def retain_freed_memory() -> bool:
 
 def release_freed_memory() -> bool:
     """Hand the free memory glibc's heap holds back to the kernel (`malloc_trim(0)`), e.g. after the training loop
-    under `retain_freed_memory`; changes no setting.
+    under `retain_freed_memory`, after letting go of the buffers fzero keeps for its next step (`fzero.scratch`);
+    changes no setting.
 
     Returns:
       Whether any memory was released (False off glibc).
     """
+    scratch.clear()
     trim = _libc("malloc_trim")
     return trim is not None and trim(0) == 1
 

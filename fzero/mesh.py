@@ -218,13 +218,17 @@ class Mesh(Protocol):
 
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False) -> Tensor: ...
 
-    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor: ...
+    def reduce_scatter(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
+    ) -> Tensor: ...
 
     def all_reduce_start(
         self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False
     ) -> Ready | Pending: ...
 
-    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending: ...
+    def reduce_scatter_start(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
+    ) -> Ready | Pending: ...
 
     def all_gather(self, x: Tensor, axis: str | None = None) -> Tensor: ...
 
@@ -429,7 +433,10 @@ class SimMesh(_LedgerMixin):
             return _finish(x, op, 1)
         return _finish(self._sum(x), op, self.world).expand_as(x)
 
-    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
+    def reduce_scatter(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
+    ) -> Tensor:
+        # (`out`: a DistMesh's; simulated ranks' results are stacked, so they keep buffers of their own)
         if axis is not None:
             self._rows(x, "reduce_scatter")
             _check_chunks(x, self.size(axis), "reduce_scatter")
@@ -449,7 +456,9 @@ class SimMesh(_LedgerMixin):
         """`all_reduce` (over `axis`), as a handle (simulated ranks reduce at once)."""
         return Ready(self.all_reduce(x, op, axis=axis))
 
-    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready:
+    def reduce_scatter_start(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
+    ) -> Ready:
         """`reduce_scatter` (over `axis`), as a handle (simulated ranks reduce at once)."""
         return Ready(self.reduce_scatter(x, op, axis=axis))
 
@@ -755,8 +764,10 @@ class DistMesh(_LedgerMixin):
     def all_reduce(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False) -> Tensor:
         return self.all_reduce_start(x, op, axis, inplace).wait()
 
-    def reduce_scatter(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Tensor:
-        return self.reduce_scatter_start(x, op, axis).wait()
+    def reduce_scatter(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
+    ) -> Tensor:
+        return self.reduce_scatter_start(x, op, axis, out).wait()
 
     def all_reduce_start(
         self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, inplace: bool = False
@@ -775,32 +786,39 @@ class DistMesh(_LedgerMixin):
         work = self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(self._guard(work, "all_reduce", x), lambda: _finish(out, op, self.world), out)
 
-    def reduce_scatter_start(self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None) -> Ready | Pending:
+    def reduce_scatter_start(
+        self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
+    ) -> Ready | Pending:
         """Start `reduce_scatter` (over `axis`: on this rank's group along it): the handle's `wait()` returns the
-        result (the backend works meanwhile)."""
+        result (the backend works meanwhile); `out`: a contiguous buffer of the result's shape and dtype to put it
+        in (the result is then `out` unless the group has one rank, bitwise what it would be in its own buffer)."""
         if axis is not None:
             sub = self._axis(axis)
             _check_chunks(x, sub.world, "reduce_scatter")
             self._log("reduce_scatter", x.numel(), axis, x.element_size())
-            return sub.reduce_scatter_start(x, op)
+            return sub.reduce_scatter_start(x, op, out=out)
         s = _check_chunks(x, self.world, "reduce_scatter")
         self._log("reduce_scatter", x.numel(), None, x.element_size())
         if self.world == 1:
             return Ready(_finish(x, op, 1))
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
+        if out is not None and (out.shape != chunks.shape[1:] or out.dtype != x.dtype or not out.is_contiguous()):
+            raise ValueError(f"reduce_scatter: out= must be a contiguous {x.dtype} buffer of shape "
+                             f"{tuple(chunks.shape[1:])}, got {out.dtype} {tuple(out.shape)}")  # fmt: skip
         if self._exchange:
             received = torch.empty_like(chunks)  # received[r]: rank r's chunk of this rank's part
             work = self._run("reduce_scatter", x, dist.all_to_all_single, received.view(-1), chunks.view(-1),
                              group=self.group, async_op=True)  # fmt: skip
 
             def finish() -> Tensor:
-                out = received[0]
-                for r in range(1, self.world):  # rank order, as SimMesh sums: the same value, bitwise, at any world
-                    out = out + received[r]
-                return _finish(out, op, self.world)
+                # rank order, as SimMesh sums: the same value, bitwise, at any world
+                total = torch.add(received[0], received[1], out=out)
+                for r in range(2, self.world):
+                    total.add_(received[r])
+                return _finish(total, op, self.world)
 
             return Pending(self._guard(work, "reduce_scatter", x), finish, chunks, received)
-        out = torch.empty_like(chunks[0])
+        out = torch.empty_like(chunks[0]) if out is None else out
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM,
                          group=self.group, async_op=True)  # fmt: skip

@@ -332,6 +332,6 @@ class _Reducer:
         self.unit, self.ctx = unit, ctx
         self.landed = None if speculation is None else speculation.landed
 
-    def __call__(self, grads: Tensor, index: int) -> Any:
+    def __call__(self, grads: Tensor, index: int, place: Any = None) -> Any:
         with record_function("fzero.reduce"):
-            return self.unit(grads, index, self.ctx)
+            return self.unit(grads, index, self.ctx if place is None else self.ctx._replace(place=place))

@@ -496,7 +496,8 @@ class UnitGathering:
         compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True)
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
-        self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
+        reuse = keep or (self._reader is None and layout.is_full(compute))  # units kept to the end: `_DistReduction`
+        self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
         self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep,
                            self._reader, wire)  # fmt: skip
         self._handles = self._g.install()
@@ -596,9 +597,10 @@ def sharded_backward(
       `policy.timings`, `unit_times`.
     """
     ranks = ranks_of(mesh)
-    reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget)
-    outs, peak, kept, times, gathered = [], 0, 0, None, []
     compute, reader = on_disk(shards[0], max(1, policy.prefetch))
+    reuse = keep or (reader is None and layout.is_full(compute))  # units kept to the end: `_DistReduction`
+    reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
+    outs, peak, kept, times, gathered = [], 0, 0, None, []
     shards = (compute, shards[1])
     try:
         for rank in ranks.indices:

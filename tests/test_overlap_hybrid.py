@@ -86,7 +86,7 @@ def fake_hybrid(log: list, firsts: dict):
     """A hybrid reduction over fake collectives: this rank's shard is the first half of the unit's gradient, the
     second collective doubles it; `firsts[unit]` is the unit's first collective (the test completes it)."""
 
-    def fn(grads: torch.Tensor, unit: int) -> _Chained:
+    def fn(grads: torch.Tensor, unit: int, place: object = None) -> _Chained:
         firsts[unit] = FakeWork(grads[: grads.numel() // 2].clone(), log, ("rs", unit))
 
         def then(shard: torch.Tensor) -> FakeWork:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol, cast
 
+import torch
 from torch import Tensor
 
 from .. import native
@@ -146,14 +147,17 @@ class Flow(NamedTuple):
 
 class Context(NamedTuple):
     """Static facts every transform may read: the mesh, the layout, whether buffers may be donated, at init whether
-    `flow.params` arrive already sharded (sharded construction from a `meta` model), and whether a `unit` reduction
-    may return a handle rather than wait for its result (`overlap`: see `UnitFn`)."""
+    `flow.params` arrive already sharded (sharded construction from a `meta` model), whether a `unit` reduction
+    may return a handle rather than wait for its result (`overlap`: see `UnitFn`), and where a `unit` reduction may
+    put its result: `place(shape, dtype)` is the result's place in the step's gradient, or None where it has none
+    of that shape and dtype (a reduction that puts it elsewhere returns its own buffer)."""
 
     mesh: Mesh
     layout: Layout
     donate: bool = False
     presharded: bool = False
     overlap: bool = False
+    place: Callable[[tuple[int, ...], torch.dtype], Tensor | None] | None = None
 
 
 class InitFn(Protocol):

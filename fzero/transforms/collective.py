@@ -190,7 +190,11 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
 
     def reduce(grads: Tensor, ctx: Context) -> Tensor | Work:
         run = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
-        x = _cast(grads, dtype)
+        out = None if ctx.place is None or not avg.is_default else ctx.place(tuple(grads.shape), dtype or grads.dtype)
+        if out is not None:
+            x = out.copy_(grads)  # (the cast `_cast` makes, into the result's place: reduced there)
+        else:
+            x = _cast(grads, dtype)
         if not avg.is_default:
             x = avg.before(x, ctx.mesh.world)
         # a cast or a prescale made `x` a tensor of this reduction's own: reduced in place (no copy); the gradient
@@ -294,9 +298,16 @@ def reduce_scatter(
         return handle if avg.is_default else cast(Work, _averaged(handle, avg, world))
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
+        x = _cast(grads, dtype)
+        out = None
+        if ctx.place is not None and avg.is_default and axis is None and replicate is None and ctx.mesh.world > 1:
+            out = ctx.place((*x.shape[:-1], x.shape[-1] // ctx.mesh.world), x.dtype)
+        if out is not None:  # a plain reduce-scatter puts the shard in its place in the step's gradient
+            run = ctx.mesh.reduce_scatter_start if ctx.overlap else ctx.mesh.reduce_scatter
+            return run(x, "mean", out=out)
         if ctx.overlap:  # started: the backward goes on while the collectives (both, for a hybrid one) run
-            return start(_cast(grads, dtype), ctx)
-        return reduce(_cast(grads, dtype), ctx)
+            return start(x, ctx)
+        return reduce(x, ctx)
 
     return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)
 
