@@ -17,7 +17,8 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
 - `fzero-zeroN` (the functional core, `train_step(donate=True)`, its defaults: each unit's reduction overlapped with
   the backward on a mesh of several processes; the model moved to `meta` after `fzero.init`, which copies its
   parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
-  `GatherPolicy(overlap_reduce=False)`) and `fzero-shell-zeroN` (`fzero.initialize`, the config's defaults);
+  `GatherPolicy(overlap_reduce=False)`), `fzero-zeroN-fresh` (stages 0-2: the same, every step-sized buffer fresh:
+  `fzero.scratch.disabled()`) and `fzero-shell-zeroN` (`fzero.initialize`, the config's defaults);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
   of 2 consecutive ranks standing for a node): `fzero-hybrid3` (`zero3(hybrid=True)`: sharded over `shard`,
   averaged over `replicate`), and sharded over all ranks `fzero-hpz3` (`hpz=True`), `fzero-qwz3` (`qwz=True`),
@@ -68,6 +69,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -222,6 +224,23 @@ def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **o
     return build
 
 
+def fresh_buffers(build: Callable[..., Step]) -> Callable[..., Step]:
+    """`build`'s trainer with every step-sized buffer fresh (`fzero.scratch.disabled()`), as before fzero reused
+    them: the paired comparison in one rotation."""
+
+    def wrapped(model: nn.Module, precision: str, **kw: Any) -> Step:
+        with fzero.scratch.disabled():
+            step = build(model, precision, **kw)
+
+        def run(batch: dict[str, torch.Tensor]) -> None:
+            with fzero.scratch.disabled():
+                step(batch)
+
+        return run
+
+    return wrapped
+
+
 def fzero_shell(stage: int) -> Callable[[nn.Module, str], Step]:
     def build(model: nn.Module, precision: str) -> Step:
         engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision), mesh=fzero.DistMesh(),
@@ -285,6 +304,8 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
         out[f"fzero-zero{stage}"] = fzero_core(stage)
     for stage in (0, 1, 2, 3):
         out[f"fzero-zero{stage}-serial"] = fzero_core(stage, overlap=False)
+    for stage in (0, 1, 2):
+        out[f"fzero-zero{stage}-fresh"] = fresh_buffers(fzero_core(stage))
     for stage in (0, 1, 2, 3):
         out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))

@@ -8,7 +8,7 @@ state, metrics = step(state, batch)
 model.load_state_dict(fzero.state_dict(state))
 """
 
-from . import hostmem, layout, loss_scale, native, optim, precision
+from . import hostmem, layout, loss_scale, native, optim, precision, scratch
 from ._version import __version__ as __version__
 from .agreement import DesyncError
 from .checkpoint import consolidate, load, save
@@ -125,6 +125,7 @@ __all__ = [
     "reduce_scatter",
     "save",
     "scale_loss",
+    "scratch",
     "sgd",
     "shard_update",
     "state_bytes",

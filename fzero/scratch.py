@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -66,7 +67,7 @@ def _free(kept: Tensor) -> bool:
     """Whether nothing but the slot's own tensor holds `kept`'s storage."""
     uses, refs = _holders(kept)
     alone = _alone()
-    return _use_count is not None and uses <= alone[0] and refs <= alone[1]
+    return uses <= alone[0] and refs <= alone[1]
 
 
 def new_empty(slot: str, like: Tensor, shape: Sequence[int]) -> Tensor:
@@ -84,10 +85,7 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int]) -> Tensor:
       `disabled()` or where torch cannot count a storage's users.
     """
     shape = tuple(shape)
-    numel = 1
-    for n in shape:
-        numel *= n
-    if not _reuse or _use_count is None or numel * like.element_size() < MIN_BYTES:
+    if not _reuse or _use_count is None or math.prod(shape) * like.element_size() < MIN_BYTES:
         out = like.new_empty(shape)
     else:
         key = (slot, shape, like.dtype, like.device)
