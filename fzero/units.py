@@ -448,6 +448,13 @@ def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | N
     return frozen.detach() if dtype is None or frozen.dtype == dtype else frozen.to(dtype)
 
 
+def _kept_to_end(layout: Layout, compute: Tensor, reader: UnitReader | None, keep: bool) -> bool:
+    """Whether the trainable units stay gathered to the end of the backward (`Spaces`: given whole, or `KEEP`), so
+    the reduction's result may be a reused buffer (`_DistReduction`'s `reuse`); units read from disk are never
+    given whole."""
+    return keep or (reader is None and layout.is_full(compute))
+
+
 def on_disk(compute: Any, depth: int, local: bool = False) -> tuple[Tensor, UnitReader | None]:
     """A compute shard offloaded to disk as an empty placeholder of its dtype (per rank, or with `local` this
     rank's alone: the autograd leaf the units hang from) and the reader its units come from, `depth` units ahead;
@@ -496,7 +503,7 @@ class UnitGathering:
         compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True)
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
-        reuse = keep or (self._reader is None and layout.is_full(compute))  # units kept to the end: `_DistReduction`
+        reuse = _kept_to_end(layout, compute, self._reader, keep)
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
         self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep,
                            self._reader, wire)  # fmt: skip
@@ -598,7 +605,7 @@ def sharded_backward(
     """
     ranks = ranks_of(mesh)
     compute, reader = on_disk(shards[0], max(1, policy.prefetch))
-    reuse = keep or (reader is None and layout.is_full(compute))  # units kept to the end: `_DistReduction`
+    reuse = _kept_to_end(layout, compute, reader, keep)
     reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
     outs, peak, kept, times, gathered = [], 0, 0, None, []
     shards = (compute, shards[1])
