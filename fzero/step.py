@@ -43,13 +43,13 @@ from torch.profiler import record_function
 from . import rng
 from .bind import bound
 from .construct import sharded_parameters
-from .layout import Layout, flatten, from_module, to_rank_major, unflatten, unshard
+from .layout import Layout, flatten, from_module, unflatten, unshard
 from .mesh import Mesh
 from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
 from .ranks import ranks_of
 from .state import TrainState, count
 from .storage import in_memory
-from .transforms import Context, Flow, Transform, gather_params, plan_of, unit_reducer
+from .transforms import Context, Flow, Transform, gather_params, plan_of, shard_params, unit_reducer
 from .transforms.collective import sharding_world
 from .units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 
@@ -115,8 +115,10 @@ def init(
         params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
     else:
         params, frozen, buffers = _replicated_parameters(model, layout, mesh)
+    start = [Flow(None, params, None)]
+    del params  # the chain holds the only reference: a sharding chain frees the full buffer before its state is made
     with torch.no_grad():
-        flow, tx_state = tx.init(Flow(None, params, None), Context(mesh, layout, presharded=meta))
+        flow, tx_state = tx.init(start.pop(), Context(mesh, layout, presharded=meta))
     if meta and not flow.sharded:
         raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
                          "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
@@ -141,13 +143,25 @@ def _replicated_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
     on every rank."""
     named = dict(model.named_parameters())
     with torch.no_grad():
-        flat = mesh.broadcast(mesh.replicate(flatten(layout, named)), src=0)
+        flat = _broadcast_units(mesh, layout, mesh.replicate(flatten(layout, named)))
         frozen = None
         if layout.frozen_layout is not None:
-            frozen = mesh.broadcast(mesh.replicate(flatten(layout.frozen_layout, named)), src=0)
+            frozen = _broadcast_units(mesh, layout.frozen_layout, mesh.replicate(flatten(layout.frozen_layout, named)))
         module_buffers = dict(model.named_buffers())
         buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
     return flat, frozen, buffers
+
+
+def _broadcast_units(mesh: Mesh, layout: Layout, flat: Tensor) -> Tensor:
+    """Rank 0's values of `flat` on every rank, written into `flat` one unit at a time: a broadcast returns a new
+    buffer, and one of the whole model would be a third copy of it at init's peak (the model's, the flat one)."""
+    if mesh.world == 1:
+        return flat
+    for i, unit in enumerate(layout.units):
+        if unit.size:  # (a unit without frozen parameters has none in the frozen buffer)
+            part = flat[..., layout.unit_slice(i)]
+            part.copy_(mesh.broadcast(part, src=0))
+    return flat
 
 
 def _seed(mesh: Mesh, seed: int | None) -> Tensor:
@@ -163,9 +177,7 @@ def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool, pre
     else full (`frozen` is full, or a shard when constructed sharded from `meta`)."""
     full = not presharded or flay.world == 1
     if sharded and full and flay.world > 1:
-        if flay.axis is not None:
-            return mesh.local_shard(to_rank_major(flay, frozen), axis=flay.axis)
-        return mesh.local_shard(to_rank_major(flay, frozen))
+        return shard_params(mesh, flay, frozen, flay.axis)
     if not sharded and not full:
         return gather_params(mesh, flay, frozen)
     return frozen

@@ -146,6 +146,38 @@ def test_memory_on_two_gloo_processes(tmp_path):
         assert z3["loss"] == z2["loss"]  # same training either way
 
 
+@pytest.mark.timeout(300)
+def test_init_of_a_model_in_memory_adds_little_on_two_gloo_processes(tmp_path, monkeypatch):
+    """`fzero.init` of a model built in memory (67M fp32 parameters in 16 units, 2 gloo processes) at stage 3.
+
+    On top of the model it holds, the state is this rank's shard of the parameters and Adam's two moments
+    (12 bytes per parameter / world); on the way, the full flat buffer the parameters are copied into (4 bytes per
+    parameter, needed to broadcast rank 0's values) and this rank's shard cut from it, unit by unit. So the peak
+    added stays within
+        4 Psi (flat buffer) + 4 Psi/W (its shard) + 2 x largest unit (a unit's broadcast, its shard) + slack,
+    which W = 2 makes the same as the state's own 12 Psi/W, and slack (64 MiB) covers allocator rounding. A whole
+    second copy of the model on the way (the broadcast's result, a rank-major copy, the flat buffer kept while the
+    moments are made) costs another 4 Psi and breaks it.
+
+    The workers run with glibc's mmap threshold fixed at 1 MiB: every freed block of 1 MiB or more goes back to the
+    system at once, so the resident set is what init holds. (Left dynamic, glibc serves the unit-sized temporaries
+    from its heap after the first and keeps up to twice the largest there: the allocator's retention, not init's.)"""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # (read by each spawned worker's glibc at start)
+    d, layers, world = 2048, 16, 2
+    spawn(zero3_worker.run_init, (world, str(tmp_path), 3, d, layers), world)
+    results = [json.loads((tmp_path / f"init-rank{r}-stage3.json").read_text()) for r in range(world)]
+    mib = 2**20
+    for r, res in enumerate(results):
+        psi, unit = 4 * res["numel"], 4 * res["largest_unit"]  # bytes
+        bound = psi + psi // world + 2 * unit + 64 * mib
+        added, kept = res["init_peak"] - res["before"], res["after"] - res["before"]
+        print(f"rank {r}: model {psi / mib:.0f} MiB fp32, init's peak adds {added / mib:.0f} MiB <= {bound / mib:.0f}, "
+              f"its state {kept / mib:.0f} MiB (12 Psi/W = {3 * psi // world / mib:.0f})")  # fmt: skip
+        assert added <= bound
+        assert kept <= 3 * psi // world + 64 * mib
+    assert results[0]["rank0_exact"]  # every rank's state holds rank 0's model (each rank built its own)
+
+
 def test_unit_timings_on_request():
     model = GPT(CFG)
     mesh = fzero.SimMesh(2)

@@ -1,5 +1,6 @@
 """Worker for the ZeRO-3 memory tests: a wide MLP of `layers` units on `world` gloo processes; reports peak
-resident memory during sharded construction and during training steps (VmHWM, reset in between)."""
+resident memory during sharded construction and during training steps (VmHWM, reset in between), or during the
+init of a model built in memory (`run_init`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,42 @@ def peak_rss() -> int:
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak resident set size (Linux >= 4.0)
+
+
+def current_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def run_init(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int) -> None:
+    """`fzero.init` of a model built in memory (the usual way, not on `meta`): the resident memory it adds on top
+    of the model, at its peak and once done."""
+    torch.set_num_threads(1)
+    init_worker(rank, world, f"{out_dir}/store-init-{stage}")
+    torch.manual_seed(rank)  # different values per rank: init must start every rank from rank 0's
+    model = Wide(d, layers)
+    tx = [fzero.zero0, fzero.zero1, fzero.zero2, fzero.zero3][stage](fzero.adamw(1e-3))
+    before = current_rss()
+    reset_peak()
+    mesh = fzero.DistMesh()
+    state = fzero.init(model, tx, mesh)
+    result = {
+        "before": before,
+        "init_peak": peak_rss(),
+        "after": current_rss(),
+        "numel": state.layout.numel,
+        "largest_unit": max(u.size for u in state.layout.units),
+    }
+    full = fzero.state_dict(state, mesh)  # (a collective: every rank gathers)
+    if rank == 0:  # the state holds rank 0's model exactly
+        result["rank0_exact"] = all(torch.equal(full[n], p) for n, p in model.state_dict().items())
+    with open(os.path.join(out_dir, f"init-rank{rank}-stage{stage}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    process_group.shutdown()
 
 
 def run(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int, prefetch: int, steps: int) -> None:

@@ -22,7 +22,7 @@ from .base import (
     unit_reducer,
 )
 from .clipping import clip_by_global_norm
-from .collective import Average, GatherState, all_reduce, gather, gather_params, reduce_scatter
+from .collective import Average, GatherState, all_reduce, gather, gather_params, reduce_scatter, shard_params
 from .offload import Offload
 from .planning import plan_of
 from .presets import zero0, zero1, zero2, zero3
@@ -62,6 +62,7 @@ __all__ = [
     "quantized_reduce_scatter",
     "reduce_scatter",
     "scale_loss",
+    "shard_params",
     "shard_update",
     "stateless",
     "unit_reducer",

@@ -48,6 +48,7 @@ __all__ = [
     "gather",
     "gather_params",
     "reduce_scatter",
+    "shard_params",
     "sharding_world",
 ]
 
@@ -252,13 +253,7 @@ def reduce_scatter(
         check_axes(ctx.mesh, axis, replicate)
         if ctx.presharded or ctx.layout.world == 1:
             return flow._replace(sharded=True), EmptyState()
-        if axis is not None:
-            return flow._replace(
-                params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params), axis=axis), sharded=True
-            ), EmptyState()
-        return flow._replace(
-            params=ctx.mesh.local_shard(to_rank_major(ctx.layout, flow.params)), sharded=True
-        ), EmptyState()
+        return flow._replace(params=shard_params(ctx.mesh, ctx.layout, flow.params, axis), sharded=True), EmptyState()
 
     avg = average or Average()
 
@@ -338,6 +333,28 @@ def check_axes(mesh: Mesh, axis: str | None, replicate: str | None = None) -> No
     if axes[-1] != axis:
         raise ValueError(f"the chain shards over mesh axis {axis!r}, which must be the mesh's last (innermost) axis; "
                          f"{mesh!r} has axes {list(axes)}")  # fmt: skip
+
+
+def shard_params(mesh: Mesh, layout: Layout, full: Tensor, axis: str | None = None) -> Tensor:
+    """This rank's shard (rank-major) of a full, unit-major buffer: `mesh.local_shard(to_rank_major(layout, full))`,
+    the inverse of `gather_params`, made unit by unit so that no rank-major copy of the whole buffer exists (at init
+    of a large model that copy was a third one, beside the model's and the flat buffer).
+
+    Args:
+      mesh: the mesh.
+      layout: the layout, sharded over `axis` (None: every rank).
+      full: the full buffer (`[numel]`, or `[world, numel]` on a `SimMesh`).
+      axis: the mesh axis the layout is sharded over.
+    """
+    kw = {} if axis is None else {"axis": axis}
+    out: Tensor | None = None
+    for i in range(len(layout.units)):
+        piece = mesh.local_shard(full[..., layout.unit_slice(i)], **kw)
+        if out is None:
+            out = piece.new_empty(*piece.shape[:-1], layout.shard_numel)
+        out[..., layout.unit_shard_slice(i)].copy_(piece)
+    assert out is not None  # (a layout has units)
+    return out
 
 
 def gather_params(
