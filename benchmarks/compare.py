@@ -32,8 +32,9 @@ them alike); each round times `--steps` steps after two warm-up steps. Prints th
 ratio to DDP's, with `--floor` its ratio to the floor (the same model's forward + backward alone, without
 communication or optimizer, plus the update alone over a 1/W share of the parameters: the physical limit of a ZeRO
 step on this machine; `floor-fwdbwd` and `floor-update` are timed in the same rotation), and with `--memory` the
-peak resident memory per rank of each trainer run alone in a fresh pair of
-processes. `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
+peak resident memory per rank of each trainer run alone in a fresh pair of processes (the table: over the process's
+life; a line per trainer also splits it into building the model and the trainer, `fzero.init` for fzero's, and its
+steps). `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
 optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
 time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
 `fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`), and the count and total size of one
@@ -443,18 +444,36 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
 
+def high_water_mib(reset: bool = False) -> float:
+    """This process's peak resident set (`VmHWM`) in MiB since the last reset; with `reset`, a new one starts after
+    it is read (Linux's `clear_refs`)."""
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    return hwm
+
+
 def memory_worker(rank: int, world: int, store: str, name: str, precision: str, n_layer: int = CFG.n_layer) -> None:
     init(rank, world, store, 1)
     try:
+        high_water_mib(reset=True)
         steps, _ = build_all([name], precision, n_layer)
+        phases = [high_water_mib(reset=True)]  # the model built and the trainer set up (fzero.init: the state)
         if name in steps:
             for batch in batches(rank, 3):
                 steps[name](batch)
-        peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # MiB
-        dist.all_reduce(peak, dist.ReduceOp.MAX)
+        phases.append(high_water_mib())  # the steps
+        life = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, the process's whole life
+        figures = torch.tensor([life, *phases])
+        dist.all_reduce(figures, dist.ReduceOp.MAX)
+        peak, built, stepped = figures.tolist()
         if rank == 0:
+            print(f"peak memory: {name}: {peak:.0f} MiB; building the model and the trainer {built:.0f}, the steps "
+                  f"{stepped:.0f} (the larger rank's)", flush=True)  # fmt: skip
             with open(os.path.join(os.path.dirname(store), f"mem-{name}-{precision}.json"), "w") as f:
-                json.dump(float(peak) if name in steps else None, f)
+                json.dump(peak if name in steps else None, f)
     finally:
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
