@@ -88,7 +88,9 @@ def init(
     (load `fzero.state_dict(state)` into it when you want its parameters). So the model's own parameters are a
     second copy the steps never read: `model.to("meta")` after `init` frees them (the steps, `eval_step` and
     `fzero.state_dict` work from the state's), or build the model on `meta` to begin with. On `DistMesh`, rank 0's
-    values are broadcast so all ranks start equal.
+    values are broadcast so all ranks start equal. On the way, besides the model, `init` holds at most one full flat
+    copy of the parameters and this rank's shard of them (stages 1-3; the flat copy is freed before the optimizer's
+    state is made), or the state itself where that is larger.
 
     Args:
       model: the module; its trainable parameters must share one floating dtype (and so must its frozen ones). On
