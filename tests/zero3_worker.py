@@ -36,12 +36,17 @@ def initializer(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-def peak_rss() -> int:
+def _status_bytes(key: str) -> int:
+    """A size from /proc/self/status (`VmHWM`, `VmRSS`), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def peak_rss() -> int:
+    return _status_bytes("VmHWM")
 
 
 def reset_peak() -> None:
@@ -50,11 +55,7 @@ def reset_peak() -> None:
 
 
 def current_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return _status_bytes("VmRSS")
 
 
 def run_init(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int) -> None:
