@@ -1,6 +1,8 @@
-"""Sharded construction (DeepSpeed's `zero.Init`): parameters from a `meta`-device model, one unit at a time.
+"""The state's parameters from a model: sharded construction (DeepSpeed's `zero.Init`) from a `meta`-device model,
+one unit at a time, or copies of a model built in memory (`replicated_parameters`, rank 0's values broadcast unit by
+unit).
 
-For each unit, the modules that own its tensors are materialised (`to_empty`) and initialised as
+Sharded construction: for each unit, the modules that own its tensors are materialised (`to_empty`) and initialised as
 `model.apply(initializer)` would initialise them: the initializer runs, children first, on those modules and their
 ancestors (so an initializer that sets a child's parameters from its parent, as GPT-2's scaled `c_proj` init does,
 reaches them; on modules not materialised it only touches `meta` tensors, which costs nothing). Every tensor it
@@ -30,10 +32,10 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from .layout import Layout, dtype_of
+from .layout import Layout, dtype_of, flatten
 from .mesh import Mesh
 
-__all__ = ["sharded_parameters"]
+__all__ = ["replicated_parameters", "sharded_parameters"]
 
 
 def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -197,3 +199,29 @@ def sharded_parameters(
         del named
     assert all(x is not None for x in shards)  # (a layout has units)
     return cast(Tensor, shards[0]), shards[1] if len(shards) > 1 else None, buffers
+
+
+def replicated_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
+    """The model's trainable and frozen parameters as full flat buffers and its buffers, per rank: rank 0's values
+    on every rank."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        flat = _broadcast_units(mesh, layout, mesh.replicate(flatten(layout, named)))
+        frozen = None
+        if layout.frozen_layout is not None:
+            frozen = _broadcast_units(mesh, layout.frozen_layout, mesh.replicate(flatten(layout.frozen_layout, named)))
+        module_buffers = dict(model.named_buffers())
+        buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
+    return flat, frozen, buffers
+
+
+def _broadcast_units(mesh: Mesh, layout: Layout, flat: Tensor) -> Tensor:
+    """Rank 0's values of `flat` on every rank, written into `flat` one unit at a time: a broadcast returns a new
+    buffer, and one of the whole model would be a third copy of it at init's peak (the model's, the flat one)."""
+    if mesh.world == 1:
+        return flat
+    for i, unit in enumerate(layout.units):
+        if unit.size:  # (a unit without frozen parameters has none in the frozen buffer)
+            part = flat[..., layout.unit_slice(i)]
+            part.copy_(mesh.broadcast(part, src=0))
+    return flat

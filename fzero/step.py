@@ -42,8 +42,8 @@ from torch.profiler import record_function
 
 from . import rng
 from .bind import bound
-from .construct import sharded_parameters
-from .layout import Layout, flatten, from_module, unflatten, unshard
+from .construct import replicated_parameters, sharded_parameters
+from .layout import Layout, from_module, unflatten, unshard
 from .mesh import Mesh
 from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
 from .ranks import ranks_of
@@ -116,7 +116,7 @@ def init(
     if meta:
         params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
     else:
-        params, frozen, buffers = _replicated_parameters(model, layout, mesh)
+        params, frozen, buffers = replicated_parameters(model, layout, mesh)
     start = [Flow(None, params, None)]
     del params  # the chain holds the only reference: a sharding chain frees the full buffer before its state is made
     with torch.no_grad():
@@ -138,32 +138,6 @@ def init(
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype, plan
     )
-
-
-def _replicated_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
-    """The model's trainable and frozen parameters as full flat buffers and its buffers, per rank: rank 0's values
-    on every rank."""
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        flat = _broadcast_units(mesh, layout, mesh.replicate(flatten(layout, named)))
-        frozen = None
-        if layout.frozen_layout is not None:
-            frozen = _broadcast_units(mesh, layout.frozen_layout, mesh.replicate(flatten(layout.frozen_layout, named)))
-        module_buffers = dict(model.named_buffers())
-        buffers = {s.name: mesh.replicate(module_buffers[s.name].detach().clone()) for s in layout.buffers}
-    return flat, frozen, buffers
-
-
-def _broadcast_units(mesh: Mesh, layout: Layout, flat: Tensor) -> Tensor:
-    """Rank 0's values of `flat` on every rank, written into `flat` one unit at a time: a broadcast returns a new
-    buffer, and one of the whole model would be a third copy of it at init's peak (the model's, the flat one)."""
-    if mesh.world == 1:
-        return flat
-    for i, unit in enumerate(layout.units):
-        if unit.size:  # (a unit without frozen parameters has none in the frozen buffer)
-            part = flat[..., layout.unit_slice(i)]
-            part.copy_(mesh.broadcast(part, src=0))
-    return flat
 
 
 def _seed(mesh: Mesh, seed: int | None) -> Tensor:
