@@ -203,7 +203,17 @@ def sharded_parameters(
 
 def replicated_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
     """The model's trainable and frozen parameters as full flat buffers and its buffers, per rank: rank 0's values
-    on every rank."""
+    on every rank.
+
+    Args:
+      model: a module built in memory (left unchanged).
+      layout: its layout (`fzero.layout.from_module`).
+      mesh: the mesh (rank 0's values are broadcast unit by unit: no second full copy exists).
+
+    Returns:
+      `(flat, frozen, buffers)`: the trainable parameters (`[numel]`, or `[world, numel]` on a SimMesh, in the
+      layout's dtype), the frozen ones likewise (None without frozen parameters), and the buffers by name.
+    """
     named = dict(model.named_parameters())
     with torch.no_grad():
         flat = _broadcast_units(mesh, layout, mesh.replicate(flatten(layout, named)))
