@@ -101,3 +101,44 @@ def test_bad_averages_are_refused():
         fzero.Average(predivide=0)
     with pytest.raises(ValueError, match="qgz=True .* no prescale or predivide"):
         fzero.zero2(fzero.adamw(), qgz=True, average=fzero.Average(prescale=True))
+
+
+def _rank_ordered(parts: torch.Tensor) -> list[torch.Tensor]:
+    """The partial sums of `parts` in rank order (gloo's, and the mesh's)."""
+    sums = [parts[0]]
+    for p in parts[1:]:
+        sums.append(sums[-1] + p)
+    return sums
+
+
+@settings(deadline=None, max_examples=60)
+@given(world=st.sampled_from([2, 4, 8]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       exponent=st.integers(-135, 124), seed=st.integers(0, 99), overlap=st.booleans())  # fmt: skip
+def test_a_power_of_two_world_divides_before_the_sum_bitwise(world, dtype, exponent, seed, overlap):
+    """The default mean over a power-of-two world divides in the copy to the result's place (one pass fewer,
+    `fzero.transforms.collective._exact_division`): bitwise `(sum_r g_r) / world` on every element where no value
+    of either order is subnormal or infinite (the exponents here reach both ends of float32's range, so some
+    elements are excluded and most are not); and at gradients' usual magnitudes, on every element."""
+    g = torch.Generator().manual_seed(seed)
+    grads = (torch.randn(world, 256, generator=g) * 2.0**exponent).to(dtype)
+    ctx = Context(fzero.SimMesh(world), fzero.layout.make_layout([("w", (256,), dtype)], world=world, align=1),
+                  overlap=overlap, place=lambda shape, dt: torch.empty(shape, dtype=dt))  # fmt: skip
+    got = fzero.all_reduce().unit(grads, 0, ctx)
+    got = (got if isinstance(got, torch.Tensor) else got.wait())[0]
+    post = _rank_ordered(grads)[-1] / world
+    values = [*_rank_ordered(grads), post, *(grads / world), *_rank_ordered(grads / world)]
+    tiny = torch.finfo(dtype).tiny
+    fine = torch.stack([(v == 0) | ((v.abs() >= tiny) & v.isfinite()) for v in values]).all(0)
+    assert torch.equal(got[fine], post[fine])
+    if -90 <= exponent <= 100:  # (|g| >= ~2^-120: a sum that cancels to below 2^-126 cancels to 0)
+        assert fine.all()
+
+
+def test_the_division_moves_before_the_sum_only_where_it_is_exact():
+    exact = fzero.transforms.collective._exact_division
+    assert exact(2, torch.float32) and exact(4, torch.bfloat16) and exact(8, torch.float64)
+    assert not exact(1, torch.float32) and not exact(3, torch.float32) and not exact(6, torch.bfloat16)
+    assert not exact(2, torch.float16)  # (float16's subnormals, below 6.1e-5, are within a gradient's range)
+    # why: a subnormal halved rounds to even first; the sum of two, halved, does not
+    s = torch.tensor([2.0**-149, 2.0**-149])
+    assert (s / 2).sum() == 0 and s.sum() / 2 == 2.0**-149
