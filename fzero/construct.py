@@ -182,14 +182,8 @@ def sharded_parameters(
                         start = leaf.offset - unit.start
                         flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
             flat = mesh.broadcast(mesh.replicate(flat), src=0)
-            if lay.axis is not None:  # hybrid: this rank's chunk along the sharding axis
-                place(space, lay, unit_index, mesh.local_shard(flat, axis=lay.axis))
-                continue
-            rows = flat.view(*flat.shape[:-1], layout.world, -1)  # [(world,) world, unit shard]
-            if mesh.stacked:
-                place(space, lay, unit_index, torch.stack([rows[r, r] for r in range(layout.world)]))
-            else:
-                place(space, lay, unit_index, rows[mesh.rank])
+            # this rank's chunk (hybrid: along the sharding axis), as `fzero.transforms.shard_params` cuts it
+            place(space, lay, unit_index, mesh.local_shard(flat, **({} if lay.axis is None else {"axis": lay.axis})))
         for name, t in named.items():
             if name in buffer_names:
                 buffers[name] = mesh.broadcast(mesh.replicate(t.detach().clone()), src=0)
