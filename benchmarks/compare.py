@@ -37,8 +37,9 @@ life; a line per trainer also splits it into building the model and the trainer,
 steps). `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
 optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
 time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
-`fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`), and the count and total size of one
-step's allocations of 2 MiB or more (`torch.profiler`'s `profile_memory`, in a step of their own).
+`fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`), its ten costliest aten ops (self
+time and calls a step), and the count and total size of one step's allocations of 2 MiB or more (`torch.profiler`'s
+`profile_memory`, in a step of their own).
 
 `--nproc N` runs N processes instead of 2 (`--rounds` and `--steps` then default to 3 and 2: on this 2-core machine
 4 processes share the cores). With `--comm`, or whenever a 2-D trainer above runs, every `fzero-zeroN*` and 2-D row
@@ -433,6 +434,11 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
                           if e.key.startswith("fzero.")}  # fmt: skip
                 if ranges:
                     print(f"|   fzero phases | {' | '.join(f'{k} {v:.0f} ms' for k, v in sorted(ranges.items()))} |")
+                ops = sorted((e for e in prof.key_averages() if e.key.startswith("aten::")),
+                             key=lambda e: -e.self_cpu_time_total)[:10]  # fmt: skip
+                cells = " | ".join(f"{e.key} {e.self_cpu_time_total / 1e3 / len(data):.1f} ms ({e.count // len(data)})"
+                                   for e in ops)  # fmt: skip
+                print(f"|   top ops (self ms a step, calls) | {cells} |", flush=True)
             # one more step for its large allocations (blocks a step maps or takes from the heap afresh), apart from
             # the timed ones: recording every allocation slows a step
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as allocs:
