@@ -183,7 +183,7 @@ def sharded_parameters(
                         flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
             flat = mesh.broadcast(mesh.replicate(flat), src=0)
             # this rank's chunk (hybrid: along the sharding axis), as `fzero.transforms.shard_params` cuts it
-            place(space, lay, unit_index, mesh.local_shard(flat, **({} if lay.axis is None else {"axis": lay.axis})))
+            place(space, lay, unit_index, mesh.local_shard(flat, axis=lay.axis))
         for name, t in named.items():
             if name in buffer_names:
                 buffers[name] = mesh.broadcast(mesh.replicate(t.detach().clone()), src=0)

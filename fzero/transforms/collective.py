@@ -216,7 +216,7 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
         # a cast or a prescale made `x` a tensor of this reduction's own: reduced in place (no copy); the gradient
         # handed in may be another's (autograd passes one tensor to several inputs): never written
         total = run(x, op, inplace=x is not grads)
-        return total if avg.is_default else _averaged(total, avg, ctx.mesh.world)
+        return total if avg.is_default else _averaged(total, avg, world)
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "all_reduce")
@@ -360,10 +360,9 @@ def shard_params(mesh: Mesh, layout: Layout, full: Tensor, axis: str | None = No
       full: the full buffer (`[numel]`, or `[world, numel]` on a `SimMesh`).
       axis: the mesh axis the layout is sharded over.
     """
-    kw = {} if axis is None else {"axis": axis}
     out: Tensor | None = None
     for i in range(len(layout.units)):
-        piece = mesh.local_shard(full[..., layout.unit_slice(i)], **kw)
+        piece = mesh.local_shard(full[..., layout.unit_slice(i)], axis=axis)
         if out is None:
             out = piece.new_empty(*piece.shape[:-1], layout.shard_numel)
         out[..., layout.unit_shard_slice(i)].copy_(piece)
