@@ -17,6 +17,14 @@ AVERAGES = [fzero.Average(), fzero.Average(prescale=True), fzero.Average(predivi
             fzero.Average(predivide=3.0), fzero.Average(prescale=True, predivide=8.0)]  # fmt: skip
 
 
+def _rank_ordered(parts: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """The partial sums of `parts` in rank order (gloo's, and the mesh's)."""
+    sums = [parts[0]]
+    for p in parts[1:]:
+        sums.append(sums[-1] + p)
+    return sums
+
+
 def transcription(grads: torch.Tensor, average: fzero.Average) -> torch.Tensor:
     """DeepSpeed's engine (`allreduce_bucket`), operation for operation, the sum in rank order."""
     world = grads.shape[0]
@@ -24,9 +32,7 @@ def transcription(grads: torch.Tensor, average: fzero.Average) -> torch.Tensor:
         parts = [g * (1.0 / world) for g in grads]
     else:
         parts = [g * (1.0 / average.predivide) if average.predivide != 1.0 else g for g in grads]
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
+    total = _rank_ordered(parts)[-1]
     if average.prescale:
         return total
     if average.is_default:
@@ -101,14 +107,6 @@ def test_bad_averages_are_refused():
         fzero.Average(predivide=0)
     with pytest.raises(ValueError, match="qgz=True .* no prescale or predivide"):
         fzero.zero2(fzero.adamw(), qgz=True, average=fzero.Average(prescale=True))
-
-
-def _rank_ordered(parts: torch.Tensor) -> list[torch.Tensor]:
-    """The partial sums of `parts` in rank order (gloo's, and the mesh's)."""
-    sums = [parts[0]]
-    for p in parts[1:]:
-        sums.append(sums[-1] + p)
-    return sums
 
 
 @settings(deadline=None, max_examples=60)
