@@ -6,11 +6,12 @@ them out again (`swap`, `unswap`). When each verb runs is the schedule's busines
 hooks, the prefetch order, the catch-up of units a rank did not run); what the verbs of a rank's units share (the
 ranks, the two flat spaces' layouts, modes and buffers, the count of gathered elements) is one `Spaces`.
 
-How a unit's buffers live: the unit's full trainable buffer is the output of an autograd Function (`_Unit`) whose
-backward receives the unit's complete gradient exactly once, after its last use, and hands it to the schedule
-(`GatheredUnit.on_gradient`); the buffers' storage is resized to zero when the unit is freed and refilled before it
-is read again (FSDP's technique), so the tensors autograd saved stay valid, and writing through a separate alias
-keeps their version counters untouched.
+How a unit's buffers live: the unit's parameters are the outputs of an autograd Function (`_Unit`), views of its
+full trainable buffer, whose backward receives the unit's complete gradient exactly once, after its last use, and
+hands it to the schedule (`GatheredUnit.on_gradient`) as its parameters' gradients, unconcatenated (`Pieces`); the
+buffers' storage is resized to zero when the unit is freed and refilled before it is read again (FSDP's technique),
+so the tensors autograd saved stay valid, and writing through a separate alias keeps their version counters
+untouched.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch import Tensor, nn
 
 from . import scratch
 from .bind import carry_attributes
-from .layout import ROOT_UNIT, Layout, unit_views
+from .layout import ROOT_UNIT, Layout, unit_pieces, unit_views
 from .mesh import Work
+from .pieces import Pieces
 from .plan import EXACT, Wire
 from .ranks import Ranks
 
@@ -151,21 +153,26 @@ class Spaces:
 
 
 class _Unit(torch.autograd.Function):
-    """shard slice -> the unit's full trainable buffer (an alias of the unit's storage, which the unit fills and
-    frees); backward: hand the unit's complete gradient to the schedule (`GatheredUnit.on_gradient`)."""
+    """shard slice -> the unit's parameters, views of its full trainable buffer (an alias of the unit's storage,
+    which the unit fills and frees); backward: hand the unit's complete gradient, as its parameters' gradients
+    (`fzero.pieces.Pieces`: no concatenation), to the schedule (`GatheredUnit.on_gradient`)."""
 
     @staticmethod
-    def forward(ctx: Any, shard: Tensor, unit: GatheredUnit) -> Tensor:
+    def forward(ctx: Any, shard: Tensor, unit: GatheredUnit, sizes: tuple[int, ...],
+                shapes: tuple[torch.Size | None, ...]) -> tuple[Tensor, ...]:  # fmt: skip
         # the node keeps the callback, not the unit: as long as the graph lives, its backward reaches the schedule
         # even after the unit let go of it (`GatheredUnit.release`)
         assert unit.on_gradient is not None, f"unit {unit.name!r} was released"
-        ctx.on_gradient, ctx.index = unit.on_gradient, unit.index
-        return _alias(unit.store(TRAIN))
+        ctx.on_gradient, ctx.index, ctx.sizes, ctx.owned = unit.on_gradient, unit.index, sizes, shapes
+        ctx.set_materialize_grads(False)  # (a parameter the loss does not reach: None, written as zeros)
+        pieces = _alias(unit.store(TRAIN)).split(sizes)
+        return tuple(p.view(shape) for p, shape in zip(pieces, shapes, strict=True) if shape is not None)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
-        ctx.on_gradient(ctx.index, grad)
-        return None, None
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
+        given = iter(grads)
+        ctx.on_gradient(ctx.index, Pieces(ctx.sizes, tuple(None if s is None else next(given) for s in ctx.owned)))
+        return None, None, None, None
 
 
 @dataclass
@@ -202,7 +209,7 @@ class GatheredUnit:
     module: nn.Module | None
     sizes: tuple[int, ...]
     shared: Spaces
-    on_gradient: Callable[[int, Tensor], None] | None
+    on_gradient: Callable[[int, Tensor | Pieces], None] | None
     phase: Phase = Phase.IDLE
     stores: list[Tensor | None] = field(default_factory=lambda: [None, None])
     live: list[bool] = field(default_factory=lambda: [False, False])
@@ -309,11 +316,14 @@ class GatheredUnit:
                     continue
                 assert lay is not None  # (a space with elements has one)
                 if space == TRAIN and sp.gradients:
+                    sizes, owners = unit_pieces(lay, self.index)
+                    shapes = tuple(None if leaf is None else torch.Size(leaf.shape) for leaf in owners)
                     with torch.enable_grad():
-                        full = _Unit.apply(sp.shards[TRAIN][lay.unit_shard_slice(self.index)], self)
+                        out = _Unit.apply(sp.shards[TRAIN][lay.unit_shard_slice(self.index)], self, sizes, shapes)
+                    named = [leaf.name for leaf in owners if leaf is not None]
+                    views.update(zip(named, (out,) if isinstance(out, Tensor) else out, strict=True))
                 else:
-                    full = _alias(self.store(space))
-                views.update(unit_views(lay, self.index, full))
+                    views.update(unit_views(lay, self.index, _alias(self.store(space))))
             self.named = views
         return self.named
 
@@ -367,7 +377,7 @@ def build_units(
     model: nn.Module,
     shared: Spaces,
     persistence_threshold: int,
-    on_gradient: Callable[[int, Tensor], None],
+    on_gradient: Callable[[int, Tensor | Pieces], None],
 ) -> list[GatheredUnit]:
     """Every unit of `layout`; which are gathered on demand (a module, above the persistence threshold, no parameter
     tied across units: it must be reachable whenever either unit runs).

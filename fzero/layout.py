@@ -542,6 +542,12 @@ def unit_views(layout: Layout, unit: int, flat: Tensor) -> dict[str, Tensor]:
     return _split_views(flat, tuple(leaf for leaf in layout.leaves if leaf.unit == unit), u.start)
 
 
+def unit_pieces(layout: Layout, unit: int) -> tuple[tuple[int, ...], tuple[Leaf | None, ...]]:
+    """The consecutive pieces of one unit's full buffer: their sizes, and the leaf each is (None: padding)."""
+    u = layout.units[unit]
+    return _pieces(tuple(leaf for leaf in layout.leaves if leaf.unit == unit), u.start, u.start + u.size)
+
+
 def _check_last(layout: Layout, x: Tensor, what: str) -> None:
     if x.shape[-1:] != (layout.numel,):
         raise ValueError(f"{what}: expected a last dimension of {layout.numel}, got shape {tuple(x.shape)}")

@@ -30,6 +30,7 @@ from .agreement import agree
 from .bind import bound
 from .layout import Layout, unflatten
 from .mesh import CollectiveError, Mesh
+from .pieces import Pieces, takes_pieces
 from .state import TrainState
 from .storage import Offloaded, in_memory
 from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
@@ -331,7 +332,8 @@ class _Reducer:
     def __init__(self, unit: Any, ctx: Context, speculation: Speculation | None) -> None:
         self.unit, self.ctx = unit, ctx
         self.landed = None if speculation is None else speculation.landed
+        self.takes_pieces = takes_pieces(unit)
 
-    def __call__(self, grads: Tensor, index: int, place: Any = None) -> Any:
+    def __call__(self, grads: Tensor | Pieces, index: int, place: Any = None) -> Any:
         with record_function("fzero.reduce"):
             return self.unit(grads, index, self.ctx if place is None else self.ctx._replace(place=place))

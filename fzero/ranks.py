@@ -39,6 +39,7 @@ from . import scratch
 from .int8 import dequantize, quantize
 from .layout import Layout
 from .mesh import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, completed, done, progress
+from .pieces import Pieces, takes_pieces, whole
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 
@@ -61,7 +62,7 @@ def _value(x: Tensor | Work) -> Tensor:
 class Reduction(Protocol):
     peak: int  # the most gradient elements whose reduction was in flight at once
 
-    def add(self, unit: int, rank: int, grads: Tensor) -> None: ...
+    def add(self, unit: int, rank: int, grads: Tensor | Pieces) -> None: ...
 
     def result(self) -> Tensor: ...
 
@@ -138,13 +139,16 @@ class _DistReduction:
         self.whole = False
         self.landed = _landed(fn)
 
-    def add(self, unit: int, rank: int, grads: Tensor) -> None:
+    def add(self, unit: int, rank: int, grads: Tensor | Pieces) -> None:
+        if not takes_pieces(self.fn):
+            grads = whole(grads)
         n = grads.numel()
         while self.flight and self.budget is not None and self.elements + n > self.budget:
             self._land()
         pieces = self.pieces.setdefault(unit, [])
         # the unit's first piece may go straight to its place in the result: no buffer of its own, no copy
-        pieces.append(self.fn(grads, unit, place=None if pieces else functools.partial(self._place, unit, grads)))
+        like = grads.like if isinstance(grads, Pieces) else grads
+        pieces.append(self.fn(grads, unit, place=None if pieces else functools.partial(self._place, unit, like)))
         if not isinstance(pieces[-1], Tensor):
             self.flight.append((unit, len(pieces) - 1, n))
             self.elements += n
@@ -231,7 +235,8 @@ class _SimReduction:
         self.grads: dict[int, dict[int, Tensor]] = {}
         self.peak = 0  # nothing in flight: the simulated ranks reduce at once
 
-    def add(self, unit: int, rank: int, grads: Tensor) -> None:
+    def add(self, unit: int, rank: int, grads: Tensor | Pieces) -> None:
+        grads = whole(grads)
         mine = self.grads.setdefault(unit, {})
         mine[rank] = grads if rank not in mine else mine[rank] + grads
 

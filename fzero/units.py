@@ -60,6 +60,7 @@ from .bind import Unavailable
 from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_units
 from .layout import Layout
 from .mesh import CollectiveError, Mesh, SimMesh
+from .pieces import Pieces
 from .plan import EXACT, Wire
 from .ranks import OneRank, Ranks, Reduction, SimRanks, ranks_of
 from .storage import Offloaded, UnitReader
@@ -343,7 +344,7 @@ class Gatherer:
         if first:
             self._prefetch(i, -1)
 
-    def post_backward(self, i: int, grad: Tensor) -> None:
+    def post_backward(self, i: int, grad: Tensor | Pieces) -> None:
         """The unit's trainable gradient is complete (its `on_gradient`): hand it to the reduction (the chain's),
         free the trainable buffer (and the frozen one, unless the gradients of the unit's inputs are still
         pending) of a unit gathered on demand."""

@@ -40,6 +40,7 @@ from torch import Tensor
 from .. import native
 from ..layout import Layout
 from ..mesh import Mesh, Work
+from ..pieces import takes_pieces
 from ..plan import EXACT, Wire
 
 __all__ = [
@@ -246,7 +247,12 @@ def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | Non
 
 def identity() -> Transform:
     """The transform that changes nothing and holds no state (it can run per unit)."""
-    return stateless(lambda flow, ctx: flow, "identity", unit=lambda grads, unit, ctx: grads)
+
+    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
+        return grads
+
+    unit.takes_pieces = True  # type: ignore[attr-defined]  # (passed on as they came: `fzero.pieces`)
+    return stateless(lambda flow, ctx: flow, "identity", unit=unit)
 
 
 def _unique(names: list[str]) -> list[str]:
@@ -275,6 +281,7 @@ def _compose_units(pairs: tuple[tuple[str, Transform], ...]) -> tuple[UnitFn | N
             grads = cast(Tensor, fn(grads, index, ctx))
         return prefix[-1](grads, index, ctx)
 
+    unit.takes_pieces = all(takes_pieces(fn) for fn in prefix)  # type: ignore[attr-defined]  # (`fzero.pieces`)
     return unit, True
 
 

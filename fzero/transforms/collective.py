@@ -36,6 +36,7 @@ from torch import Tensor
 from ..int8 import dequantize, quantize
 from ..layout import Layout, to_rank_major, to_unit_major
 from ..mesh import AllOf, Mesh, ReduceOp, Work, completed, progress
+from ..pieces import Pieces, into, whole
 from ..plan import EXACT, Wire
 from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
@@ -199,14 +200,15 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
 
     avg = average or Average()
 
-    def reduce(grads: Tensor, ctx: Context) -> Tensor | Work:
+    def reduce(grads: Tensor | Pieces, ctx: Context) -> Tensor | Work:
         run = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
         world = ctx.mesh.world
         out = None if ctx.place is None or not avg.is_default else ctx.place(tuple(grads.shape), dtype or grads.dtype)
         exact = avg.is_default and _exact_division(world, dtype or grads.dtype)  # (the mean divided before the sum)
         if out is not None:  # (the cast `_cast` makes, into the result's place: reduced there)
-            x = torch.div(grads, world, out=out) if exact else out.copy_(grads)
+            x = into(grads, out, world if exact else None)
         else:
+            grads = whole(grads)
             x = _cast(grads, dtype)
             if exact:  # (a new tensor for a gradient handed in: the copy the collective would make otherwise)
                 x = torch.div(x, world) if x is grads else x.div_(world)
@@ -223,9 +225,10 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
         grads = cast(Tensor, reduce(flow.gradients("all_reduce"), ctx._replace(overlap=False)))
         return flow._replace(grads=grads).with_facts(reduced=True), state
 
-    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
+    def unit(grads: Tensor | Pieces, index: int, ctx: Context) -> Tensor | Work:
         return reduce(grads, ctx)
 
+    unit.takes_pieces = True  # type: ignore[attr-defined]  # (written into their place in one pass: `fzero.pieces`)
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
 
