@@ -283,6 +283,25 @@ def test_grad_stats_never_overflows_on_finite_values():
         assert not nonfinite and math.isfinite(sumsq), isa
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+def test_grad_stats_adds_its_chunks_sums_in_order(dtype):
+    """The sum of squares is each chunk's sum (2^15 elements a chunk below 2^25 elements), added in chunk order;
+    a core sums eight whole chunks at once (eight streams read faster than one), each bitwise as if alone: the
+    total is exactly the chunks' own totals added one by one, however many groups of eight and chunks after them
+    there are."""
+    chunk = 1 << 15
+    gen = torch.Generator().manual_seed(5)
+    for whole, rest in ((8, 0), (9, 100), (16, 0), (23, 31)):
+        g = (torch.randn(whole * chunk + rest, generator=gen) * 3.0).to(dtype)
+        pieces = [g[k * chunk : (k + 1) * chunk] for k in range(whole)] + ([g[whole * chunk :]] if rest else [])
+        for isa in COMPILED:
+            native.set_isa(isa)
+            want = 0.0
+            for piece in pieces:  # (one chunk each: the path's single-chunk sum)
+                want += native.grad_stats(piece)[0]
+            assert native.grad_stats(g)[0] == want, (isa, whole, rest)
+
+
 def test_isa_reporting_and_errors():
     assert native.isa() in (*native.ISAS, "torch")
     # the suite runs on an install that built the extension: a silently failed build must not pass as the twin
