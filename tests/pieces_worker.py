@@ -1,5 +1,5 @@
-"""Worker for tests/test_pieces.py: stage 0 over a real gloo group on a model with a parameter the loss does not
-reach, in both precisions; rank 0 saves the parameters."""
+"""Worker for tests/test_pieces.py: stages 0, 2 and 3 over a real gloo group on a model with a parameter the loss
+does not reach, in both precisions; rank 0 saves the parameters."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from tests.spawn import init_worker, report
 from tests.support import regression_loss
 
 STEPS = 3
+CASES = [(f"{preset}-{name}", preset, dtype) for preset in ("zero0", "zero2", "zero3")
+         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))]  # fmt: skip
 
 
 class Block(nn.Module):
@@ -48,11 +50,11 @@ def batches(world: int, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
             for _ in range(STEPS)]  # fmt: skip
 
 
-def train(mesh: fzero.Mesh, dtype: torch.dtype, rank: int | None) -> dict[str, torch.Tensor]:
-    """Stage 0 (mixed precision for bfloat16) on `mesh`, this rank's slice of each batch (`rank`) or all of them."""
+def train(mesh: fzero.Mesh, preset: str, dtype: torch.dtype, rank: int | None) -> dict[str, torch.Tensor]:
+    """`preset` (mixed precision for bfloat16) on `mesh`, this rank's slice of each batch (`rank`) or all of them."""
     net = model(torch.float32)
     precision = "bf16" if dtype == torch.bfloat16 else None
-    tx = fzero.zero0(fzero.adamw(1e-2), precision=precision)
+    tx = getattr(fzero, preset)(fzero.adamw(1e-2), precision=precision)
     state = fzero.init(net, tx, mesh)
     step = fzero.train_step(net, regression_loss(net), tx, mesh)
     for batch in batches(mesh.world, dtype):
@@ -64,8 +66,8 @@ def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_worker(rank, world, f"{out_dir}/store")
     mesh = fzero.DistMesh()
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        full = train(mesh, dtype, rank)
+    for name, preset, dtype in CASES:
+        full = train(mesh, preset, dtype, rank)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in full.items()}, f"{out_dir}/{name}.st")
     report(rank, out_dir, "done")

@@ -99,11 +99,12 @@ def test_only_a_reduction_that_says_so_is_handed_pieces(takes):
 
 
 def test_the_chains_that_take_pieces():
-    """A chain's per-unit reduction takes pieces when every per-unit function up to its reduction does: stage 0's
-    (identity, all_reduce); not reduce_scatter's, nor one behind a user's per-unit transform (which is promised a
-    tensor)."""
-    assert takes_pieces(fzero.zero0(fzero.adamw()).unit)
-    assert not takes_pieces(fzero.zero2(fzero.adamw()).unit)
+    """A chain's per-unit reduction takes pieces when every per-unit function up to its reduction does: the
+    stages' (identity, all_reduce or reduce_scatter); not the quantized reduce-scatter (qgZ), nor one behind a
+    user's per-unit transform (which is promised a tensor)."""
+    for stage in (fzero.zero0, fzero.zero1, fzero.zero2, fzero.zero3):
+        assert takes_pieces(stage(fzero.adamw()).unit), stage
+    assert not takes_pieces(fzero.zero2(fzero.adamw(), qgz=True).unit)
     user = fzero.Transform(lambda flow, ctx: (flow, fzero.transforms.EmptyState()),
                            lambda flow, state, ctx: (flow, state), "mine",
                            unit=lambda grads, unit, ctx: grads * 1.0)  # fmt: skip
@@ -111,17 +112,19 @@ def test_the_chains_that_take_pieces():
 
 
 @pytest.mark.timeout(300)
-def test_stage0_on_gloo_with_pieces_is_the_simulated_step(tmp_path):
-    """Stage 0 over 2 gloo processes, where each unit's gradient reaches the all-reduce as pieces (a parameter the
-    loss does not reach among them: zeros), gives bitwise the parameters of the simulated step, whose reduction
-    concatenates (2 ranks: a + b == b + a), in float32 and with bfloat16 compute."""
+def test_stages_on_gloo_with_pieces_are_the_simulated_step(tmp_path):
+    """Stages 0, 2 and 3 over 2 gloo processes, where each unit's gradient reaches the reduction as pieces (a
+    parameter the loss does not reach among them: zeros) and is divided by the world size in the one pass that
+    writes it (into the step's gradient for the all-reduce, into the reduce-scatter's input), give bitwise the
+    parameters of the simulated step, whose reduction concatenates and divides after the sum (2 ranks: a + b ==
+    b + a, and halving is exact), in float32 and with bfloat16 compute (reduced in float32: cast in that pass)."""
     spawn(pieces_worker.run, (2, str(tmp_path)), 2)
     threads = torch.get_num_threads()
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name, preset, dtype in pieces_worker.CASES:
         got = load_file(tmp_path / f"{name}.st")
         torch.set_num_threads(1)  # as the workers: matmul's reduction order may depend on the thread count
         try:
-            want = pieces_worker.train(fzero.SimMesh(2), dtype, None)
+            want = pieces_worker.train(fzero.SimMesh(2), preset, dtype, None)
         finally:
             torch.set_num_threads(threads)
         assert got.keys() == want.keys()

@@ -309,18 +309,22 @@ def reduce_scatter(
                                                                          inplace=shard is not x))  # fmt: skip
         return handle if avg.is_default else cast(Work, _averaged(handle, avg, world))
 
-    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
-        x = _cast(grads, dtype)
-        out = None
-        if ctx.place is not None and avg.is_default and axis is None and replicate is None and ctx.mesh.world > 1:
-            out = ctx.place((*x.shape[:-1], x.shape[-1] // ctx.mesh.world), x.dtype)
+    def unit(grads: Tensor | Pieces, index: int, ctx: Context) -> Tensor | Work:
+        world, out = ctx.mesh.world, None
+        if ctx.place is not None and avg.is_default and axis is None and replicate is None and world > 1:
+            out = ctx.place((*grads.shape[:-1], grads.shape[-1] // world), dtype or grads.dtype)
         if out is not None:  # a plain reduce-scatter puts the shard in its place in the step's gradient
             run = ctx.mesh.reduce_scatter_start if ctx.overlap else ctx.mesh.reduce_scatter
-            return run(x, "mean", out=out)
+            if _exact_division(world, out.dtype):  # (the concatenation, cast and mean's division: one pass)
+                x = into(grads, torch.empty(grads.shape, dtype=out.dtype, device=out.device), world)
+                return run(x, "sum", out=out)
+            return run(_cast(whole(grads), dtype), "mean", out=out)
+        x = _cast(whole(grads), dtype)
         if ctx.overlap:  # started: the backward goes on while the collectives (both, for a hybrid one) run
             return start(x, ctx)
         return reduce(x, ctx)
 
+    unit.takes_pieces = True  # type: ignore[attr-defined]  # (`fzero.pieces`)
     return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)
 
 
