@@ -7,7 +7,8 @@ reads again to copy (or divide) it into its place in the step's gradient: two pa
 elementwise, so the result is bitwise the concatenation's (divided).
 
 A reduction that can use the pieces says so with a `takes_pieces = True` attribute on its function
-(`fzero.transforms.all_reduce`); every other one is handed `Pieces.whole()`, the concatenation.
+(`fzero.transforms.all_reduce` writes them into the step's gradient, `reduce_scatter` into the buffer gloo sends
+from, cast and divided in the same pass); every other one is handed `Pieces.whole()`, the concatenation.
 
 Example:
     >>> import torch
