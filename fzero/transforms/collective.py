@@ -7,8 +7,9 @@
   `gather(lazy=True)` keeps them as this rank's shard, and the step all-gathers them before the next forward,
   unit by unit (stage 3: parameters sharded at rest).
 
-Means are the rank-ordered sum divided by `world` (see `fzero.mesh`), so per element an all-reduce and a
-reduce-scatter give the same value, bitwise, and so does reducing unit by unit (the reductions' `unit` form, which
+Means are the rank-ordered sum divided by `world` (see `fzero.mesh`; over a power-of-two world the division comes
+first, bitwise the same: `fzero.pieces.exact_division`), so per element an all-reduce and a reduce-scatter give the
+same value, bitwise, and so does reducing unit by unit (the reductions' `unit` form, which
 stage 3 runs in the backward) or the whole buffer at once. Gradients travel in `dtype` (the policy's reduce dtype).
 
 Where the division by `world` happens is DeepSpeed's choice too (`Average`): after the sum (the default), before
@@ -36,7 +37,7 @@ from torch import Tensor
 from ..int8 import dequantize, quantize
 from ..layout import Layout, to_rank_major, to_unit_major
 from ..mesh import AllOf, Mesh, ReduceOp, Work, completed, progress
-from ..pieces import Pieces, into, whole
+from ..pieces import Pieces, exact_division, into, whole
 from ..plan import EXACT, Wire
 from ..state import pytree, register_torch_pytree, static_field
 from .base import Context, Does, EmptyState, Flow, Transform
@@ -176,16 +177,6 @@ def _cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
     return x if dtype is None else x.to(dtype)
 
 
-def _exact_division(world: int, dtype: torch.dtype) -> bool:
-    """Whether dividing each rank's gradient by `world` before the sum gives the mean bitwise: for a power of two
-    the division only moves the exponent, so `sum_r (g_r / world)` is `(sum_r g_r) / world` in any order of the
-    sum wherever no value falls below the smallest normal number (~1.2e-38 in float32 and bfloat16: there the two
-    round differently; float16's is 6.1e-5, within a gradient's range: excluded) and no sum overflows (there the
-    division first keeps it finite). DDP multiplies by `1 / world` in its copy to the bucket for every world size;
-    here it saves a pass where the gradient is copied anyway."""
-    return world > 1 and world & (world - 1) == 0 and dtype != torch.float16
-
-
 def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None) -> Transform:
     """Average full gradients over ranks (plain data parallelism), communicating in `dtype`; `average`: where
     the division by the world size happens (`Average`; default after the sum).
@@ -201,10 +192,9 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
     avg = average or Average()
 
     def reduce(grads: Tensor | Pieces, ctx: Context) -> Tensor | Work:
-        run = ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce
-        world = ctx.mesh.world
+        run, world = (ctx.mesh.all_reduce_start if ctx.overlap else ctx.mesh.all_reduce), ctx.mesh.world
         out = None if ctx.place is None or not avg.is_default else ctx.place(tuple(grads.shape), dtype or grads.dtype)
-        exact = avg.is_default and _exact_division(world, dtype or grads.dtype)  # (the mean divided before the sum)
+        exact = avg.is_default and exact_division(world, dtype or grads.dtype)  # (the mean divided before the sum)
         if out is not None:  # (the cast `_cast` makes, into the result's place: reduced there)
             x = into(grads, out, world if exact else None)
         else:
@@ -315,9 +305,8 @@ def reduce_scatter(
             out = ctx.place((*grads.shape[:-1], grads.shape[-1] // world), dtype or grads.dtype)
         if out is not None:  # a plain reduce-scatter puts the shard in its place in the step's gradient
             run = ctx.mesh.reduce_scatter_start if ctx.overlap else ctx.mesh.reduce_scatter
-            if _exact_division(world, out.dtype):  # (the concatenation, cast and mean's division: one pass)
-                x = into(grads, torch.empty(grads.shape, dtype=out.dtype, device=out.device), world)
-                return run(x, "sum", out=out)
+            if exact_division(world, out.dtype):  # (the concatenation, cast and mean's division: one pass)
+                return run(into(grads, out.new_empty(grads.shape), world), "sum", out=out)
             return run(_cast(whole(grads), dtype), "mean", out=out)
         x = _cast(whole(grads), dtype)
         if ctx.overlap:  # started: the backward goes on while the collectives (both, for a hybrid one) run
