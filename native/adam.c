@@ -169,6 +169,13 @@ FZ_AVX2 FZ_INLINE void fz_sumsq8(__m256 x, __m256d *lo, __m256d *hi) {
     *hi = _mm256_fmadd_pd(u, u, *hi);
 }
 
+/* The four accumulators' total, in the one order every AVX2 sum of squares uses (range and group alike). */
+FZ_AVX2 FZ_INLINE double fz_sumsq_total_avx2(__m256d a0, __m256d a1, __m256d a2, __m256d a3) {
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
 FZ_AVX2 static double fz_sumsq_range_avx2(const void *g, int dt, size_t b, size_t e) {
     __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
     size_t i = b;
@@ -176,9 +183,7 @@ FZ_AVX2 static double fz_sumsq_range_avx2(const void *g, int dt, size_t b, size_
         fz_sumsq8(fz_load8(g, dt, i), &a0, &a1);
         fz_sumsq8(fz_load8(g, dt, i + 8), &a2, &a3);
     }
-    double lanes[4];
-    _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
-    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + fz_sumsq_range_scalar(g, dt, i, e);
+    return fz_sumsq_total_avx2(a0, a1, a2, a3) + fz_sumsq_range_scalar(g, dt, i, e);
 }
 
 /* FZ_STREAMS whole chunks of c elements from b at once, each on its own four accumulators in
@@ -196,10 +201,9 @@ FZ_AVX2 static void fz_sumsq_group_avx2(const void *g, int dt, size_t b, size_t 
             fz_sumsq8(fz_load8(g, dt, at + 8), &a[k][2], &a[k][3]);
         }
     for (int k = 0; k < FZ_STREAMS; k++) {
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_add_pd(a[k][0], a[k][1]), _mm256_add_pd(a[k][2], a[k][3])));
         const size_t at = b + (size_t)k * c;
-        out[k] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + fz_sumsq_range_scalar(g, dt, at + i, at + c);
+        const double s = fz_sumsq_total_avx2(a[k][0], a[k][1], a[k][2], a[k][3]);
+        out[k] = s + fz_sumsq_range_scalar(g, dt, at + i, at + c);
     }
 }
 
@@ -267,6 +271,13 @@ FZ_AVX512 FZ_INLINE void fz_sumsq16(__m512 x, __m512d *lo, __m512d *hi) {
     *hi = _mm512_fmadd_pd(u, u, *hi);
 }
 
+/* fz_sumsq_total_avx2's, for the AVX-512 accumulators. */
+FZ_AVX512 FZ_INLINE double fz_sumsq_total_avx512(__m512d a0, __m512d a1, __m512d a2, __m512d a3) {
+    double lanes[8];
+    _mm512_storeu_pd(lanes, _mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
 FZ_AVX512 static double fz_sumsq_range_avx512(const void *g, int dt, size_t b, size_t e) {
     __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
     size_t i = b;
@@ -274,10 +285,7 @@ FZ_AVX512 static double fz_sumsq_range_avx512(const void *g, int dt, size_t b, s
         fz_sumsq16(fz_load16(g, dt, i), &a0, &a1);
         fz_sumsq16(fz_load16(g, dt, i + 16), &a2, &a3);
     }
-    double lanes[8];
-    _mm512_storeu_pd(lanes, _mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
-    double s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    return s + fz_sumsq_range_scalar(g, dt, i, e);
+    return fz_sumsq_total_avx512(a0, a1, a2, a3) + fz_sumsq_range_scalar(g, dt, i, e);
 }
 
 /* fz_sumsq_group_avx2's, on fz_sumsq_range_avx512's accumulators and order. */
@@ -293,10 +301,8 @@ FZ_AVX512 static void fz_sumsq_group_avx512(const void *g, int dt, size_t b, siz
             fz_sumsq16(fz_load16(g, dt, at + 16), &a[k][2], &a[k][3]);
         }
     for (int k = 0; k < FZ_STREAMS; k++) {
-        double lanes[8];
-        _mm512_storeu_pd(lanes, _mm512_add_pd(_mm512_add_pd(a[k][0], a[k][1]), _mm512_add_pd(a[k][2], a[k][3])));
         const size_t at = b + (size_t)k * c;
-        double s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        const double s = fz_sumsq_total_avx512(a[k][0], a[k][1], a[k][2], a[k][3]);
         out[k] = s + fz_sumsq_range_scalar(g, dt, at + i, at + c);
     }
 }
