@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import process_group
+from . import accelerator, process_group
 
 __all__ = ["AllOf", "CollectiveError", "DistMesh", "Ledger", "Mesh", "Pending", "Ready", "SimMesh", "Work", "done"]
 
@@ -682,9 +682,7 @@ class DistMesh(_LedgerMixin):
                     "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); start the script with torchrun, "
                     "or use SimMesh(world=...) in a single process"
                 )
-            process_group.init_process_group(
-                backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=delta
-            )
+            process_group.init_process_group(backend or accelerator.backend(), timeout=delta)
         elif delta is not None:
             process_group.set_timeout(delta, group)
         process_group.shutdown_at_exit()
@@ -698,6 +696,9 @@ class DistMesh(_LedgerMixin):
         # also makes the result SimMesh's, bitwise, at any world size), and its all-gather 1.6-6x slower than one
         # broadcast per rank (benchmarks/collectives.py): on gloo the mesh runs those exchanges instead
         self._exchange = dist.get_backend(group) == "gloo"
+        # NCCL moves GPU memory only: a host tensor handed to a collective (a seed, an agreement message, an
+        # offloaded shard) is staged through the current GPU (`_to_comm`) and the result copied back
+        self._comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
         self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
         self.shape = {} if shape is None else _shape(shape, "DistMesh(shape=...)")
         self._sub: dict[str, DistMesh] = {}
@@ -747,6 +748,12 @@ class DistMesh(_LedgerMixin):
             err, rank=self._rank, world=self.world, collective=collective, x=x, timeout=self.timeout
         )
 
+    def _to_comm(self, x: Tensor) -> Tensor:
+        """`x` where the backend can read it: `x` itself, or a contiguous copy on the GPU for NCCL."""
+        if self._comm is None or x.device == self._comm:
+            return x
+        return torch.empty(x.shape, dtype=x.dtype, device=self._comm).copy_(x)
+
     def _run(self, collective: str, x: Tensor, fn: Callable[..., object], *args: object, **kwargs: object) -> object:
         try:
             return fn(*args, **kwargs)
@@ -782,9 +789,18 @@ class DistMesh(_LedgerMixin):
         self._log("all_reduce", x.numel(), None, x.element_size())
         if self.world == 1:
             return Ready(_finish(x, op, 1))
-        out = x if inplace and x.is_contiguous() else x.clone()  # gloo reduces in place: never the caller's own
+        out = self._to_comm(x)
+        if out is x:  # the backend reduces in place: never in the caller's own buffer unless handed over
+            out = x if inplace and x.is_contiguous() else x.clone()
         work = self._run("all_reduce", x, dist.all_reduce, out, dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Pending(self._guard(work, "all_reduce", x), lambda: _finish(out, op, self.world), out)
+
+        def finish() -> Tensor:
+            total = _finish(out, op, self.world)
+            if total.device == x.device:
+                return total
+            return x.copy_(total) if inplace else total.to(x.device)
+
+        return Pending(self._guard(work, "all_reduce", x), finish, out)
 
     def reduce_scatter_start(
         self, x: Tensor, op: ReduceOp = "sum", axis: str | None = None, out: Tensor | None = None
@@ -818,11 +834,19 @@ class DistMesh(_LedgerMixin):
                 return _finish(total, op, self.world)
 
             return Pending(self._guard(work, "reduce_scatter", x), finish, chunks, received)
-        out = torch.empty_like(chunks[0]) if out is None else out
+        given, chunks = out, self._to_comm(chunks)
+        if out is None or out.device != chunks.device:
+            out = torch.empty_like(chunks[0])
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM,
                          group=self.group, async_op=True)  # fmt: skip
-        return Pending(self._guard(work, "reduce_scatter", x), lambda: _finish(out, op, self.world), chunks, out)
+
+        def finish_staged() -> Tensor:
+            total = _finish(out, op, self.world)
+            return total.to(x.device) if given is None else given.copy_(total)
+
+        finish = (lambda: _finish(out, op, self.world)) if out.device == x.device else finish_staged
+        return Pending(self._guard(work, "reduce_scatter", x), finish, chunks, out)
 
     def _guard(self, work: object, collective: str, x: Tensor) -> _Guarded:
         # `work` is what torch.distributed returns for async_op=True: a Work (typed Optional there)
@@ -850,9 +874,10 @@ class DistMesh(_LedgerMixin):
         chunks = x.unflatten(-1, (self.world, s)).movedim(-2, 0).contiguous()  # [world, ..., s]
         if self.world == 1:
             return chunks
+        chunks = self._to_comm(chunks)
         received = torch.empty_like(chunks)
         self._run("all_to_all", x, dist.all_to_all_single, received.view(-1), chunks.view(-1), group=self.group)
-        return received
+        return received.to(x.device)
 
     def all_gather_into(self, out: Tensor, x: Tensor, async_op: bool = False, axis: str | None = None) -> Work:
         """All-gather the 1-D `x` into the preallocated 1-D `out` (`world * x.numel()` elements), in place; with
@@ -865,7 +890,9 @@ class DistMesh(_LedgerMixin):
         if self.world == 1:
             out.copy_(x)
             return done
-        x = x.contiguous()
+        x, given = self._to_comm(x.contiguous()), out
+        if out.device != x.device:
+            out = torch.empty(out.shape, dtype=out.dtype, device=x.device)
         if self._exchange:  # each rank broadcasts its chunk straight into the others' `out`
             chunks = out.view(self.world, -1)
             works = [
@@ -878,7 +905,9 @@ class DistMesh(_LedgerMixin):
         else:
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             work = cast(Work, self._run("all_gather", x, fn, out, x, group=self.group, async_op=True))
-        guarded = self._guard(work, "all_gather", x)
+        guarded: Work = self._guard(work, "all_gather", x)
+        if out is not given:
+            guarded = Pending(guarded, lambda: given.copy_(out), out)
         if not async_op:
             guarded.wait()
             return done
@@ -886,10 +915,11 @@ class DistMesh(_LedgerMixin):
 
     def exchange(self, x: Tensor) -> Tensor:
         """Every rank's 1-D `x` (`[world, n]`): a control message (`fzero.agreement`), not counted in the ledger."""
-        out = torch.empty(self.world * x.numel(), dtype=x.dtype, device=x.device)
+        src = self._to_comm(x.contiguous())
+        out = torch.empty(self.world * x.numel(), dtype=x.dtype, device=src.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._run("exchange", x, fn, out, x.contiguous(), group=self.group)
-        return out.view(self.world, -1)
+        self._run("exchange", x, fn, out, src, group=self.group)
+        return out.view(self.world, -1).to(x.device)
 
     def broadcast(self, x: Tensor, src: int = 0, axis: str | None = None) -> Tensor:
         """Rank `src`'s `x` (for a named `axis`: the group's rank `src`, by coordinate)."""
@@ -898,10 +928,11 @@ class DistMesh(_LedgerMixin):
             self._log("broadcast", x.numel(), axis, x.element_size())
             return sub.broadcast(x, src)
         self._log("broadcast", x.numel(), None, x.element_size())
-        out = x.clone()
+        out = self._to_comm(x)
+        out = x.clone() if out is x else out
         root = dist.get_global_rank(self.group, src) if self.group else src
         self._run("broadcast", x, dist.broadcast, out, src=root, group=self.group)
-        return out
+        return out.to(x.device)
 
     def local_shard(self, x: Tensor, axis: str | None = None) -> Tensor:
         if axis is not None:

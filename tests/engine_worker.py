@@ -61,18 +61,29 @@ def case_config(stage: int, precision: str, gas: int, micro: int) -> dict:
     return cfg
 
 
-def compare_with_train_step(stage: int, precision: str, gas: int, model_kind: str, mesh=None, steps: int = 3) -> dict:
+def compare_with_train_step(
+    stage: int,
+    precision: str,
+    gas: int,
+    model_kind: str,
+    mesh=None,
+    steps: int = 3,
+    device: str = "cpu",
+    config: dict | None = None,
+) -> dict:
     """Train the same model on the same data with `fzero.initialize` + the DeepSpeed loop and with
-    `fzero.train_step` under the preset the config names; returns which parameters differ (bitwise)."""
+    `fzero.train_step` under the preset the config names (on `device`, with `config`'s keys over the case's);
+    returns which parameters differ (bitwise)."""
     world = 1 if mesh is None else mesh.world
     rank = 0 if mesh is None else int(mesh.rank)
-    model = mlp([6, 9, 4], 3) if model_kind == "mlp" else tiny_gpt(3)
+    model = (mlp([6, 9, 4], 3) if model_kind == "mlp" else tiny_gpt(3)).to(device)
     reference = copy.deepcopy(model)
     policy = fzero.get_policy(None if precision == "fp32" else precision)
     if model_kind == "mlp":
         batches = regression_batches(model, world, gas, 3, steps, 11)
     else:
         batches = lm_batches(model, world, gas, 3, steps, 11)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
 
     def criterion(out, y):
         if model_kind == "mlp":
@@ -83,10 +94,12 @@ def compare_with_train_step(stage: int, precision: str, gas: int, model_kind: st
         out = torch.func.functional_call(reference, params, (policy.cast_to_compute(batch["x"]),))
         return criterion(out, batch["y"])
 
-    engine, *_ = fzero.initialize(model=model, config=case_config(stage, precision, gas, 3), mesh=mesh)
+    cfg = {**case_config(stage, precision, gas, 3), **(config or {})}
+    engine, *_ = fzero.initialize(model=model, config=cfg, mesh=mesh)
     preset = getattr(fzero, f"zero{stage}")
     # the shell runs the config's AdamW on the fused kernel where the master weights are on the CPU
-    tx = preset(fzero.adamw(1e-2, weight_decay=0.01, fused=True), accumulate=gas, precision=policy, clip=1.0)
+    fused = device == "cpu"
+    tx = preset(fzero.adamw(1e-2, weight_decay=0.01, fused=fused), accumulate=gas, precision=policy, clip=1.0)
     fmesh = fzero.SimMesh(1) if mesh is None else mesh
     state = fzero.init(reference, tx, fmesh)
     step = fzero.train_step(reference, loss_fn, tx, fmesh)

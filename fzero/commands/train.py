@@ -376,7 +376,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     for _ in range(steps):
         for _ in range(c.gas):
-            batch = sample_batch(tokens, c.micro_batch, seq_len, gen)
+            batch = {k: v.to(engine.device) for k, v in sample_batch(tokens, c.micro_batch, seq_len, gen).items()}
             logits = engine(batch["x"])
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten())
             engine.backward(loss)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .. import optim
+from .. import accelerator, optim
 from ..loss_scale import DynamicLossScale
 from ..optim import Hyper, Optimizer, hyper_value
 from ..precision import Policy, get_policy
@@ -350,7 +350,7 @@ def optimizer_spec(
 def build_optimizer(cfg: Config) -> Optimizer | None:
     """The config's optimizer with its schedule, or None without an `optimizer` block."""
     spec = optimizer_spec(cfg)
-    return None if spec is None else spec.build(offload=cfg.offload, cpu=not torch.cuda.is_available())
+    return None if spec is None else spec.build(offload=cfg.offload, cpu=accelerator.name() == "cpu")
 
 
 def build_policy(cfg: Config) -> Policy:

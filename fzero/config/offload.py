@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from .. import accelerator
 from .schema import Bool, ConfigError, Field, Int, Nullable, Num, Section, Str, UnsupportedConfigError
 
 __all__ = ["AIO", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "check_offload"]
@@ -85,7 +84,7 @@ def check_offload(zero: dict[str, Any], path: str) -> None:
     key = f"{path}.offload_param.device"
     if zero["stage"] != 3 or param == "none":
         return
-    if param == "cpu" and torch.cuda.is_available():
+    if param == "cpu" and accelerator.name() == "cuda":
         what = "'cpu' with an accelerator (the compute shard copied to the device unit by unit) is not implemented"
         raise UnsupportedConfigError(key, f"{what} (not supported); on a CPU-only machine it lives there already")
     if param == "nvme" and optimizer != "nvme":

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import optim, process_group
+from .. import accelerator, optim, process_group
 from ..config import Config, ConfigError, ConfigWarning, parse_config
 from ..config.build import (
     MUP,
@@ -119,14 +119,6 @@ def config_mesh(cfg: Config, mesh: Mesh, given: bool) -> Mesh:
             )
         return mesh
     return DistMesh(cast(DistMesh, mesh).group, shape=shape)
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -312,7 +304,7 @@ def initialize(
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError("model parallelism (mpu / mesh_param) is not supported by fzero: pass None")
     source = _config_source(args, config, config_params)
-    device = _device()
+    device = accelerator.device()
     given = mesh is not None
     mesh = mesh if mesh is not None else default_mesh()
     cfg = parse_config(source, world=mesh.world)
@@ -389,7 +381,7 @@ def init_distributed(
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                            ("MASTER_PORT", str(distributed_port))):  # fmt: skip
             os.environ.setdefault(key, value)
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist_backend or accelerator.backend()
     if timeout is None:
         timeout = process_group.env_timeout()
     process_group.init_process_group(backend, timeout=timeout, init_method=init_method)

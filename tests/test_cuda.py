@@ -1,0 +1,159 @@
+"""The CUDA path: the stages, the shell and ZeRO-Offload on a GPU, over NCCL (a group of one: NCCL refuses two ranks
+on one device, so these tests need only one GPU), against torch's AdamW on the same GPU. Skipped without CUDA; CI
+has none (docs/testing.md says where they last ran)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fzero
+from fzero import process_group
+from tests import engine_worker
+from tests.bounds import assert_adam_close
+from tests.support import lm_batches, lm_loss, reference_run, tiny_gpt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PRESETS = (fzero.zero0, fzero.zero1, fzero.zero2, fzero.zero3)
+LR = 1e-2
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def on_the_gpu(monkeypatch):
+    """The shell trains on the GPU (tests/conftest.py sets the CPU for the rest of the suite)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+
+
+@pytest.fixture(scope="module")
+def nccl(tmp_path_factory):
+    """A DistMesh over an NCCL group of one rank on GPU 0, for the module's tests; destroyed after them."""
+    torch.cuda.set_device(0)
+    store = tmp_path_factory.mktemp("nccl") / "store"
+    process_group.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1, timeout=120)
+    try:
+        yield fzero.DistMesh()
+    finally:
+        process_group.shutdown()
+
+
+def _on_cuda(batches):
+    return [{k: v.cuda() for k, v in b.items()} for b in batches]
+
+
+def _core(stage: int, mesh, model, batches, micro: int = 1, **kwargs):
+    tx = PRESETS[stage](fzero.adamw(LR), accumulate=micro, **kwargs)
+    state = fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    sim = isinstance(mesh, fzero.SimMesh)  # a SimMesh takes every rank's batch, a DistMesh its own
+    for batch in batches:
+        state, _ = step(state, batch if sim else {k: v[0] for k, v in batch.items()})
+    return fzero.state_dict(state, mesh)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stages_over_nccl_are_torch_adamw_bitwise(nccl, stage):
+    """One rank, one micro-step, float32: every stage runs torch's own kernels on the GPU (the forward, the
+    backward, `torch.optim.AdamW(foreach=False)`'s elementwise steps) in the same order, so bitwise; with two
+    micro-steps the gradient sums in another order, so Adam's step bound (tests/bounds.py)."""
+    model = tiny_gpt(5).cuda()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = _on_cuda(lm_batches(model, 1, 1, 4, STEPS, 6))
+    want = reference_run(model, lm_loss, batches, 1, lambda p: torch.optim.AdamW(p, lr=LR, foreach=False))
+    got = _core(stage, nccl, copy.deepcopy(model), batches)
+    assert all(v.is_cuda for v in got.values())
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    batches = _on_cuda(lm_batches(model, 1, 2, 2, STEPS, 7))
+    want = reference_run(model, lm_loss, batches, 2, lambda p: torch.optim.AdamW(p, lr=LR))
+    got = _core(stage, nccl, copy.deepcopy(model), batches, micro=2)
+    assert_adam_close({k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()},
+                      {k: v.cpu() for k, v in start.items()}, LR, STEPS)  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nccl_equals_simmesh_on_cuda(nccl, stage):
+    """The same step over NCCL and simulated, bf16 compute with float32 master weights: bitwise."""
+    model = tiny_gpt(8).cuda()
+    batches = _on_cuda(lm_batches(model, 1, 2, 3, STEPS, 9))
+    policy = fzero.get_policy("bf16")
+    got = _core(stage, nccl, copy.deepcopy(model), batches, micro=2, precision=policy)
+    want = _core(stage, fzero.SimMesh(1), copy.deepcopy(model), batches, micro=2, precision=policy)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_shell_equals_core_on_cuda(nccl, stage, precision):
+    """`fzero.initialize` + DeepSpeed's loop on the GPU over NCCL: bitwise the functional step (the shell adds no
+    arithmetic), with clipping, accumulation and, for fp16, dynamic loss scaling."""
+    kind = "mlp" if precision == "fp16" else "gpt"
+    r = engine_worker.compare_with_train_step(stage, precision, 2, kind, mesh=nccl, device="cuda")
+    assert r["differ"] == {} and r["global_steps"] == 3, r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shell_overlap_on_cuda(nccl, stage):
+    """`overlap_comm` on the GPU: the reductions and gathers run beside the compute, the result bitwise the
+    functional step's."""
+    zero = {"stage": stage, "overlap_comm": True}
+    r = engine_worker.compare_with_train_step(stage, "bf16", 2, "gpt", mesh=nccl, device="cuda",
+                                              config={"zero_optimization": zero})  # fmt: skip
+    assert r["differ"] == {} and r["global_steps"] == 3, r
+
+
+def _shell_run(stage: int, offload: bool, model, batches):
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+    }
+    engine, *_ = fzero.initialize(model=model, config=config)
+    return _shell_continue(engine, batches)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shell_offload_from_cuda(nccl, stage):
+    """ZeRO-Offload from the GPU: the float32 master weights and Adam's state in pinned host memory, updated by the
+    C kernel, the bf16 compute copy on the GPU; within Adam's step bound of the same run updated on the GPU (the
+    kernel's AdamW is a few ulp from torch's per step: tests/test_native.py)."""
+    model = tiny_gpt(11).cuda()
+    start = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    batches = [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, STEPS, 12))]
+    host = _shell_run(stage, True, copy.deepcopy(model), batches)
+    gpu = _shell_run(stage, False, copy.deepcopy(model), batches)
+    assert host.state.params.device.type == "cpu" and host.state.params.is_pinned()
+    assert host.state.compute.is_cuda and gpu.state.params.is_cuda
+    got = {k: v.cpu() for k, v in host.module_state_dict().items()}
+    want = {k: v.cpu() for k, v in gpu.module_state_dict().items()}
+    assert_adam_close(got, want, start, LR, STEPS)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shell_checkpoint_on_cuda(nccl, stage, tmp_path):
+    """Save after two steps, load into a fresh engine on the GPU, take a third: bitwise the uninterrupted run."""
+    model = tiny_gpt(13).cuda()
+    batches = [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, 3, 14))]
+    whole = _shell_run(stage, False, copy.deepcopy(model), batches)
+    first = _shell_run(stage, False, copy.deepcopy(model), batches[:2])
+    first.save_checkpoint(str(tmp_path), tag="two")
+    resumed = _shell_run(stage, False, copy.deepcopy(model), [])
+    resumed.load_checkpoint(str(tmp_path), tag="two")
+    assert resumed.state.params.is_cuda
+    resumed = _shell_continue(resumed, batches[2:])
+    want, got = whole.module_state_dict(), resumed.module_state_dict()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def _shell_continue(engine, batches):
+    for batch in batches:
+        logits = engine(batch["x"])
+        engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten()))
+        engine.step()
+    return engine
