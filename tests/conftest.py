@@ -14,11 +14,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# The suite's references are CPU runs: on a machine with a GPU, fzero (as DeepSpeed, which reads the same variable)
+# would otherwise train on it and use NCCL. tests/test_cuda.py asks for the GPU itself.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-# set by pytest itself, and by torch's inductor on its first compile (a cache location, no effect on arithmetic)
-# pytest's own; and what `import deepspeed` sets once, with setdefault (transformers imports DeepSpeed when it is
-# installed, as the test extra installs it): it only makes torch's CUDA availability check use NVML
-_OWN_VARIABLES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+
+# Variables set by others, not by a test: pytest's own; torch's inductor's on its first compile (a cache location);
+# what `import deepspeed` sets once with setdefault (transformers imports DeepSpeed when it is installed, as the test
+# extra installs it: it only makes torch's CUDA availability check use NVML); and Intel OpenMP's switches, which a
+# library of a larger environment sets on its first import (seen on a GPU machine's image, none of the test extra's
+# packages does), read only when that runtime starts
+_OWN_VARIABLES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                  "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}  # fmt: skip
 
 
 @pytest.fixture

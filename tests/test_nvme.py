@@ -224,8 +224,10 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     files and resumes from the last checkpoint, bitwise the uninterrupted run."""
     swap, ck = tmp_path / "swap", tmp_path / "ck"
     swap.mkdir()
+    # this process's thread count: a matmul's reduction order, so the killed run's checkpoint, may depend on it
     code = f"""
 import os, signal, torch, fzero
+torch.set_num_threads({torch.get_num_threads()})
 from fzero.storage import store
 from tests import nvme_worker
 from tests.nvme_worker import train
