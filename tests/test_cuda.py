@@ -1,6 +1,6 @@
 """The CUDA path: the stages, the shell and ZeRO-Offload on a GPU, over NCCL (a group of one: NCCL refuses two ranks
 on one device, so these tests need only one GPU), against torch's AdamW on the same GPU. Skipped without CUDA; CI
-has none (docs/testing.md says where they last ran)."""
+has none (docs/engine.md, "On a GPU", says where they last ran)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,144 @@
+"""Step time on one CUDA GPU: fzero's core and shell (ZeRO stages 0-3, NCCL group of one) against DDP.
+
+One process, one GPU, so this measures what fzero adds around the model's own kernels on a GPU (host work, syncs,
+copies), not the collectives' speed: with one rank they move nothing. Trainers run in rotation, `--rounds` rounds of
+`--steps` steps each after two warm-up steps, the median per trainer, and its ratio to DDP's in the same run.
+
+    python benchmarks/gpu.py --precision bf16 fp32 --rounds 5 --steps 5
+
+Needs CUDA (`DS_ACCELERATOR` is set to `cuda` here); CI has none, docs/performance.md has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+os.environ["DS_ACCELERATOR"] = "cuda"
+
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import process_group
+from fzero.examples.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=32000, seq_len=512, n_layer=12, n_head=12, d_model=768)
+MICRO, LR, WD = 8, 1e-4, 0.01
+Step = Callable[[dict[str, torch.Tensor]], None]
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def ddp(model: GPT, precision: str) -> Step:
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+            loss = lm_loss(net(batch["x"]), batch["y"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def core(stage: int) -> Callable[[GPT, str], Step]:
+    def build(model: GPT, precision: str) -> Step:
+        mesh = fzero.DistMesh()
+        tx = getattr(fzero, f"zero{stage}")(fzero.adamw(LR, weight_decay=WD), precision=None if precision == "fp32"
+                                            else precision)  # fmt: skip
+
+        def loss_fn(params: dict, batch: dict) -> torch.Tensor:
+            return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
+
+        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True)
+        box = [fzero.init(model, tx, mesh)]
+        model.to("meta")
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            box[0], _ = train(box[0], batch)
+
+        return step
+
+    return build
+
+
+def shell(stage: int) -> Callable[[GPT, str], Step]:
+    def build(model: GPT, precision: str) -> Step:
+        config: dict = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage},
+                        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}  # fmt: skip
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        engine, *_ = fzero.initialize(model=model, config=config, printer=lambda line: None)
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
+            engine.step()
+
+        return step
+
+    return build
+
+
+def trainers() -> dict[str, Callable[[GPT, str], Step]]:
+    out: dict[str, Callable[[GPT, str], Step]] = {"ddp": ddp}
+    out.update({f"fzero-zero{s}": core(s) for s in range(4)})
+    out.update({f"fzero-shell-zero{s}": shell(s) for s in range(4)})
+    return out
+
+
+def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    template = GPT(CFG).cuda()
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, CFG.vocab_size, (steps, MICRO, CFG.seq_len + 1), generator=g).cuda()
+    data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
+    built = {name: make(copy.deepcopy(template), precision) for name, make in trainers().items()}
+    for step in built.values():
+        step(data[0])
+        step(data[1 % steps])
+    times: dict[str, list[float]] = {name: [] for name in built}
+    order = list(built)
+    for r in range(rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for batch in data:
+                built[name](batch)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precision", nargs="+", default=["bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        process_group.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            n = sum(p.numel() for p in GPT(CFG).parameters())
+            print(f"{torch.cuda.get_device_name()}, GPT {n / 1e6:.1f}M params, {MICRO}x{CFG.seq_len} tokens a step")
+            for precision in args.precision:
+                med = measure(precision, args.rounds, args.steps)
+                base = med["ddp"]
+                for name, t in med.items():
+                    print(f"{precision:5s} {name:20s} {t * 1e3:8.2f} ms  {t / base:5.2f}x DDP")
+        finally:
+            process_group.shutdown()
+
+
+if __name__ == "__main__":
+    main()
