@@ -157,3 +157,14 @@ def _shell_continue(engine, batches):
         engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten()))
         engine.step()
     return engine
+
+
+def test_train_command_wants_a_gpu_per_process(capsys):
+    """`fzero train --nproc N` on fewer GPUs: a usage error naming both counts and the way to the CPU."""
+    from fzero import cli
+
+    gpus = torch.cuda.device_count()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--nproc", str(gpus + 1), "--steps", "1"])
+    assert info.value.code == 2
+    assert f"--nproc {gpus + 1}: CUDA sees {gpus} GPU(s)" in capsys.readouterr().err

@@ -192,6 +192,14 @@ def test_bad_flags_are_usage_errors(tmp_path, capsys, flags, message):
     assert err.startswith("usage: fzero train") and f"fzero train: error: {message}" in err, err
 
 
+def test_an_unknown_accelerator_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--steps", "1"])
+    assert info.value.code == 2
+    assert "fzero train: error: DS_ACCELERATOR='xpu': fzero runs on cpu or cuda" in capsys.readouterr().err
+
+
 def test_timeout_flag_and_config(tmp_path):
     """`--timeout` (default 300 s) becomes `comms_config.timeout`; a config file's own value stays unless the flag
     is given."""

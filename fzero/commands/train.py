@@ -133,6 +133,24 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if seq_len + 1 >= corpus:
         parser.error(f"--seq-len {seq_len} does not fit the bundled corpus ({corpus} bytes)")
     _check_zeropp(args, parser)
+    _check_device(args, parser)
+
+
+def _check_device(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`DS_ACCELERATOR`'s value, and, on GPUs, a process for each (NCCL refuses two ranks on one device)."""
+    import torch
+
+    from .. import accelerator
+
+    try:
+        where = accelerator.name()
+    except ValueError as e:
+        parser.error(str(e))
+    nproc, gpus = _opt(args, "nproc"), torch.cuda.device_count() if where == "cuda" else 0
+    if where == "cuda" and "WORLD_SIZE" not in os.environ and nproc > gpus:
+        why = "each process trains on its own (NCCL refuses two ranks on one GPU)"
+        parser.error(f"--nproc {nproc}: CUDA sees {gpus} GPU(s) and {why}: set --nproc to at most {gpus}, or "
+                     "DS_ACCELERATOR=cpu to train on the CPU")  # fmt: skip
 
 
 _ZEROPP_FLAGS = {"hybrid": "--hybrid", "hpz": "--hpz", "qwz": "--qwz", "qgz": "--qgz"}
