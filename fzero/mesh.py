@@ -653,8 +653,10 @@ class DistMesh(_LedgerMixin):
 
     Args:
       group: the process group; default the world group. If `torch.distributed` is not initialised yet, it is,
-        from the `torchrun` environment variables, with `backend` (default: NCCL when CUDA is available, else gloo)
-        and `timeout`; the group is then shut down before the interpreter exits (`fzero.process_group`).
+        from the `torchrun` environment variables, with `backend` (default: NCCL where CUDA sees a GPU, else gloo;
+        `DS_ACCELERATOR=cpu` forces gloo: `fzero.accelerator`) and `timeout`; the group is then shut down before the
+        interpreter exits (`fzero.process_group`). Over NCCL, a host tensor handed to a collective is copied to the
+        current GPU (`torch.cuda.set_device`) and the result back.
       backend: the backend for that initialisation.
       timeout: seconds (or a `datetime.timedelta`) a collective may wait for the other ranks before it fails with
         `CollectiveError`; set on the group, so it applies to everything that uses the group. Default: the
@@ -698,7 +700,7 @@ class DistMesh(_LedgerMixin):
         self._exchange = dist.get_backend(group) == "gloo"
         # NCCL moves GPU memory only: a host tensor handed to a collective (a seed, an agreement message, an
         # offloaded shard) is staged through the current GPU (`_to_comm`) and the result copied back
-        self._comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        self._nccl = dist.get_backend(group) == "nccl"
         self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
         self.shape = {} if shape is None else _shape(shape, "DistMesh(shape=...)")
         self._sub: dict[str, DistMesh] = {}
@@ -749,10 +751,11 @@ class DistMesh(_LedgerMixin):
         )
 
     def _to_comm(self, x: Tensor) -> Tensor:
-        """`x` where the backend can read it: `x` itself, or a contiguous copy on the GPU for NCCL."""
-        if self._comm is None or x.device == self._comm:
+        """`x` where the backend can read it: `x` itself, or for NCCL a host tensor's contiguous copy on the current
+        GPU (the one the caller's `torch.cuda.set_device` chose when the collective runs)."""
+        if not self._nccl or x.device.type != "cpu":
             return x
-        return torch.empty(x.shape, dtype=x.dtype, device=self._comm).copy_(x)
+        return torch.empty(x.shape, dtype=x.dtype, device=torch.device("cuda", torch.cuda.current_device())).copy_(x)
 
     def _run(self, collective: str, x: Tensor, fn: Callable[..., object], *args: object, **kwargs: object) -> object:
         try:
@@ -841,12 +844,13 @@ class DistMesh(_LedgerMixin):
         work = self._run("reduce_scatter", x, fn, out.view(-1), chunks.view(-1), op=dist.ReduceOp.SUM,
                          group=self.group, async_op=True)  # fmt: skip
 
-        def finish_staged() -> Tensor:
+        def finish_into() -> Tensor:
             total = _finish(out, op, self.world)
-            return total.to(x.device) if given is None else given.copy_(total)
+            if given is not None and given is not out:  # staged: the caller's buffer gets the result
+                return given.copy_(total)
+            return total.to(x.device)  # (itself unless staged)
 
-        finish = (lambda: _finish(out, op, self.world)) if out.device == x.device else finish_staged
-        return Pending(self._guard(work, "reduce_scatter", x), finish, chunks, out)
+        return Pending(self._guard(work, "reduce_scatter", x), finish_into, chunks, out)
 
     def _guard(self, work: object, collective: str, x: Tensor) -> _Guarded:
         # `work` is what torch.distributed returns for async_op=True: a Work (typed Optional there)
