@@ -5,6 +5,11 @@ copies), not the collectives' speed: with one rank they move nothing. Trainers r
 `--steps` steps each after two warm-up steps, the median per trainer, and its ratio to DDP's in the same run.
 
     python benchmarks/gpu.py --precision bf16 fp32 --rounds 5 --steps 5
+    python benchmarks/gpu.py --precision bf16 --diagnose     # per trainer: host syncs a step, the top kernels
+
+`--diagnose` (instead of timing) runs each trainer's step once more with `torch.cuda.set_sync_debug_mode("warn")`,
+counting the host synchronizations it makes (each one empties the launch queue: the GPU idles while the host
+catches up), then profiles two steps and prints the five largest CUDA kernels and host operations by their own time.
 
 Needs CUDA (`DS_ACCELERATOR` is set to `cuda` here); CI has none, docs/performance.md has the figures.
 """
@@ -119,11 +124,47 @@ def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def diagnose(precision: str, steps: int) -> None:
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    template = GPT(CFG).cuda()
+    toks = torch.randint(0, CFG.vocab_size, (max(steps, 2), MICRO, CFG.seq_len + 1)).cuda()
+    data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
+    for name, make in trainers().items():
+        step = make(copy.deepcopy(template), precision)
+        step(data[0])
+        step(data[1])
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(data[0])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for batch in data[:2]:
+                step(batch)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        print(f"{precision} {name}: {syncs} host synchronization(s) a step")
+        for key, what in (("self_device_time_total", "CUDA"), ("self_cpu_time_total", "host")):
+            top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:5]
+            print(f"    {what}: " + "; ".join(f"{e.key[:40]} {getattr(e, key) / 2e3:.2f} ms" for e in top))
+        del step
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precision", nargs="+", default=["bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--diagnose", action="store_true", help="host syncs and top kernels per trainer, no timing")
     args = parser.parse_args()
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +173,9 @@ def main() -> None:
             n = sum(p.numel() for p in GPT(CFG).parameters())
             print(f"{torch.cuda.get_device_name()}, GPT {n / 1e6:.1f}M params, {MICRO}x{CFG.seq_len} tokens a step")
             for precision in args.precision:
+                if args.diagnose:
+                    diagnose(precision, args.steps)
+                    continue
                 med = measure(precision, args.rounds, args.steps)
                 base = med["ddp"]
                 for name, t in med.items():
