@@ -15,8 +15,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # The suite's references are CPU runs: on a machine with a GPU, fzero (as DeepSpeed, which reads the same variable)
-# would otherwise train on it and use NCCL. tests/test_cuda.py asks for the GPU itself.
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# would otherwise train on it and use NCCL, also where a DeepSpeed user's environment says DS_ACCELERATOR=cuda.
+# tests/test_cuda.py asks for the GPU itself.
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 # Variables set by others, not by a test: pytest's own; torch's inductor's on its first compile (a cache location);
