@@ -107,14 +107,20 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def device_type(model: nn.Module) -> str:
+    """Where `model`'s parameters are: "cpu" here, "cuda" for `benchmarks/gpu.py`, which runs these trainers."""
+    return next(model.parameters()).device.type
+
+
 def ddp(model: nn.Module, precision: str) -> Step:
     from torch.nn.parallel import DistributedDataParallel
 
+    where = device_type(model)
     net = DistributedDataParallel(model)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
 
     def step(batch: dict[str, torch.Tensor]) -> None:
-        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(where, torch.bfloat16, enabled=precision == "bf16"):
             loss = lm_loss(net(batch["x"]), batch["y"])
         loss.backward()
         opt.step()
@@ -147,9 +153,9 @@ def fsdp2(stage: int) -> Callable[[nn.Module, str], Step]:
     return build
 
 
-def ds_config(stage: int, precision: str) -> dict:
+def ds_config(stage: int, precision: str, micro: int = MICRO) -> dict:
     cfg = {
-        "train_micro_batch_size_per_gpu": MICRO,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
@@ -207,7 +213,8 @@ def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **o
         if mesh is None:
             mesh = grid_mesh() if two_d else fzero.DistMesh()
         preset = getattr(fzero, f"zero{stage}")
-        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=True), precision=None if precision == "fp32" else precision,
+        fused = device_type(model) == "cpu"  # the C kernel needs the master weights on the CPU; on a GPU torch's ops
+        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=fused), precision=None if precision == "fp32" else precision,
                     **options)  # fmt: skip
 
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
@@ -243,9 +250,9 @@ def fresh_buffers(build: Callable[..., Step]) -> Callable[..., Step]:
     return wrapped
 
 
-def fzero_shell(stage: int) -> Callable[[nn.Module, str], Step]:
+def fzero_shell(stage: int, micro: int = MICRO) -> Callable[[nn.Module, str], Step]:
     def build(model: nn.Module, precision: str) -> Step:
-        engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision), mesh=fzero.DistMesh(),
+        engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision, micro), mesh=fzero.DistMesh(),
                                       printer=lambda line: None)  # fmt: skip
 
         def step(batch: dict[str, torch.Tensor]) -> None:

@@ -11,6 +11,8 @@ copies), not the collectives' speed: with one rank they move nothing. Trainers r
 counting the host synchronizations it makes (each one empties the launch queue: the GPU idles while the host
 catches up), then profiles two steps and prints the five largest CUDA kernels and host operations by their own time.
 
+The trainers are `benchmarks/compare.py`'s (`ddp`, `fzero_core`, `fzero_shell`: the same optimizer and settings, on
+the model's device), so importing it brings its process settings too (huge pages, freed memory kept: host memory).
 Needs CUDA (`DS_ACCELERATOR` is set to `cuda` here); CI has none, docs/performance.md has the figures.
 """
 
@@ -24,89 +26,36 @@ import tempfile
 import time
 from collections.abc import Callable
 
-os.environ["DS_ACCELERATOR"] = "cuda"
+os.environ["DS_ACCELERATOR"] = "cuda"  # before compare.py, which would set the CPU
 
+import compare  # (benchmarks/): its trainers, which follow the model's device
 import torch
-import torch.nn.functional as F
 
-import fzero
 from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32000, seq_len=512, n_layer=12, n_head=12, d_model=768)
-MICRO, LR, WD = 8, 1e-4, 0.01
-Step = Callable[[dict[str, torch.Tensor]], None]
+MICRO = 8
 
 
-def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
-def ddp(model: GPT, precision: str) -> Step:
-    net = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
-
-    def step(batch: dict[str, torch.Tensor]) -> None:
-        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
-            loss = lm_loss(net(batch["x"]), batch["y"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def core(stage: int) -> Callable[[GPT, str], Step]:
-    def build(model: GPT, precision: str) -> Step:
-        mesh = fzero.DistMesh()
-        tx = getattr(fzero, f"zero{stage}")(fzero.adamw(LR, weight_decay=WD), precision=None if precision == "fp32"
-                                            else precision)  # fmt: skip
-
-        def loss_fn(params: dict, batch: dict) -> torch.Tensor:
-            return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
-
-        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True)
-        box = [fzero.init(model, tx, mesh)]
-        model.to("meta")
-
-        def step(batch: dict[str, torch.Tensor]) -> None:
-            box[0], _ = train(box[0], batch)
-
-        return step
-
-    return build
-
-
-def shell(stage: int) -> Callable[[GPT, str], Step]:
-    def build(model: GPT, precision: str) -> Step:
-        config: dict = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage},
-                        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}  # fmt: skip
-        if precision == "bf16":
-            config["bf16"] = {"enabled": True}
-        engine, *_ = fzero.initialize(model=model, config=config, printer=lambda line: None)
-
-        def step(batch: dict[str, torch.Tensor]) -> None:
-            engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
-            engine.step()
-
-        return step
-
-    return build
-
-
-def trainers() -> dict[str, Callable[[GPT, str], Step]]:
-    out: dict[str, Callable[[GPT, str], Step]] = {"ddp": ddp}
-    out.update({f"fzero-zero{s}": core(s) for s in range(4)})
-    out.update({f"fzero-shell-zero{s}": shell(s) for s in range(4)})
+def trainers() -> dict[str, Callable[[GPT, str], compare.Step]]:
+    out: dict[str, Callable[[GPT, str], compare.Step]] = {"ddp": compare.ddp}
+    out.update({f"fzero-zero{s}": compare.fzero_core(s) for s in range(4)})
+    out.update({f"fzero-shell-zero{s}": compare.fzero_shell(s, MICRO) for s in range(4)})
     return out
 
 
-def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
+def model_and_data(steps: int) -> tuple[GPT, list[dict[str, torch.Tensor]]]:
+    """The template model on the GPU (seed 0) and `steps` micro-batches of `MICRO` x `seq_len` tokens."""
     torch.manual_seed(0)
     template = GPT(CFG).cuda()
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, CFG.vocab_size, (steps, MICRO, CFG.seq_len + 1), generator=g).cuda()
-    data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
+    return template, [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
+
+
+def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
+    template, data = model_and_data(steps)
     built = {name: make(copy.deepcopy(template), precision) for name, make in trainers().items()}
     for step in built.values():
         step(data[0])
@@ -129,10 +78,7 @@ def diagnose(precision: str, steps: int) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    template = GPT(CFG).cuda()
-    toks = torch.randint(0, CFG.vocab_size, (max(steps, 2), MICRO, CFG.seq_len + 1)).cuda()
-    data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
+    template, data = model_and_data(max(steps, 2))
     for name, make in trainers().items():
         step = make(copy.deepcopy(template), precision)
         step(data[0])
