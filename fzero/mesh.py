@@ -697,10 +697,11 @@ class DistMesh(_LedgerMixin):
         # gloo's reduce-scatter runs 1.4-2.8x slower than an all-to-all of the chunks summed here (summing in rank order
         # also makes the result SimMesh's, bitwise, at any world size), and its all-gather 1.6-6x slower than one
         # broadcast per rank (benchmarks/collectives.py): on gloo the mesh runs those exchanges instead
-        self._exchange = dist.get_backend(group) == "gloo"
+        used = dist.get_backend(group)
+        self._exchange = used == "gloo"
         # NCCL moves GPU memory only: a host tensor handed to a collective (a seed, an agreement message, an
         # offloaded shard) is staged through the current GPU (`_to_comm`) and the result copied back
-        self._nccl = dist.get_backend(group) == "nccl"
+        self._nccl = used == "nccl"
         self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
         self.shape = {} if shape is None else _shape(shape, "DistMesh(shape=...)")
         self._sub: dict[str, DistMesh] = {}

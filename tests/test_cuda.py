@@ -44,6 +44,11 @@ def _on_cuda(batches):
     return [{k: v.cuda() for k, v in b.items()} for b in batches]
 
 
+def _rank_batches(model, steps: int, seed: int):
+    """The shell's batches on one rank: `steps` micro-batches of 4 sequences, on the GPU."""
+    return [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, steps, seed))]
+
+
 def _core(stage: int, mesh, model, batches, micro: int = 1, **kwargs):
     tx = PRESETS[stage](fzero.adamw(LR), accumulate=micro, **kwargs)
     state = fzero.init(model, tx, mesh)
@@ -125,7 +130,7 @@ def test_shell_offload_from_cuda(nccl, stage):
     kernel's AdamW is a few ulp from torch's per step: tests/test_native.py)."""
     model = tiny_gpt(11).cuda()
     start = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    batches = [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, STEPS, 12))]
+    batches = _rank_batches(model, STEPS, 12)
     host = _shell_run(stage, True, copy.deepcopy(model), batches)
     gpu = _shell_run(stage, False, copy.deepcopy(model), batches)
     assert host.state.params.device.type == "cpu" and host.state.params.is_pinned()
@@ -139,7 +144,7 @@ def test_shell_offload_from_cuda(nccl, stage):
 def test_shell_checkpoint_on_cuda(nccl, stage, tmp_path):
     """Save after two steps, load into a fresh engine on the GPU, take a third: bitwise the uninterrupted run."""
     model = tiny_gpt(13).cuda()
-    batches = [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, 3, 14))]
+    batches = _rank_batches(model, 3, 14)
     whole = _shell_run(stage, False, copy.deepcopy(model), batches)
     first = _shell_run(stage, False, copy.deepcopy(model), batches[:2])
     first.save_checkpoint(str(tmp_path), tag="two")

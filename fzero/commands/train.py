@@ -146,8 +146,10 @@ def _check_device(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         where = accelerator.name()
     except ValueError as e:
         parser.error(str(e))
-    nproc, gpus = _opt(args, "nproc"), torch.cuda.device_count() if where == "cuda" else 0
-    if where == "cuda" and "WORLD_SIZE" not in os.environ and nproc > gpus:
+    if where != "cuda" or "WORLD_SIZE" in os.environ:  # (a torchrun worker: its launcher counted)
+        return
+    nproc, gpus = _opt(args, "nproc"), torch.cuda.device_count()
+    if nproc > gpus:
         why = "each process trains on its own (NCCL refuses two ranks on one GPU)"
         parser.error(f"--nproc {nproc}: CUDA sees {gpus} GPU(s) and {why}: set --nproc to at most {gpus}, or "
                      "DS_ACCELERATOR=cpu to train on the CPU")  # fmt: skip
