@@ -14,7 +14,8 @@ exist only while the unit computes:
 
     forward    pre-hook of the unit's module:  all-gather it (or wait for its prefetch); prefetch the next unit;
                                                put views of its buffers into the module
-               post-hook:                      put the module's tensors back; free the unit; hook its outputs
+               post-hook:                      put the module's tensors back; free the unit (not the last one:
+                                               the backward begins with it); hook its outputs
     backward   an output's gradient arrives:   all-gather it again, views into the module until its backward is
                                                done; prefetch the unit before it
                its gradient is complete:       reduce-scatter the gradient (mean over ranks) into this rank's
@@ -24,9 +25,10 @@ exist only while the unit computes:
 so full parameters and full gradients never exist for more than the live units (at most `1 + prefetch`, bounded by
 `max_live_elements`). Units that are not modules (the root unit: parameters outside the `ModuleList` children) and
 units at or below `persistence_threshold` elements are gathered once at the start and kept until their gradient is
-reduced: the backward begins where the forward ended, so re-gathering them would only add traffic. Per step and
-rank this moves `Psi` (forward gathers) `+ Psi - Psi_kept` (backward gathers) `+ Psi` (reduce-scatters) elements,
-plus the frozen parameters' two gathers.
+reduced: the backward begins where the forward ended, so re-gathering them would only add traffic, as it would for
+the last on-demand unit, which stays gathered from its forward into its backward. Per step and rank this moves
+`Psi` (forward gathers) `+ Psi - Psi_kept - Psi_last` (backward gathers) `+ Psi` (reduce-scatters) elements, plus
+the frozen parameters' two gathers.
 
 The everyday habits of real models hold: hooks firing inside a backward are an activation-checkpoint recompute
 (they neither prefetch forward nor free the unit, whose backward comes next); a forward under `no_grad` frees each
@@ -213,6 +215,9 @@ class Gatherer:
         self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep, source, wire)
         self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
         self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
+        # the backward begins where the forward ended: the last on-demand unit stays gathered into it, as DeepSpeed's
+        # `stage3_max_reuse_distance` keeps it (re-gathering it there would be a collective nothing overlaps)
+        self.last = self.sequence[-1] if self.sequence and reduction is not None else None
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
         self.times = {u.name: [0.0, 0.0] for u in self.units if u.module is not None} if policy.timings else None
 
@@ -320,7 +325,8 @@ class Gatherer:
         hooked = [x for x in optree.tree_leaves(output) if isinstance(x, Tensor) and x.requires_grad]
         if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
-        unit.reshard()
+        if i != self.last:
+            unit.reshard()
         for x in _hook_targets(hooked):  # tensor hooks, not an autograd Function: in-place ops stay legal
             x.register_hook(lambda g, i=i: self.pre_backward(i))
         return output
@@ -384,7 +390,8 @@ class Gatherer:
                 unit.passed = True
                 unit.unshard()
                 self._prefetch(j, 1)
-                unit.reshard()
+                if j != self.last:  # as its forward would (`post_forward`), so every rank's gathers pair
+                    unit.reshard()
 
     def _catch_up_backward(self, after: int | None = None, abandoned: bool = False) -> None:
         """Pass every on-demand unit after `after` in forward order (all of them: None), last first, whose

@@ -39,11 +39,11 @@ def test_volumes_match_the_zero_paper(world, micro):
     # stage 2 reduces every micro-step (as DeepSpeed does), so accumulation adds (k - 1) Psi
     assert n["zero2"] == {"reduce_scatter": micro * padded, "all_gather": padded}
     # stage 3 gathers each unit in the forward and again in the backward, and reduce-scatters each unit's gradient:
-    # 3 Psi per micro-step, less the root unit (embeddings, final norm), gathered once and kept through the backward
-    # that begins where the forward ended
-    root = layout.units[0]
-    assert root.name == fzero.layout.ROOT_UNIT
-    assert n["zero3"] == {"reduce_scatter": micro * padded, "all_gather": micro * (2 * padded - root.size)}
+    # 3 Psi per micro-step, less the root unit (embeddings, final norm) and the last block, each gathered once and
+    # kept through the backward that begins where the forward ended
+    root, last = layout.units[0], layout.units[-1]
+    assert root.name == fzero.layout.ROOT_UNIT and last.name == f"blocks.{len(layout.units) - 2}"
+    assert n["zero3"] == {"reduce_scatter": micro * padded, "all_gather": micro * (2 * padded - root.size - last.size)}
 
 
 def test_ring_model_sent_and_received():
