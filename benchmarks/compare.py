@@ -213,8 +213,8 @@ def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **o
         if mesh is None:
             mesh = grid_mesh() if two_d else fzero.DistMesh()
         preset = getattr(fzero, f"zero{stage}")
-        fused = device_type(model) == "cpu"  # the C kernel needs the master weights on the CPU; on a GPU torch's ops
-        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=fused), precision=None if precision == "fp32" else precision,
+        # fused: the C kernel where the master weights are on the CPU, torch's fused kernel (DDP's) on a GPU
+        tx = preset(fzero.adamw(LR, weight_decay=WD, fused=True), precision=None if precision == "fp32" else precision,
                     **options)  # fmt: skip
 
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:

@@ -105,8 +105,11 @@ def engine(case: str, seed: int = 0, average: bool = True):
 
 def optimizer_name(eng) -> str:
     """Which fzero optimizer module the engine's chain runs: `cpu_lion`, `cpu_adagrad`, `cpu_adam` (the native
-    kernels), `lamb`, `adam` (torch's arithmetic), ..."""
+    kernels), `lamb`, `adam` (torch's arithmetic), ...; for `adam(w)(fused=True)`, the one its master weights'
+    device runs."""
     opt = dict(eng.tx.children)["shard_update"].update.__self__.optimizer
+    if hasattr(opt.update, "choose"):
+        opt = opt.update.choose(eng.state.params)
     return opt.update.__module__.rsplit(".", 1)[-1]
 
 

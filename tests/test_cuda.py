@@ -5,6 +5,7 @@ has none (docs/engine.md, "On a GPU", says where they last ran)."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -49,8 +50,8 @@ def _rank_batches(model, steps: int, seed: int):
     return [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, steps, seed))]
 
 
-def _core(stage: int, mesh, model, batches, micro: int = 1, **kwargs):
-    tx = PRESETS[stage](fzero.adamw(LR), accumulate=micro, **kwargs)
+def _core(stage: int, mesh, model, batches, micro: int = 1, fused: bool = False, **kwargs):
+    tx = PRESETS[stage](fzero.adamw(LR, fused=fused), accumulate=micro, **kwargs)
     state = fzero.init(model, tx, mesh)
     step = fzero.train_step(model, lm_loss(model), tx, mesh)
     sim = isinstance(mesh, fzero.SimMesh)  # a SimMesh takes every rank's batch, a DistMesh its own
@@ -76,6 +77,30 @@ def test_stages_over_nccl_are_torch_adamw_bitwise(nccl, stage):
     got = _core(stage, nccl, copy.deepcopy(model), batches, micro=2)
     assert_adam_close({k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()},
                       {k: v.cpu() for k, v in start.items()}, LR, STEPS)  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fused_adamw_on_cuda_is_torch_fused_bitwise(nccl, stage):
+    """`adamw(fused=True)` with master weights on the GPU runs torch's fused kernel: every stage bitwise
+    `torch.optim.AdamW(fused=True)` (one rank, one micro-step, float32). The kernel computes each element alike
+    wherever a tensor ends (unlike its CPU build), which a flat buffer against the model's tensors relies on."""
+    model = tiny_gpt(13).cuda()
+    batches = _on_cuda(lm_batches(model, 1, 1, 4, STEPS, 14))
+    want = reference_run(model, lm_loss, batches, 1, lambda p: torch.optim.AdamW(p, lr=LR, fused=True))
+    got = _core(stage, nccl, copy.deepcopy(model), batches, fused=True)
+    assert all(v.is_cuda for v in got.values())
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_fused_adamw_on_cuda_is_elementwise():
+    """The whole buffer in one call, or cut into pieces of odd lengths: the same values (what sharding needs)."""
+    g = torch.Generator(device="cuda").manual_seed(15)
+    p0, grads = (torch.randn(10_007, device="cuda", generator=g) for _ in range(2))
+    opt = fzero.adamw(LR, weight_decay=0.1, fused=True)
+    whole, _ = opt.update(grads, opt.init(p0), p0)
+    cut = [0, 3, 1000, 4097, 10_007]
+    pieces = [opt.update(grads[a:b], opt.init(p0[a:b]), p0[a:b])[0] for a, b in itertools.pairwise(cut)]
+    assert torch.equal(whole, torch.cat(pieces))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

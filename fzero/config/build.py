@@ -3,8 +3,8 @@ loss scale, and the ZeRO preset chain.
 
 | DeepSpeed | fzero |
 |---|---|
-| `optimizer.type` Adam (`adam_w_mode` true, the default), AdamW | `fzero.adamw` |
-| `optimizer.type` Adam with `adam_w_mode: false` | `fzero.adam` (L2 weight decay) |
+| `optimizer.type` Adam (`adam_w_mode` true, the default), AdamW | `fzero.adamw(fused=True)` (the C kernel, torch's on a GPU) |
+| `optimizer.type` Adam with `adam_w_mode: false` | `fzero.adam(fused=True)` (L2 weight decay) |
 | `optimizer.params.torch_adam` | torch.optim.AdamW's default weight decay (0.01); no C kernel under offload |
 | param groups (`model_parameters` dicts, a client optimizer's groups) | `fzero.param_groups(groups=...)` |
 | `optimizer.params.bias_correction: false` (Adam, AdamW, Lamb) | the optimizer's `bias_correction=False` |
@@ -127,15 +127,18 @@ class OptimizerSpec:
     def build(self, offload: bool = False, cpu: bool = False) -> Optimizer:
         """The optimizer with its param groups (`fzero.param_groups`): Adam, AdamW, Lion and Adagrad run the
         native fused kernel (`fzero.cpu_adam(w)`, `cpu_lion`, `cpu_adagrad`, as DeepSpeed runs its CPU optimizers)
-        where the master weights live on the CPU (`offload`, or `cpu`: a CPU run), unless `torch_adam` asks for
-        torch's operations."""
-        name = self.kind
-        if (offload or cpu) and not self.torch_adam and name in _NATIVE:
+        where the master weights live on the CPU (`offload`, or `cpu`: a CPU run), and Adam and AdamW torch's fused
+        kernel where they live on a GPU (`adamw(fused=True)`, as DeepSpeed runs its FusedAdam there), unless
+        `torch_adam` asks for torch's operations."""
+        name, kw = self.kind, dict(self.options)
+        if not self.torch_adam and name in ("adam", "adamw"):
+            kw["fused"] = True  # (the kernel follows the master weights' device, update by update)
+        elif (offload or cpu) and not self.torch_adam and name in _NATIVE:
             name = f"cpu_{name}"
         groups = None
         if self.groups is not None:
             groups = optim.param_groups(groups=[(g.names, g.hypers) for g in self.groups], missing="error")
-        return getattr(optim, name)(lr=self.lr, **self.hypers, **self.options, groups=groups)
+        return getattr(optim, name)(lr=self.lr, **self.hypers, **kw, groups=groups)
 
 
 def _per_group(p: dict[str, Any], key: str, n: int, path: str) -> list[Any]:

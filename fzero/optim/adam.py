@@ -27,6 +27,7 @@ from ..native.hyper import corrections
 from . import adam_core
 from .base import AdamState, AMSGradState, Hyper, Optimizer
 from .cpu_adam import cpu_adam, cpu_adamw
+from .fused_adam import on_device, torch_fused_adam
 from .groups import ParamGroups, Segments
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -159,10 +160,11 @@ def adamw(
       amsgrad: torch's AMSGrad: the running maximum of `v` in the denominator (not with `fused`).
       groups: parameter groups (`fzero.param_groups`): other values of `lr`, `betas`, `eps`, `weight_decay` for
         the parameters they name.
-      fused: one pass over memory on the native kernel (`fzero.cpu_adamw`: float32 master weights on the CPU,
-        unscaling, clipping and the low-precision compute copy folded in; within a few float32 ulp of torch per
-        step, `tests/test_native.py`) instead of torch's operations (bitwise `torch.optim.AdamW(foreach=False)`,
-        about 8 passes).
+      fused: one pass over memory instead of torch's operations (bitwise `torch.optim.AdamW(foreach=False)`,
+        about 8 passes): for master weights on the CPU the native kernel (`fzero.cpu_adamw`: float32, unscaling,
+        clipping and the low-precision compute copy folded in; within a few float32 ulp of torch per step,
+        `tests/test_native.py`), for master weights on a GPU torch's fused kernel (bitwise
+        `torch.optim.AdamW(fused=True)`; `fzero.optim.fused_adam`).
 
     Example:
       >>> import torch
@@ -174,7 +176,8 @@ def adamw(
     """
     if fused:
         _no_fused_amsgrad(amsgrad)
-        return cpu_adamw(lr, betas, eps, weight_decay, bias_correction=bias_correction, groups=groups)
+        host = cpu_adamw(lr, betas, eps, weight_decay, bias_correction=bias_correction, groups=groups)
+        return on_device(host, _on_gpu(lr, betas, eps, weight_decay, True, groups, bias_correction))
     return _adam(lr, betas, eps, weight_decay, True, groups, bias_correction, amsgrad)
 
 
@@ -192,8 +195,25 @@ def adam(
     """Adam with L2 weight decay (`g <- g + weight_decay * p`), matching `torch.optim.Adam`; see `adamw`."""
     if fused:
         _no_fused_amsgrad(amsgrad)
-        return cpu_adam(lr, betas, eps, weight_decay, bias_correction=bias_correction, groups=groups)
+        host = cpu_adam(lr, betas, eps, weight_decay, bias_correction=bias_correction, groups=groups)
+        return on_device(host, _on_gpu(lr, betas, eps, weight_decay, False, groups, bias_correction))
     return _adam(lr, betas, eps, weight_decay, False, groups, bias_correction, amsgrad)
+
+
+def _on_gpu(
+    lr: Hyper,
+    betas: tuple[Hyper, Hyper],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    groups: ParamGroups | None,
+    bias_correction: bool,
+) -> Optimizer:
+    """`fused=True`'s update for master weights off the CPU: torch's fused kernel, which always corrects the bias;
+    without the correction, torch's operations."""
+    if bias_correction:
+        return torch_fused_adam(lr, betas, eps, weight_decay, decoupled, groups)
+    return _adam(lr, betas, eps, weight_decay, decoupled, groups, bias_correction)
 
 
 def _no_fused_amsgrad(amsgrad: bool) -> None:
