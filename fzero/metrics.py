@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from .monitors import Event, MonitorMaster
 
@@ -40,6 +42,8 @@ __all__ = [
     "read_jsonl",
     "transformer_flops",
 ]
+
+_UNREAD = 100  # records whose losses may wait on the device: a bound on what they hold there
 
 
 def transformer_flops(
@@ -231,6 +235,7 @@ class Monitor:
         self.losses: list[float] = []
         self.skipped = 0
         self._window: list[dict[str, Any]] = []
+        self._unread: list[dict[str, Any]] = []  # records whose loss is still the micro-steps' tensor
         self.jsonl = Path(jsonl) if jsonl is not None and enabled else None
         self._file = None
         if self.jsonl is not None:
@@ -248,23 +253,50 @@ class Monitor:
 
     def record(self, step: int, step_time: float, **values: Any) -> dict[str, Any]:
         """Record optimizer step `step` (1-based) that took `step_time` seconds; `values` are the step's metrics
-        (loss, lr, loss_scale, skipped, grad_norm, forward_ms, ...). Returns the record written."""
+        (loss, lr, loss_scale, skipped, grad_norm, forward_ms, ...). Returns the record written.
+
+        `loss` may be a tensor of the step's micro-step losses, left where they were computed: the record's loss
+        becomes their mean (in float64) when it is first needed on the host (a line printed, a JSONL line written,
+        `summary`, `read_losses`), for every such record at once, so that a GPU's step need not wait for its own
+        end to report its loss (one wait per printed line, as DeepSpeed's engine reads its loss)."""
         timed = self.throughput.add(step_time)
         rec: dict[str, Any] = {"step": step, **values, "step_time": step_time, "timed": timed}
         rec.update(self.rates(step_time))
-        if values.get("loss") is not None:
-            self.losses.append(float(values["loss"]))
+        loss = values.get("loss")
+        if isinstance(loss, torch.Tensor):
+            self._unread.append(rec)
+        elif loss is not None:
+            self.read_losses()  # (in step order)
+            self.losses.append(float(loss))
         self.skipped += bool(values.get("skipped"))
+        if len(self._unread) >= _UNREAD:
+            self.read_losses()
         if not self.enabled:
             return rec
         if self._file is not None:
+            self.read_losses()
             self._file.write(json.dumps(rec, default=float) + "\n")
             self._file.flush()
         self._window.append(rec)
         if self.steps_per_print and step % self.steps_per_print == 0:
+            self.read_losses()
             self.printer(format_line(self._window_summary()))
             self._window = []
         return rec
+
+    def read_losses(self) -> None:
+        """Give every record whose loss is still its micro-steps' tensor its loss as a float: their mean, added in
+        float64 in micro-step order. All such tensors are read in one transfer."""
+        if not self._unread:
+            return
+        unread, self._unread = self._unread, []
+        values = torch.cat([r["loss"].reshape(-1) for r in unread]).tolist()
+        start = 0
+        for r in unread:
+            n = r["loss"].numel()
+            r["loss"] = sum(values[start : start + n]) / n
+            self.losses.append(r["loss"])
+            start += n
 
     def _window_summary(self) -> dict[str, Any]:
         """The latest record, with the timings averaged over the window's timed steps."""
@@ -280,6 +312,7 @@ class Monitor:
 
     def summary(self) -> dict[str, Any]:
         """Totals: first and final loss (mean of the last 5 steps), timed steps, mean step time and the rates."""
+        self.read_losses()
         t = self.throughput
         tail = self.losses[-5:]
         out: dict[str, Any] = {

@@ -148,7 +148,7 @@ class Engine(ConfigAccessors, nn.Module):
         self._loss: Tensor | None = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._t_step: float | None = None
-        self.last_record: dict[str, Any] | None = None
+        self._last_record: dict[str, Any] | None = None
         self.step_metrics: dict[str, Any] | None = None
         self._step_applied = False
         self.monitor = self._make_monitor(printer)
@@ -173,6 +173,14 @@ class Engine(ConfigAccessors, nn.Module):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def last_record(self) -> dict[str, Any] | None:
+        """The monitor's record of the last optimizer step (`fzero.metrics.Monitor.record`), None before one. Its
+        loss is read from the device now if it was not yet (on a GPU, a wait for the work queued so far)."""
+        if self._last_record is not None:
+            self.monitor.read_losses()
+        return self._last_record
 
     @property
     def world_size(self) -> int:
@@ -596,8 +604,10 @@ class Engine(ConfigAccessors, nn.Module):
         self._t_step = now
         losses = self.counters.step_losses
         self.counters.step_losses = []
+        device = losses[-1].device  # (a resumed window's first losses come from the checkpoint, on the CPU)
         values: dict[str, Any] = {
-            "loss": float(sum(float(x) for x in losses) / len(losses)),
+            # the micro-steps' losses as they are: the monitor reads them when it needs them (`Monitor.record`)
+            "loss": torch.stack([x.to(device) for x in losses]),
             "lr": lr[0],  # DeepSpeed's monitors log get_lr()[0]
             "loss_scale": float(metrics["loss_scale"]),
             "skipped": bool(metrics["skipped"]),
@@ -609,14 +619,15 @@ class Engine(ConfigAccessors, nn.Module):
         if times_ms is not None:
             values.update({f"{k}_ms": v for k, v in times_ms.items()})
         self._times = dict.fromkeys(self._times, 0.0)
-        self.last_record = self.monitor.record(self.global_steps, step_time, **values)
+        record = self._last_record = self.monitor.record(self.global_steps, step_time, **values)
         writers = self.monitor.writers
         if writers is not None and writers.writers:  # every boundary, whatever steps_per_print, as DeepSpeed
             # DeepSpeed logs get_lr()[0] and the loss scale as they are after the step (the next update's)
             fp16 = self.config.precision == "fp16"
+            self.monitor.read_losses()
             self.monitor.write_events(
                 boundary_events(
-                    self.global_samples, self.get_lr()[0], values["loss"],
+                    self.global_samples, self.get_lr()[0], record["loss"],
                     loss_scale=self.loss_scale if fp16 else None, times_ms=times_ms,
                 )
             )  # fmt: skip
