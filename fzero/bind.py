@@ -32,17 +32,26 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Unavailable", "bound", "carry_attributes"]
+__all__ = ["Unavailable", "bound", "carry_attributes", "submodules"]
 
 
-def _slot(model: nn.Module, name: str) -> tuple[dict[str, Any], str]:
-    """The dict (`_parameters` or `_buffers` of the owning module) and key that hold tensor `name`."""
+def submodules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every submodule of `model` by its path (`""`: `model`), a shared one under each of its paths: one walk of
+    the tree, for looking up many tensors' owners, where `get_submodule` walks each one's path again."""
+    return dict(model.named_modules(remove_duplicate=False))
+
+
+def _slot(model: nn.Module, name: str, modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], str]:
+    """The dict (`_parameters` or `_buffers` of the owning module) and key that hold tensor `name`; `modules` is
+    `submodules(model)` (a path it lacks is looked up with `get_submodule`)."""
     owner_path, _, short = name.rpartition(".")
     try:
-        owner = model.get_submodule(owner_path) if owner_path else model
+        module = modules.get(owner_path)
+        if module is None:
+            module = model.get_submodule(owner_path)
     except AttributeError:
         raise KeyError(f"{type(model).__name__} has no submodule {owner_path!r} (for tensor {name!r})") from None
-    for table in (owner._parameters, owner._buffers):
+    for table in (module._parameters, module._buffers):
         if short in table:
             return table, short
     raise KeyError(f"{type(model).__name__} has no parameter or buffer {name!r}")
@@ -65,9 +74,10 @@ def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
     with the parameters' own attributes (`carry_attributes`), and put the module's own back on exit, in reverse
     order."""
     saved: list[tuple[dict[str, Any], str, Any]] = []
+    modules = submodules(model)
     try:
         for name, value in tensors.items():
-            table, key = _slot(model, name)
+            table, key = _slot(model, name, modules)
             saved.append((table, key, table[key]))
             carry_attributes(table[key], value)
             table[key] = value

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import scratch
-from .bind import carry_attributes
+from .bind import carry_attributes, submodules
 from .layout import ROOT_UNIT, Layout, unit_pieces, unit_views
 from .mesh import Work
 from .pieces import Pieces
@@ -199,6 +199,8 @@ class GatheredUnit:
         checkpoint recompute that stopped early never ends its forward): the modules' own tensors come back
         when it drops to 0.
       originals: `(owner, name, original)` for the module slots the views took.
+      owners: the model's submodules by path (`fzero.bind.submodules`, the step's), where `swap` finds the views'
+        modules.
       inputs_done: the gradient of an input of its module exists (its frozen buffer is no longer needed).
       ran: its forward ran this step.
       passed: its forward did not run here but was passed (`Gatherer.catch_up_forward`).
@@ -218,6 +220,7 @@ class GatheredUnit:
     named: dict[str, Tensor] | None = None
     swaps: int = 0
     originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
+    owners: dict[str, nn.Module] = field(default_factory=dict)
     inputs_done: bool = False
     ran: bool = False
     passed: bool = False
@@ -336,8 +339,10 @@ class GatheredUnit:
         prefix, module = self.name + ".", self.module
         assert module is not None  # (only a unit gathered on demand is swapped)
         for name, view in self.views().items():
-            owner_path, _, pname = name[len(prefix) :].rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
+            path, _, pname = name.rpartition(".")
+            owner = self.owners.get(path)
+            if owner is None:  # (a path the step's walk of the model did not list)
+                owner = module.get_submodule(path[len(prefix) :])
             table: dict[str, Any] = owner._parameters  # (typed for Parameters; a view stands in, as in functional_call)
             self.originals.append((owner, pname, table[pname]))
             carry_attributes(table[pname], view)
@@ -391,7 +396,7 @@ def build_units(
     Returns:
       The units, in the layout's order.
     """
-    modules = dict(model.named_modules())
+    modules = submodules(model)
     layouts = (layout, layout.frozen_layout)
     unit_of = {leaf.name: leaf.unit for lay in layouts if lay is not None for leaf in lay.leaves}
     crossed = {unit_of[n] for a, n in layout.aliases if not a.startswith(f"{layout.units[unit_of[n]].name}.")}
@@ -400,5 +405,5 @@ def build_units(
         sizes = tuple(lay.units[i].size if lay is not None and lay.units[i].numel > 0 else 0 for lay in layouts)
         on_demand = u.name != ROOT_UNIT and u.name in modules and sum(sizes) > persistence_threshold
         module = modules[u.name] if on_demand and i not in crossed else None
-        units.append(GatheredUnit(i, u.name, module, sizes, shared, on_gradient))
+        units.append(GatheredUnit(i, u.name, module, sizes, shared, on_gradient, owners=modules))
     return units
