@@ -82,6 +82,15 @@ def read_unit_by_unit(state: TrainState, mesh: Mesh) -> bool:
     return mesh.stacked and mesh.world == 1 and isinstance(state.compute, Offloaded)
 
 
+def units_pay(state: TrainState, mesh: Mesh) -> bool:
+    """Whether reducing unit by unit in the backward buys anything over one reduction after it: on several ranks
+    (each unit's reduction overlaps the backward, stage 3's units are gathered and freed), or on one where the update
+    is speculative (SuperOffload updates each unit as it lands) or the compute copy is on disk (read unit by unit).
+    On one rank otherwise a unit's reduction is the identity, and the unit's swaps and hooks are host time a step
+    spends for nothing (on a GPU, time the device may wait for); both paths give the same gradients bitwise."""
+    return mesh.world > 1 or state.plan.speculative or isinstance(state.compute, Offloaded)
+
+
 def compute_params(state: TrainState, mesh: Mesh, out: Tensor | None = None) -> Tensor:
     """The full compute parameters per rank for the next forward: `state.compute`, all-gathered where the plan
     keeps them sharded at rest (the first half of a step; `apply_gradients` is the second); on a `DistMesh` into
@@ -171,7 +180,7 @@ class MicroStep:
 
     Attributes:
       per_unit: the backward reduces each unit's gradient as soon as it is complete, with the chain's own reduction
-        (the plan's `per_unit`, under autograd).
+        (the plan's `per_unit`, under autograd, where it buys something: `units_pay`).
       speculation: where the plan speculates (SuperOffload) and this micro-step ends an accumulation window on the
         per-unit path, the update computed unit by unit as the backward reduces (`fzero.transforms.speculate`);
         opened by `reducer`.
@@ -182,7 +191,7 @@ class MicroStep:
                  autodiff: str = "autograd") -> None:  # fmt: skip
         self.state, self.tx, self.mesh = state, tx, mesh
         self.policy = (policy or GatherPolicy()).on(mesh)
-        self.per_unit = autodiff == "autograd" and state.plan.per_unit
+        self.per_unit = autodiff == "autograd" and state.plan.per_unit and units_pay(state, mesh)
         self._stack = contextlib.ExitStack()
         self.ledger = self._stack.enter_context(mesh.record())
         self._gathering: UnitGathering | None = None
