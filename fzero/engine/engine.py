@@ -237,8 +237,8 @@ class Engine(ConfigAccessors, nn.Module):
             self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
             self._micro.open_shell(self.module, self._compute(), self._local)
         with record_function("fzero.forward"):
-            try:
-                out = torch.func.functional_call(self.module, self._micro.named, args, kwargs)
+            try:  # (the micro-step's tensors are bound into the module: `MicroStep.open_shell`)
+                out = self.module(*args, **kwargs)
             except Exception as e:
                 self._fail(self._micro, e)
                 raise
