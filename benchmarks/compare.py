@@ -303,6 +303,15 @@ ZEROPP3 = {  # on the 2-D mesh; named in --only to run
 }
 
 
+def ddp_core_shell(micro: int = MICRO) -> dict[str, Callable[[nn.Module, str], Step]]:
+    """DDP, the core and the shell at stages 0-3 (what `benchmarks/gpu.py` and `host_overhead.py` time), the shell
+    with `micro` sequences per micro-batch."""
+    out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp": ddp}
+    out.update({f"fzero-zero{s}": fzero_core(s) for s in range(4)})
+    out.update({f"fzero-shell-zero{s}": fzero_shell(s, micro) for s in range(4)})
+    return out
+
+
 def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp": ddp}
     for stage in (2, 3):

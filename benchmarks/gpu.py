@@ -24,7 +24,6 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 
 os.environ["DS_ACCELERATOR"] = "cuda"  # before compare.py, which would set the CPU
 
@@ -38,13 +37,6 @@ CFG = GPTConfig(vocab_size=32000, seq_len=512, n_layer=12, n_head=12, d_model=76
 MICRO = 8
 
 
-def trainers() -> dict[str, Callable[[GPT, str], compare.Step]]:
-    out: dict[str, Callable[[GPT, str], compare.Step]] = {"ddp": compare.ddp}
-    out.update({f"fzero-zero{s}": compare.fzero_core(s) for s in range(4)})
-    out.update({f"fzero-shell-zero{s}": compare.fzero_shell(s, MICRO) for s in range(4)})
-    return out
-
-
 def model_and_data(steps: int) -> tuple[GPT, list[dict[str, torch.Tensor]]]:
     """The template model on the GPU (seed 0) and `steps` micro-batches of `MICRO` x `seq_len` tokens."""
     torch.manual_seed(0)
@@ -56,7 +48,7 @@ def model_and_data(steps: int) -> tuple[GPT, list[dict[str, torch.Tensor]]]:
 
 def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
     template, data = model_and_data(steps)
-    built = {name: make(copy.deepcopy(template), precision) for name, make in trainers().items()}
+    built = {name: make(copy.deepcopy(template), precision) for name, make in compare.ddp_core_shell(MICRO).items()}
     for step in built.values():
         step(data[0])
         step(data[1 % steps])
@@ -79,7 +71,7 @@ def diagnose(precision: str, steps: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     template, data = model_and_data(max(steps, 2))
-    for name, make in trainers().items():
+    for name, make in compare.ddp_core_shell(MICRO).items():
         step = make(copy.deepcopy(template), precision)
         step(data[0])
         step(data[1])

@@ -18,7 +18,6 @@ import copy
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 
 import compare  # (benchmarks/): its trainers and process settings
 import torch
@@ -31,13 +30,6 @@ CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=12, n_head=2, d_model=32)
 MICRO = 2
 
 
-def trainers() -> dict[str, Callable[[GPT, str], compare.Step]]:
-    out: dict[str, Callable[[GPT, str], compare.Step]] = {"ddp": compare.ddp}
-    out.update({f"fzero-zero{s}": compare.fzero_core(s) for s in range(4)})
-    out.update({f"fzero-shell-zero{s}": compare.fzero_shell(s, MICRO) for s in range(4)})
-    return out
-
-
 def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     compare.init(rank, world, store, 1)
     try:
@@ -47,7 +39,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
         toks = torch.randint(0, CFG.vocab_size, (args.steps, MICRO, CFG.seq_len + 1), generator=g)
         data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
         for precision in args.precision:
-            built = {name: make(copy.deepcopy(template), precision) for name, make in trainers().items()}
+            built = {
+                name: make(copy.deepcopy(template), precision) for name, make in compare.ddp_core_shell(MICRO).items()
+            }
             for step in built.values():
                 for batch in data[:3]:
                     step(batch)

@@ -3,7 +3,7 @@ loss scale, and the ZeRO preset chain.
 
 | DeepSpeed | fzero |
 |---|---|
-| `optimizer.type` Adam (`adam_w_mode` true, the default), AdamW | `fzero.adamw(fused=True)` (the C kernel, torch's on a GPU) |
+| `optimizer.type` Adam (`adam_w_mode` true, the default), AdamW | `fzero.adamw(fused=True)` |
 | `optimizer.type` Adam with `adam_w_mode: false` | `fzero.adam(fused=True)` (L2 weight decay) |
 | `optimizer.params.torch_adam` | torch.optim.AdamW's default weight decay (0.01); no C kernel under offload |
 | param groups (`model_parameters` dicts, a client optimizer's groups) | `fzero.param_groups(groups=...)` |
