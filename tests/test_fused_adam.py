@@ -15,16 +15,7 @@ from hypothesis import strategies as st
 import fzero
 from fzero.optim.fused_adam import on_device, torch_fused_adam, with_fused_keywords
 from fzero.optim.groups import Segments
-
-hyper = st.fixed_dictionaries(
-    {
-        "lr": st.sampled_from([1e-3, 1e-2, 0.3]),
-        "b1": st.sampled_from([0.0, 0.8, 0.9]),
-        "b2": st.sampled_from([0.95, 0.999]),
-        "eps": st.sampled_from([1e-8, 1e-6]),
-        "wd": st.sampled_from([0.0, 0.01, 0.1]),
-    }
-)
+from tests.test_optim import hyper
 
 
 def _kw(h):
