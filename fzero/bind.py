@@ -43,14 +43,11 @@ def submodules(model: nn.Module) -> dict[str, nn.Module]:
 
 def _slot(model: nn.Module, name: str, modules: Mapping[str, nn.Module]) -> tuple[dict[str, Any], str]:
     """The dict (`_parameters` or `_buffers` of the owning module) and key that hold tensor `name`; `modules` is
-    `submodules(model)` (a path it lacks is looked up with `get_submodule`)."""
+    `submodules(model)`."""
     owner_path, _, short = name.rpartition(".")
-    try:
-        module = modules.get(owner_path)
-        if module is None:
-            module = model.get_submodule(owner_path)
-    except AttributeError:
-        raise KeyError(f"{type(model).__name__} has no submodule {owner_path!r} (for tensor {name!r})") from None
+    module = modules.get(owner_path)
+    if module is None:
+        raise KeyError(f"{type(model).__name__} has no submodule {owner_path!r} (for tensor {name!r})")
     for table in (module._parameters, module._buffers):
         if short in table:
             return table, short

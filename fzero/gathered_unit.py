@@ -336,13 +336,10 @@ class GatheredUnit:
         self.swaps += 1
         if self.swaps > 1:
             return
-        prefix, module = self.name + ".", self.module
-        assert module is not None  # (only a unit gathered on demand is swapped)
+        assert self.module is not None  # (only a unit gathered on demand is swapped)
         for name, view in self.views().items():
             path, _, pname = name.rpartition(".")
-            owner = self.owners.get(path)
-            if owner is None:  # (a path the step's walk of the model did not list)
-                owner = module.get_submodule(path[len(prefix) :])
+            owner = self.owners[path]  # (the step's walk lists every module a parameter's name passes through)
             table: dict[str, Any] = owner._parameters  # (typed for Parameters; a view stands in, as in functional_call)
             self.originals.append((owner, pname, table[pname]))
             carry_attributes(table[pname], view)
