@@ -29,7 +29,9 @@ Every process asks for huge pages and keeps the memory its steps free for their 
 `enable_huge_pages()`, and `retain_freed_memory()` unless `--default-malloc`), whichever trainer it runs.
 Every trainer lives in the same processes and runs in rotating order, round after round (machine noise hits
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
-ratio to DDP's, with `--floor` its ratio to the floor (the same model's forward + backward alone, without
+ratio to DDP's, rank 0's process CPU time per step (`time.process_time`: its threads', gloo's included; on a
+machine whose cores the ranks fill, a step costs what its CPU time costs) and its ratio to DDP's, with `--floor` its
+ratio to the floor (the same model's forward + backward alone, without
 communication or optimizer, plus the update alone over a 1/W share of the parameters: the physical limit of a ZeRO
 step on this machine; `floor-fwdbwd` and `floor-update` are timed in the same rotation), and with `--memory` the
 peak resident memory per rank of each trainer run alone in a fresh pair of processes (the table: over the process's
@@ -384,20 +386,24 @@ def time_worker(
             step(data[0])
             step(data[1 % len(data)])
         times: dict[str, list[float]] = {name: [] for name in steps}
+        cpu: dict[str, list[float]] = {name: [] for name in steps}
         order = list(steps)
         for r in range(args.rounds):
             for name in order[r % len(order) :] + order[: r % len(order)]:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for batch in data:
                     steps[name](batch)
+                c1 = time.process_time()  # (before the barrier: the CPU this rank's steps took, its threads' too)
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / len(data))
+                cpu[name].append((c1 - c0) / len(data))
         comm = {name: step_ledger(name, precision, data, n_layer) for name in steps if args.comm and has_ledger(name)}
         if rank == 0:
             result = {name: statistics.median(t) for name, t in times.items()}
+            cpu_median = {name: statistics.median(t) for name, t in cpu.items()}
             with open(os.path.join(os.path.dirname(store), f"times-{precision}.json"), "w") as f:
-                json.dump({"median": result, "all": times, "skipped": skipped, "comm": comm}, f)
+                json.dump({"median": result, "all": times, "cpu": cpu_median, "skipped": skipped, "comm": comm}, f)
     finally:
         process_group.shutdown()  # not destroy_process_group: see fzero.process_group
 
@@ -523,8 +529,8 @@ def measure(tmp: str, precision: str, args: argparse.Namespace, n_layer: int = C
       n_layer: the model's layer count.
 
     Returns:
-      `(times, memory)`: the time workers' results (`median`, `all`, `skipped`, `comm`) and the peak RSS per rank in
-      MiB by trainer (`None` for one skipped, or, under `--sweep`, one whose memory worker died).
+      `(times, memory)`: the time workers' results (`median`, `all`, `cpu`, `skipped`, `comm`) and the peak RSS per
+      rank in MiB by trainer (`None` for one skipped, or, under `--sweep`, one whose memory worker died).
     """
     store = os.path.join(tmp, f"store-{precision}")
     mp.start_processes(time_worker, args=(args.nproc, store, args, precision, n_layer), nprocs=args.nproc,
@@ -619,15 +625,18 @@ def report(times: dict, memory: dict, precision: str, psi: int, args: argparse.N
           f"micro-batch {MICRO} x {CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps")  # fmt: skip
     if floor is not None:
         print(f"floor (forward + backward alone, plus ZeRO's 1/{args.nproc} share of the update alone): {floor:.3f} s")
-    print(f"| trainer | step s | vs DDP |{' vs floor |' if floor else ''}{' peak RSS MiB/rank |' if memory else ''}")
-    print(f"|---|---|---|{'---|' if floor else ''}{'---|' if memory else ''}")
+    cpu, cpu_base = times["cpu"], times["cpu"].get("ddp")
+    print(f"| trainer | step s | vs DDP | CPU s | CPU vs DDP |{' vs floor |' if floor else ''}"
+          f"{' peak RSS MiB/rank |' if memory else ''}")  # fmt: skip
+    print(f"|---|---|---|---|---|{'---|' if floor else ''}{'---|' if memory else ''}")
     for name, t in median.items():
         ratio = f"{t / base:.2f}x" if base else "-"
+        cpu_ratio = f"{cpu[name] / cpu_base:.2f}x" if cpu_base else "-"
         over = f" {t / floor:.2f}x |" if floor else ""
         mem = f" {memory[name]:.0f} |" if memory and memory.get(name) else (" - |" if memory else "")
-        print(f"| {name} | {t:.3f} | {ratio} |{over}{mem}")
+        print(f"| {name} | {t:.3f} | {ratio} | {cpu[name]:.3f} | {cpu_ratio} |{over}{mem}")
     for name, why in times["skipped"].items():
-        print(f"| {name} | {why} | | {'|' if memory else ''}")
+        print(f"| {name} | {why} | | | | {'|' if memory else ''}")
     if times.get("comm"):
         report_comm(times["comm"], args.nproc)
 

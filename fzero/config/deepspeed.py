@@ -58,6 +58,10 @@ from .zeropp import zeropp_checks, zeropp_top_checks
 __all__ = ["SCHEMA"]
 
 MOOT = "no effect: fzero reduces and gathers one flat buffer per unit, in one collective each"
+REUSE = (
+    "no effect: stage 3 keeps the last unit gathered from its forward into its backward and gathers every other "
+    "again (DeepSpeed keeps each parameter reused within this many elements); the results are the same either way"
+)
 GATHER = "stage 3 gathers one unit at a time: 0 disables prefetching (else one unit ahead); see fzero.GatherPolicy"
 INT_MAX = 2**63 - 1
 DTYPES = ("fp32", "fp16", "bf16")
@@ -157,7 +161,7 @@ ZERO = Section(
         "stage3_param_persistence_threshold": Field(Int(0), 100_000, effect="units this small stay gathered"),
         "stage3_model_persistence_threshold": Field(Int(0), INT_MAX, effect=MOOT),
         "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect="bounds the gathered elements alive"),
-        "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=MOOT),
+        "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=REUSE),
         "stage3_gather_16bit_weights_on_model_save": Field(Bool(), False, effect="no effect"),
         "stage3_module_granularity_threshold": Field(Int(0), 0, effect=MOOT),
         "ignore_unused_parameters": Field(
