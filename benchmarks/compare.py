@@ -31,17 +31,18 @@ Every trainer lives in the same processes and runs in rotating order, round afte
 them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
 ratio to DDP's, rank 0's process CPU time per step (`time.process_time`: its threads', gloo's included; on a
 machine whose cores the ranks fill, a step costs what its CPU time costs) and its ratio to DDP's, with `--floor` its
-ratio to the floor (the same model's forward + backward alone, without
-communication or optimizer, plus the update alone over a 1/W share of the parameters: the physical limit of a ZeRO
-step on this machine; `floor-fwdbwd` and `floor-update` are timed in the same rotation), and with `--memory` the
-peak resident memory per rank of each trainer run alone in a fresh pair of processes (the table: over the process's
-life; a line per trainer also splits it into building the model and the trainer, `fzero.init` for fzero's, and its
-steps). `--profile` prints instead rank 0's per-phase split of a step (compute, waiting on communication,
-optimizer, copies; the profiler's self CPU time, the rest of the wall time unaccounted), and for fzero's steps the
-time inside each of its `record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`,
-`fzero.update`, `fzero.agree`; the shell's `fzero.forward`, `fzero.backward`), its ten costliest aten ops (self
-time and calls a step), and the count and total size of one step's allocations of 2 MiB or more (`torch.profiler`'s
-`profile_memory`, in a step of their own).
+ratio to the floor (the same model's forward + backward alone, without communication or optimizer, plus the update
+alone over a 1/W share of the parameters: the physical limit of a ZeRO step on this machine; `floor-fwdbwd` and
+`floor-update` are timed in the same rotation), and with `--memory` the peak resident memory per rank of each trainer
+run alone in a fresh pair of processes (the table: over the process's life; a line per trainer also splits it into
+building the model and the trainer, `fzero.init` for fzero's, and its steps). `--profile` prints instead rank 0's
+per-phase split of a step (compute, waiting on communication, optimizer, copies; the profiler's self CPU time, the
+rest of the wall time unaccounted), and for fzero's steps the time inside each of its `record_function` phases
+(`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`, `fzero.update`, `fzero.agree`; the shell's
+`fzero.forward`, `fzero.backward`), its ten costliest aten ops (self time and calls a step), and the count and total
+size of one step's allocations of 2 MiB or more (`torch.profiler`'s `profile_memory`, in a step of their own). On a
+machine the ranks' threads fill, an op's self time includes the time its thread waited for a core (gloo's threads
+run on the same cores): a small op can show tens of milliseconds.
 
 `--nproc N` runs N processes instead of 2 (`--rounds` and `--steps` then default to 3 and 2: on this 2-core machine
 4 processes share the cores). With `--comm`, or whenever a 2-D trainer above runs, every `fzero-zeroN*` and 2-D row
