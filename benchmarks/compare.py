@@ -14,9 +14,9 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   ZeRO-3-like; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), torch's AdamW;
 - `deepspeed-zeroN`: DeepSpeed's engine with the same JSON config, when DeepSpeed is installed (`pip install
   ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
-- `fzero-zeroN` (the functional core, `train_step(donate=True)`, its defaults: each unit's reduction overlapped with
-  the backward on a mesh of several processes; the model moved to `meta` after `fzero.init`, which copies its
-  parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
+- `fzero-zeroN` (the functional core, `train_step(donate=True)`, the loss through `fzero.call`, its defaults: each
+  unit's reduction overlapped with the backward on a mesh of several processes; the model moved to `meta` after
+  `fzero.init`, which copies its parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
   `GatherPolicy(overlap_reduce=False)`), `fzero-zeroN-fresh` (stages 0-2: the same, every step-sized buffer fresh:
   `fzero.scratch.disabled()`) and `fzero-shell-zeroN` (`fzero.initialize`, the config's defaults);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
@@ -221,7 +221,7 @@ def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **o
                     **options)  # fmt: skip
 
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
-            return lm_loss(torch.func.functional_call(model, params, (batch["x"],)), batch["y"])
+            return lm_loss(fzero.call(model, params, batch["x"]), batch["y"])
 
         policy = None if overlap is None else fzero.GatherPolicy(overlap_reduce=overlap)
         train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)

@@ -11,6 +11,7 @@ model.load_state_dict(fzero.state_dict(state))
 from . import hostmem, layout, loss_scale, native, optim, precision, scratch
 from ._version import __version__ as __version__
 from .agreement import DesyncError
+from .bind import call
 from .checkpoint import consolidate, load, save
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 from .layout import Layout
@@ -93,6 +94,7 @@ __all__ = [
     "adamw",
     "add_config_arguments",
     "all_reduce",
+    "call",
     "chain",
     "clip_by_global_norm",
     "consolidate",

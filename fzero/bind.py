@@ -12,6 +12,9 @@ Parameters that are not available (stage 3's units that are gathered only while 
 `Unavailable` placeholders: using one outside its module's forward raises an error that names it, instead of
 computing with a stale tensor.
 
+Since the step has bound them, `functional_call`'s swapping in and back out is work that changes nothing: `call`
+skips it where the tensors it is given are exactly those bound (`bound_to`), and is `functional_call` elsewhere.
+
 Example:
     >>> import torch
     >>> model = torch.nn.Linear(2, 1)
@@ -26,13 +29,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Unavailable", "bound", "carry_attributes", "submodules"]
+__all__ = ["Unavailable", "bound", "bound_to", "call", "carry_attributes", "submodules"]
+
+_BOUND: weakref.WeakKeyDictionary[nn.Module, Mapping[str, Tensor]] = weakref.WeakKeyDictionary()
 
 
 def submodules(model: nn.Module) -> dict[str, nn.Module]:
@@ -72,16 +78,57 @@ def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
     order."""
     saved: list[tuple[dict[str, Any], str, Any]] = []
     modules = submodules(model)
+    outer = _BOUND.get(model)
     try:
         for name, value in tensors.items():
             table, key = _slot(model, name, modules)
             saved.append((table, key, table[key]))
             carry_attributes(table[key], value)
             table[key] = value
+        _BOUND[model] = tensors
         yield
     finally:
         for table, key, value in reversed(saved):
             table[key] = value
+        if outer is None:
+            _BOUND.pop(model, None)
+        else:
+            _BOUND[model] = outer
+
+
+def bound_to(model: nn.Module) -> Mapping[str, Tensor] | None:
+    """The mapping the innermost `bound` has put into `model` now, or None outside any."""
+    return _BOUND.get(model)
+
+
+def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+    """`model(*args, **kwargs)` computed with `params` in place of its tensors: `torch.func.functional_call(model,
+    params, args, kwargs)`, the same tensors and so the same result bitwise.
+
+    Inside `fzero.train_step` and `fzero.eval_step` the `params` a `loss_fn` receives are already bound into the
+    model for its forward and backward (`bound`), and `functional_call` would swap each of them in again and back
+    out on return: host time per tensor per step that changes nothing. `call` then calls the model directly. Any
+    other mapping (a copy, one with a tensor replaced, a call outside a step) goes through `functional_call`.
+
+    Args:
+      model: the module the step was built for.
+      params: the named tensors (`loss_fn`'s first argument).
+      args, kwargs: the forward's arguments.
+
+    Returns:
+      The forward's output.
+
+    Example:
+        >>> import torch
+        >>> import fzero
+        >>> model = torch.nn.Linear(2, 1)
+        >>> params = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
+        >>> fzero.call(model, params, torch.tensor([[1.0, 2.0]]))  # outside a step: functional_call
+        tensor([[3.]])
+    """
+    if _BOUND.get(model) is params:
+        return model(*args, **kwargs)
+    return torch.func.functional_call(model, dict(params), args, kwargs)
 
 
 class Unavailable(Tensor):

@@ -17,7 +17,7 @@ Example:
     >>> import torch, fzero
     >>> model = torch.nn.Linear(4, 2)
     >>> def loss_fn(params, batch):
-    ...     out = torch.func.functional_call(model, params, (batch["x"],))
+    ...     out = fzero.call(model, params, batch["x"])  # torch.func.functional_call, without its swaps in a step
     ...     return torch.nn.functional.mse_loss(out, batch["y"])
     >>> mesh = fzero.SimMesh(world=2)
     >>> tx = fzero.zero2(fzero.adamw(1e-2))
@@ -235,10 +235,12 @@ def train_step(
     """Build the pure step `step(state, batch) -> (state, metrics)`.
 
     Args:
-      model: the module whose `init` state is trained (used by `loss_fn` through `functional_call`).
+      model: the module whose `init` state is trained (used by `loss_fn` through `fzero.call` or
+        `functional_call`).
       loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux`); `params` maps every parameter
-        and buffer name to a tensor, ready for `torch.func.functional_call(model, params, ...)`. It must return the
-        mean loss of this rank's batch: ranks' gradients are averaged.
+        and buffer name to a tensor, ready for `fzero.call(model, params, ...)` or `torch.func.functional_call(model,
+        params, ...)` (the same result; `fzero.call` skips swapping in the tensors the step has already bound into
+        the model). It must return the mean loss of this rank's batch: ranks' gradients are averaged.
       tx: the transform `init` was called with.
       mesh: the mesh `init` was called with.
       has_aux: `loss_fn` returns `(loss, aux)`; `aux` (a pytree of tensors) appears in the metrics.
@@ -413,7 +415,7 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
         >>> model = torch.nn.Linear(4, 2)
         >>> mesh = fzero.SimMesh(world=2)
         >>> state = fzero.init(model, fzero.zero3(fzero.adamw()), mesh)
-        >>> evaluate = fzero.eval_step(model, lambda p, b: torch.func.functional_call(model, p, (b,)), mesh)
+        >>> evaluate = fzero.eval_step(model, lambda p, b: fzero.call(model, p, b), mesh)
         >>> evaluate(state, torch.randn(2, 3, 4)).shape
         torch.Size([2, 3, 2])
     """

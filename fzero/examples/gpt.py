@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..bind import call
+
 __all__ = ["GPT", "GPTConfig", "corpus_tokens", "gpt_loss", "sample_batch"]
 
 
@@ -96,7 +98,7 @@ def gpt_loss(model: GPT):
     """`loss_fn(params, batch)` for fzero: next-byte cross entropy, batch `{"x": [B, T], "y": [B, T]}`."""
 
     def loss_fn(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        logits = torch.func.functional_call(model, params, (batch["x"],))
+        logits = call(model, params, batch["x"])  # (functional_call, without its swaps inside a step)
         return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
     return loss_fn
