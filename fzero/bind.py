@@ -38,7 +38,10 @@ from torch import Tensor, nn
 
 __all__ = ["Unavailable", "bound", "bound_to", "call", "carry_attributes", "submodules"]
 
-_BOUND: weakref.WeakKeyDictionary[nn.Module, Mapping[str, Tensor]] = weakref.WeakKeyDictionary()
+# each module's innermost binding: the mapping `bound` was given and its items as they were bound
+_BOUND: weakref.WeakKeyDictionary[nn.Module, tuple[Mapping[str, Tensor], tuple[tuple[str, Tensor], ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def submodules(model: nn.Module) -> dict[str, nn.Module]:
@@ -85,7 +88,7 @@ def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
             saved.append((table, key, table[key]))
             carry_attributes(table[key], value)
             table[key] = value
-        _BOUND[model] = tensors
+        _BOUND[model] = (tensors, tuple(tensors.items()))
         yield
     finally:
         for table, key, value in reversed(saved):
@@ -98,7 +101,8 @@ def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
 
 def bound_to(model: nn.Module) -> Mapping[str, Tensor] | None:
     """The mapping the innermost `bound` has put into `model` now, or None outside any."""
-    return _BOUND.get(model)
+    entry = _BOUND.get(model)
+    return None if entry is None else entry[0]
 
 
 def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -108,7 +112,8 @@ def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: A
     Inside `fzero.train_step` and `fzero.eval_step` the `params` a `loss_fn` receives are already bound into the
     model for its forward and backward (`bound`), and `functional_call` would swap each of them in again and back
     out on return: host time per tensor per step that changes nothing. `call` then calls the model directly. Any
-    other mapping (a copy, one with a tensor replaced, a call outside a step) goes through `functional_call`.
+    other mapping (a copy, the bound one with an entry since replaced, added or removed, a call outside a step)
+    goes through `functional_call`.
 
     Args:
       model: the module the step was built for.
@@ -126,9 +131,15 @@ def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: A
         >>> fzero.call(model, params, torch.tensor([[1.0, 2.0]]))  # outside a step: functional_call
         tensor([[3.]])
     """
-    if _BOUND.get(model) is params:
+    entry = _BOUND.get(model)
+    if entry is not None and entry[0] is params and _unchanged(params, entry[1]):
         return model(*args, **kwargs)
     return torch.func.functional_call(model, dict(params), args, kwargs)
+
+
+def _unchanged(params: Mapping[str, Tensor], items: tuple[tuple[str, Tensor], ...]) -> bool:
+    """Whether `params` holds exactly `items` still (the same names, each the same tensor object)."""
+    return len(params) == len(items) and all(params.get(name) is value for name, value in items)
 
 
 class Unavailable(Tensor):

@@ -81,6 +81,31 @@ def test_call_with_other_tensors_than_the_bound_ones():
     assert bind.bound_to(model) is None  # the binding ends with the step
 
 
+def test_call_with_the_bound_mapping_changed_in_place():
+    """The bound mapping itself with an entry replaced after the binding: its tensors count, as `functional_call`'s
+    would; the direct call only while it holds exactly what was bound."""
+    model = tiny_gpt(0)
+    mesh = fzero.SimMesh(1)
+    tx = fzero.zero0(fzero.sgd(0.1))
+    seen: dict[str, torch.Tensor] = {}
+
+    def loss_fn(params, batch):
+        out = fzero.call(model, params, batch["x"])
+        seen["direct"] = out.detach()
+        weight = params["ln_f.weight"]
+        params["ln_f.weight"] = torch.zeros_like(weight)
+        seen["replaced"] = fzero.call(model, params, batch["x"]).detach()
+        seen["swapped"] = torch.func.functional_call(model, params, (batch["x"],)).detach()
+        params["ln_f.weight"] = weight
+        seen["restored"] = fzero.call(model, params, batch["x"]).detach()
+        return out.sum()
+
+    fzero.train_step(model, loss_fn, tx, mesh)(fzero.init(model, tx, mesh), {"x": torch.randint(0, 32, (1, 2, 8))})
+    assert torch.equal(seen["replaced"], seen["swapped"])
+    assert not torch.equal(seen["direct"], seen["replaced"])
+    assert torch.equal(seen["direct"], seen["restored"])
+
+
 def test_nested_bindings_restore_the_outer():
     model = torch.nn.Linear(2, 1)
     outer = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
