@@ -105,7 +105,7 @@ def bound_to(model: nn.Module) -> Mapping[str, Tensor] | None:
     return None if entry is None else entry[0]
 
 
-def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+def call(model: nn.Module, params: Mapping[str, Tensor], /, *args: Any, **kwargs: Any) -> Any:
     """`model(*args, **kwargs)` computed with `params` in place of its tensors: `torch.func.functional_call(model,
     params, args, kwargs)`, the same tensors and so the same result bitwise.
 
@@ -118,7 +118,8 @@ def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: A
     Args:
       model: the module the step was built for.
       params: the named tensors (`loss_fn`'s first argument).
-      args, kwargs: the forward's arguments.
+      args, kwargs: the forward's arguments (`model` and `params` are positional-only, so a forward may take
+        keywords of those names).
 
     Returns:
       The forward's output.

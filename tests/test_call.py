@@ -106,6 +106,20 @@ def test_call_with_the_bound_mapping_changed_in_place():
     assert torch.equal(seen["direct"], seen["restored"])
 
 
+def test_call_passes_keywords_named_like_its_own_arguments():
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x, model=1.0, params=1.0):
+            return self.w * x * model * params
+
+    m = Scaled()
+    p = {"w": torch.full((2,), 3.0)}
+    assert torch.equal(fzero.call(m, p, torch.ones(2), model=2.0, params=5.0), torch.full((2,), 30.0))
+
+
 def test_nested_bindings_restore_the_outer():
     model = torch.nn.Linear(2, 1)
     outer = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
