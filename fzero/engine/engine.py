@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from ..bind import bound, call
+from ..bind import bound
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
@@ -292,7 +292,7 @@ class Engine(ConfigAccessors, nn.Module):
         try:
             try:
                 with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
-                    out = call(module, named, *args, **kwargs)
+                    out = module(*args, **kwargs)  # (bound just above: no functional_call to swap them in again)
             except Exception as e:
                 if gathering is not None and not isinstance(e, CollectiveError):  # the others' gathers pair with them
                     gathering.complete(abandoned=True)
