@@ -162,6 +162,31 @@ def test_inf_on_one_rank_skips_everywhere(preset, precision):
     assert m["applied"] and torch.equal(resumed.params, direct.params)
 
 
+@given(preset=st.sampled_from(sorted(PRESETS)), world=st.integers(2, 4), data=st.data())
+def test_one_non_finite_element_anywhere_skips_everywhere(preset, world, data):
+    """One inf gradient element, in any parameter, from any one rank, skips the step on every rank: the ranks'
+    statistics cover every element once, whichever part of the buffer each sums (at stage 0, its 1/world of the
+    reduced gradient)."""
+    model = mlp([3, 5, 2], 2)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    name = data.draw(st.sampled_from(sorted(sizes)))
+    index, rank = data.draw(st.integers(0, sizes[name] - 1)), data.draw(st.integers(0, world - 1))
+
+    def loss_fn(params, batch):
+        out = torch.func.functional_call(model, params, (batch["x"],))
+        # d/dp of p * poison is poison: inf in one element of one rank's gradient, finite elsewhere
+        return torch.nn.functional.mse_loss(out, batch["y"]) + params[name].reshape(-1)[index] * batch["poison"]
+
+    mesh = fzero.SimMesh(world)
+    tx = PRESETS[preset](fzero.adamw(1e-2))
+    state = fzero.init(model, tx, mesh)
+    batch = regression_batches(model, world, 1, 2, 1, 3)[0]
+    batch["poison"] = torch.tensor([math.inf if r == rank else 0.0 for r in range(world)])
+    after, metrics = fzero.train_step(model, loss_fn, tx, mesh)(state, batch)
+    assert metrics["skipped"] and not metrics["applied"] and not math.isfinite(metrics["grad_norm"])
+    assert torch.equal(after.params, state.params)
+
+
 def test_skip_can_be_disabled():
     model = mlp([3, 4, 2], 0)
     mesh = fzero.SimMesh(2)
