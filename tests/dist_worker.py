@@ -49,12 +49,14 @@ def run(rank: int, world: int, out_dir: str) -> None:
         tx = getattr(fzero, preset)(fzero.adamw(1e-2), accumulate=micro)
         state = fzero.init(model, tx, mesh)
         step = fzero.train_step(model, loss_of(model), tx, mesh)
-        skipped = []
+        skipped, norms = [], []
         for batch in sim_batches(world, micro, poison):
             state, metrics = step(state, {k: v[rank] for k, v in batch.items()})
             skipped.append(bool(metrics["skipped"]))
+            if "grad_norm" in metrics:  # (the last micro-step of a window)
+                norms.append(metrics["grad_norm"])
         full = fzero.state_dict(state, mesh)
-        ledgers[name(preset, micro, poison)] = {"comm": metrics["comm"], "skipped": skipped}
+        ledgers[name(preset, micro, poison)] = {"comm": metrics["comm"], "skipped": skipped, "grad_norm": norms}
         if rank == 0:
             tensors = {k: v.contiguous() for k, v in full.items() if k != "head.weight"}
             save_file(tensors, f"{out_dir}/{name(preset, micro, poison)}.st")

@@ -4,6 +4,7 @@ inf in one rank's gradients makes every rank skip."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -31,11 +32,13 @@ def _sim(preset: str, micro: int, poison: bool, world: int):
     tx = getattr(fzero, preset)(fzero.adamw(1e-2), accumulate=micro)
     state = fzero.init(model, tx, mesh)
     step = fzero.train_step(model, dist_worker.loss_of(model), tx, mesh)
-    skipped = []
+    skipped, norms = [], []
     for batch in dist_worker.sim_batches(world, micro, poison):
         state, metrics = step(state, batch)
         skipped.append(bool(metrics["skipped"]))
-    return fzero.state_dict(state), {"comm": metrics["comm"], "skipped": skipped}
+        if "grad_norm" in metrics:  # (the last micro-step of a window)
+            norms.append(metrics["grad_norm"])
+    return fzero.state_dict(state), {"comm": metrics["comm"], "skipped": skipped, "grad_norm": norms}
 
 
 @pytest.mark.timeout(600)
@@ -48,8 +51,21 @@ def test_dist_matches_sim(world, tmp_path):
         got = load_file(tmp_path / f"{case}.st")
         want, record = sim(preset, micro, poison, world)
         # the same collectives, the same volumes; an inf on the last rank only skips the step on every rank
+        got_norms, want_norms = ledgers[case].pop("grad_norm"), record.pop("grad_norm")
         assert ledgers[case] == record
         assert any(record["skipped"]) == poison
+        # the gradients' global norm, each rank summing its part (at stage 0, its 1/world of the whole) in float64:
+        # the same float32 gradients, the parts added in another order on gloo (two roundings: 2^-51 relative)
+        finite = [math.isfinite(n) for n in want_norms]
+        assert len(want_norms) == dist_worker.STEPS and [math.isfinite(n) for n in got_norms] == finite
+        assert all(finite) != poison
+        if world == 3 and preset == "zero0":
+            # the ring's mean gradient: each element within 2^-24 relative of SimMesh's, so the norm of the first
+            # step (the same parameters) within 2^-24; the parameters after it differ (below)
+            assert got_norms[0] == pytest.approx(want_norms[0], rel=2**-23)
+        else:
+            assert [n for n in got_norms if math.isfinite(n)] == pytest.approx(
+                [n for n in want_norms if math.isfinite(n)], rel=2**-50)  # fmt: skip
         if world == 3 and preset == "zero0":
             # stage 0 all-reduces with gloo's ring, which adds three ranks' chunks in a chunk-dependent order
             # (SimMesh: rank order): float32 rounding of the mean gradient, through Adam (tests/bounds.py, kind 3)
