@@ -7,6 +7,10 @@ same value as `SimMesh`, bitwise), and all-gathers with one async `broadcast` pe
 This prints, per size (millions of elements of the full buffer) and dtype, the median time of gloo's
 `reduce_scatter_tensor` / `all_gather_into_tensor` and of `DistMesh`'s path, and their ratio. One thread per rank;
 every variant runs in the same processes, timed after a barrier.
+
+Then, per size, stage 0's gradient statistics (`fzero.transforms.grad_stats` on a gradient every rank holds whole
+after its all-reduce): one rank's float64 sum of squares over the whole, against its 1/world of it and the
+one-element all-reduce that adds the ranks' parts (what stage 0 runs), and their ratio.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fzero
-from fzero import process_group
+from fzero import native, process_group
+from fzero.transforms.base import _own_part
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
 
@@ -51,6 +56,15 @@ def _times(mesh: fzero.DistMesh, n: int, dtype: torch.dtype, rounds: int) -> tup
     )
 
 
+def _stats_times(mesh: fzero.DistMesh, n: int, rounds: int) -> tuple[float, float]:
+    """Median seconds of the sum of squares of `n` float32 elements, whole and as stage 0 sums them."""
+    g = torch.randn(n)
+    return (
+        _median(lambda: native.sumsq(g), rounds),
+        _median(lambda: mesh.all_reduce(native.sumsq(_own_part(mesh, g)), "sum"), rounds),
+    )
+
+
 def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -67,6 +81,14 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
                 print(f"{str(dtype).removeprefix('torch.'):9s} {n / 1e6:5.1f}M  {rs_gloo * 1e3:8.2f} "
                       f"{rs_mesh * 1e3:8.2f} {rs_gloo / rs_mesh:5.2f}x  {ag_gloo * 1e3:8.2f} {ag_mesh * 1e3:8.2f} "
                       f"{ag_gloo / ag_mesh:5.2f}x", flush=True)  # fmt: skip
+    if rank == 0:
+        print(f"stage 0's gradient statistics, float32; ms (ratio whole / parts)\n{'size':>6s}  {'whole':>8s} "
+              f"{'parts':>8s} {'ratio':>6s}")  # fmt: skip
+    for size in args.sizes:
+        n = int(size * 1e6) // (16 * world) * 16 * world
+        whole, parts = _stats_times(mesh, n, args.rounds)
+        if rank == 0:
+            print(f"{n / 1e6:5.1f}M  {whole * 1e3:8.2f} {parts * 1e3:8.2f} {whole / parts:5.2f}x", flush=True)
     process_group.shutdown()
 
 

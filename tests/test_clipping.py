@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
+from fzero.transforms import base
 from tests.support import lm_batches, lm_loss, tiny_gpt
 from tests.test_stages import PRESETS, max_diff
 
@@ -29,8 +31,15 @@ def reference(model, batches, micro, max_norm, lr):
 
 
 @given(world=st.integers(1, 4), micro=st.integers(1, 2), max_norm=st.sampled_from([0.05, 0.3, 100.0]),
-       seed=st.integers(0, 999))  # fmt: skip
-def test_clipping_matches_torch(world, micro, max_norm, seed):
+       seed=st.integers(0, 999), split=st.booleans())  # fmt: skip
+def test_clipping_matches_torch(world, micro, max_norm, seed, split):
+    """`split`: stage 0's ranks each sum the squares of their part of the whole gradient, as from
+    `SPLIT_STATS_ELEMENTS` on."""
+    with mock.patch.object(base, "SPLIT_STATS_ELEMENTS", 0 if split else base.SPLIT_STATS_ELEMENTS):
+        _clipping_matches_torch(world, micro, max_norm, seed)
+
+
+def _clipping_matches_torch(world, micro, max_norm, seed):
     model = tiny_gpt(seed, torch.float64)
     batches = lm_batches(model, world, micro, 2, 3, seed)
     want, want_norms = reference(model, batches, micro, max_norm, 1e-2)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import fzero
+from fzero.transforms import base
 from tests import dist_worker
 from tests.bounds import assert_adam_close
 from tests.spawn import spawn
@@ -21,7 +23,8 @@ def sim(preset: str, micro: int, poison: bool, world: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: matmul's reduction order may depend on the thread count
     try:
-        return _sim(preset, micro, poison, world)
+        with mock.patch.object(base, "SPLIT_STATS_ELEMENTS", 0):  # as the workers
+            return _sim(preset, micro, poison, world)
     finally:
         torch.set_num_threads(threads)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import optree
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 import fzero
 from fzero.loss_scale import DynamicLossScale, make_loss_scale
+from fzero.transforms import base
 from tests.support import mlp, regression_batches
 from tests.test_stages import PRESETS
 
@@ -162,11 +164,11 @@ def test_inf_on_one_rank_skips_everywhere(preset, precision):
     assert m["applied"] and torch.equal(resumed.params, direct.params)
 
 
-@given(preset=st.sampled_from(sorted(PRESETS)), world=st.integers(2, 4), data=st.data())
-def test_one_non_finite_element_anywhere_skips_everywhere(preset, world, data):
+@given(preset=st.sampled_from(sorted(PRESETS)), world=st.integers(2, 4), split=st.booleans(), data=st.data())
+def test_one_non_finite_element_anywhere_skips_everywhere(preset, world, split, data):
     """One inf gradient element, in any parameter, from any one rank, skips the step on every rank: the ranks'
-    statistics cover every element once, whichever part of the buffer each sums (at stage 0, its 1/world of the
-    reduced gradient)."""
+    statistics cover every element once, whichever part of the buffer each sums (at stage 0, with `split`, its
+    1/world of the reduced gradient, as from `SPLIT_STATS_ELEMENTS` on)."""
     model = mlp([3, 5, 2], 2)
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     name = data.draw(st.sampled_from(sorted(sizes)))
@@ -182,7 +184,8 @@ def test_one_non_finite_element_anywhere_skips_everywhere(preset, world, data):
     state = fzero.init(model, tx, mesh)
     batch = regression_batches(model, world, 1, 2, 1, 3)[0]
     batch["poison"] = torch.tensor([math.inf if r == rank else 0.0 for r in range(world)])
-    after, metrics = fzero.train_step(model, loss_fn, tx, mesh)(state, batch)
+    with mock.patch.object(base, "SPLIT_STATS_ELEMENTS", 0 if split else base.SPLIT_STATS_ELEMENTS):
+        after, metrics = fzero.train_step(model, loss_fn, tx, mesh)(state, batch)
     assert metrics["skipped"] and not metrics["applied"] and not math.isfinite(metrics["grad_norm"])
     assert torch.equal(after.params, state.params)
 
