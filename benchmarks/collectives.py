@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/collectives.py [--world 2] [--rounds 15] [--sizes 0.4 1.6 3.4 8.4 27.4]
 
 `DistMesh` on gloo reduce-scatters with one `all_to_all_single` of the chunks followed by a sum in rank order (the
-same value as `SimMesh`, bitwise; the first and the last rank leave their own chunk out of it), and all-gathers with one async `broadcast` per rank straight into the output.
-This prints, per size (millions of elements of the full buffer) and dtype, the median time of gloo's
-`reduce_scatter_tensor` / `all_gather_into_tensor` and of `DistMesh`'s path, and their ratio. One thread per rank;
-every variant runs in the same processes, timed after a barrier.
+same value as `SimMesh`, bitwise; the first and the last rank leave their own chunk out of it), and all-gathers with
+one async `broadcast` per rank straight into the output. This prints, per size (millions of elements of the full
+buffer) and dtype, the median time of gloo's `reduce_scatter_tensor` / `all_gather_into_tensor` and of `DistMesh`'s
+path, and their ratio. One thread per rank; every variant runs in the same processes, timed after a barrier.
 
 Then, per size, stage 0's gradient statistics (`fzero.transforms.grad_stats` on a gradient every rank holds whole
 after its all-reduce): one rank's float64 sum of squares over the whole, against its 1/world of it and the
