@@ -455,8 +455,8 @@ def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
 
 # From this many elements of a whole gradient on the CPU, each rank sums the squares of its 1/world of it: below,
 # the one-element all-reduce adding the parts costs more than the pass saves (benchmarks/collectives.py, two gloo
-# ranks on a Zen 4: the split at 0.38x the whole pass's speed at 1.6M elements, 0.89x at 3.4M, 1.24x at 8.4M and
-# 27.4M). On an accelerator a pass over the gradient is faster than any collective: never split there.
+# ranks on a Zen 4: the split at 0.38x the whole pass's speed at 1.6M elements, 0.89x at 3.4M, 1.25x at 8.4M,
+# 1.24x at 27.4M). On an accelerator a pass over the gradient is faster than any collective: never split there.
 SPLIT_STATS_ELEMENTS = 1 << 22
 
 
