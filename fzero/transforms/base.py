@@ -448,7 +448,7 @@ def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
         total = mesh.all_reduce(native.sumsq(_own_part(mesh, grads)), "sum")
     else:
         total = native.sumsq(grads)
-    sumsq = float(ctx.mesh.unreplicate(total))
+    sumsq = float(mesh.unreplicate(total))
     stats = GradStats(sumsq, math.isfinite(sumsq))
     return flow.with_facts(stats=stats), stats
 
