@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
     watch = PeakRss(cap=args.cap)
     torch.set_num_threads(1)
     baseline = rss_anon()  # the interpreter and torch, before anything of the run
-    fzero.process_group.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+    fzero.host.process_group.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                                            world_size=2, timeout=1800)  # fmt: skip
     mesh = fzero.DistMesh()
     offload = None if args.mode == "memory" else fzero.Offload("nvme", params="nvme", path=args.swap)
@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
         out = {"losses": losses, "times": times, "state": sizes, "peak": peak, "init_peak": init_peak,
                "baseline": baseline}  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
-    fzero.process_group.shutdown()
+    fzero.host.process_group.shutdown()
 
 
 def _cgroup(name: str, cap: int) -> Path | None:

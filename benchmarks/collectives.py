@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fzero
-from fzero import native, process_group
+from fzero import native
+from fzero.host import process_group
 from fzero.transforms.base import _own_part
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike

@@ -85,8 +85,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
-from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig
+from fzero.host import process_group
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
 if os.environ.get("FZERO_BENCH_MALLOC") != "default":  # (`--default-malloc`; the workers inherit the environment)
@@ -406,7 +406,7 @@ def time_worker(
             with open(os.path.join(os.path.dirname(store), f"times-{precision}.json"), "w") as f:
                 json.dump({"median": result, "all": times, "cpu": cpu_median, "skipped": skipped, "comm": comm}, f)
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
+        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
 
 
 PHASES = {  # torch profiler event names -> phase; the first matching pattern wins
@@ -470,7 +470,7 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
                 big = [e.self_cpu_memory_usage for e in allocs.events() if e.self_cpu_memory_usage >= 2 << 20]
                 print(f"|   allocations of 2 MiB or more | {len(big)} a step, {sum(big) / 2**20:.0f} MiB |", flush=True)
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
+        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
 
 
 def high_water_mib(reset: bool = False) -> float:
@@ -504,7 +504,7 @@ def memory_worker(rank: int, world: int, store: str, name: str, precision: str, 
             with open(os.path.join(os.path.dirname(store), f"mem-{name}-{precision}.json"), "w") as f:
                 json.dump(peak if name in steps else None, f)
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
+        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
 
 
 def layer_counts(text: str) -> list[int]:

@@ -30,8 +30,8 @@ os.environ["DS_ACCELERATOR"] = "cuda"  # before compare.py, which would set the 
 import compare  # (benchmarks/): its trainers, which follow the model's device
 import torch
 
-from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig
+from fzero.host import process_group
 
 CFG = GPTConfig(vocab_size=32000, seq_len=512, n_layer=12, n_head=12, d_model=768)
 MICRO = 8

@@ -23,8 +23,8 @@ import compare  # (benchmarks/): its trainers and process settings
 import torch
 import torch.multiprocessing as mp
 
-from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig
+from fzero.host import process_group
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=12, n_head=2, d_model=32)
 MICRO = 2

@@ -64,8 +64,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fzero
-from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, gpt_loss, sample_batch
+from fzero.host import process_group
 from fzero.storage import IOPool, Region, StorageError, Store, SwapFile, aligned_empty
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor, as the other benchmarks
@@ -356,7 +356,7 @@ def train_worker(rank: int, world: int, store: str, out: str, args: argparse.Nam
         with open(os.path.join(out, f"train-{world}-{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.process_group
+        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
 
 
 def print_training(res: dict[str, Any], other: dict[str, Any] | None, world: int, rates: dict[str, dict[str, float]],

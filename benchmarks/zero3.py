@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fzero
-from fzero import process_group
 from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, gpt_loss, sample_batch
+from fzero.host import process_group
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
 
@@ -68,7 +68,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
             peak, comm = info[name]
             print(f"  {name:22s} {med * 1e3:8.1f} ms/step  ratio {med / base:.3f}  gathered peak "
                   f"{peak / psi:.2f} Psi  comm {comm:.2f} Psi")  # fmt: skip
-    process_group.shutdown()  # not destroy_process_group: see fzero.process_group
+    process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
 
 
 def main() -> None:

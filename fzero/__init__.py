@@ -8,16 +8,14 @@ state, metrics = step(state, batch)
 model.load_state_dict(fzero.state_dict(state))
 """
 
-from . import hostmem, layout, loss_scale, native, optim, precision, scratch
+from . import layout, native, optim
 from ._version import __version__ as __version__
-from .agreement import DesyncError
-from .bind import call
 from .checkpoint import consolidate, load, save
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
+from .host import hostmem, scratch
 from .layout import Layout
-from .loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
-from .memory import state_bytes
 from .mesh import CollectiveError, DistMesh, Ledger, Mesh, SimMesh
+from .mesh.agreement import DesyncError
 from .optim import (
     Optimizer,
     adagrad,
@@ -33,8 +31,12 @@ from .optim import (
     param_groups,
     sgd,
 )
-from .precision import Policy, get_policy
-from .state import TrainState, pytree
+from .sharding.bind import call
+from .sharding.units import GatherPolicy
+from .state import TrainState, loss_scale, precision, pytree
+from .state.loss_scale import DynamicLossScale, LossScaleError, NoOpLossScale, StaticLossScale
+from .state.memory import state_bytes
+from .state.precision import Policy, get_policy
 from .step import eval_step, init, state_dict, train_step
 from .transforms import (
     Average,
@@ -62,7 +64,6 @@ from .transforms import (
     zero2,
     zero3,
 )
-from .units import GatherPolicy
 
 __all__ = [
     "Average",

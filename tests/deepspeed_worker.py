@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker
 
 GLOBAL, SAVE_AT, STEPS = 12, 10, 20

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker
 
 CASES = [

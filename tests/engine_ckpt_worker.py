@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fzero
-from fzero import process_group
 from fzero.checkpoint import CheckpointError
+from fzero.host import process_group
 from tests.spawn import init_worker
 
 

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 import fzero
-from fzero import process_group
 from fzero.checkpoint.tree import FULL, REPLICATED, SHARD, flatten_state
+from fzero.host import process_group
 from fzero.layout import flatten, unflatten, unshard
 from tests.real_models import gpt2, token_batches
 from tests.spawn import init_worker

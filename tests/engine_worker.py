@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker, report
 from tests.support import lm_batches, mlp, regression_batches, tiny_gpt
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.extending_transforms import grad_mask, topk_reduce, unit_norms
 from tests.spawn import init_worker, report
 from tests.support import differing

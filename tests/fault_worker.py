@@ -13,7 +13,7 @@ import sys
 import torch
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker
 from tests.support import lm_batches, lm_loss, tiny_gpt
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.bounds import adam_check
 from tests.real_models import gpt2, token_batches
 from tests.spawn import init_worker, report

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import fzero
-from fzero import process_group
 from fzero.examples.gpt import GPT
+from fzero.host import process_group
 from tests.spawn import init_worker
 from tests.support import lm_loss, tiny_gpt
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker
 from tests.support import lm_batches, lm_loss, tiny_gpt
 

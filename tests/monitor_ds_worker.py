@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker
 from tests.support import mlp
 

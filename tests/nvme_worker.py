@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker, report
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 

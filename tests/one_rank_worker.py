@@ -1,5 +1,5 @@
 """The process of tests/test_one_rank.py: one gloo rank, where a step reduces once after the backward rather than
-unit by unit (`fzero.microstep.units_pay`), against the same step made to go unit by unit."""
+unit by unit (`fzero.step.microstep.units_pay`), against the same step made to go unit by unit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import fzero
-from fzero import microstep, process_group
+from fzero.host import process_group
+from fzero.step import microstep
 from tests.engine_worker import case_config
 from tests.spawn import init_worker, report
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt

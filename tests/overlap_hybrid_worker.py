@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import fzero
-from fzero import process_group
-from fzero import ranks as ranks_module
+from fzero.host import process_group
+from fzero.mesh import ranks as ranks_module
 from fzero.transforms import collective
 from tests.spawn import init_worker
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
@@ -54,7 +54,7 @@ def train(mesh, stage: int, micro: int, reduce: str, average: str, budget: int |
 class Watch:
     """Counts, while installed, the chained (two-collective) handles made, their second collectives started by
     `progress()` (during the backward) rather than by `wait()`, and the most reductions in flight at once as a
-    unit's gradient arrives (`fzero.ranks._DistReduction.flight`)."""
+    unit's gradient arrives (`fzero.mesh.ranks._DistReduction.flight`)."""
 
     def __init__(self) -> None:
         self.chained = self.started_by_progress = self.most_in_flight = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker, report
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 
@@ -48,5 +48,5 @@ def run(rank: int, world: int, out_dir: str) -> None:
 
 
 def decisions(mesh: fzero.DistMesh) -> dict[str, bool]:
-    """`GatherPolicy(overlap_reduce=None).on(mesh)` on this gloo mesh (`fzero.units.overlap_pays`)."""
+    """`GatherPolicy(overlap_reduce=None).on(mesh)` on this gloo mesh (`fzero.sharding.units.overlap_pays`)."""
     return {"undecided": bool(fzero.GatherPolicy().on(mesh).overlap_reduce)}

@@ -8,7 +8,7 @@ import os
 import torch
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests import patterns
 from tests.spawn import init_worker, report
 from tests.support import differing

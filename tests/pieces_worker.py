@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.spawn import init_worker, report
 from tests.support import regression_loss
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.bounds import adam_check
 from tests.real_models import frozen_embeddings, gpt2, lm_loss, lora, reference, token_batches
 from tests.spawn import init_worker, report

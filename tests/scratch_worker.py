@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import fzero
-from fzero import process_group, scratch
+from fzero.host import process_group, scratch
 from tests.spawn import init_worker, report
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 

@@ -3,7 +3,7 @@
 Two watchdogs: each worker's process group has a timeout (`WORKER_TIMEOUT`: a collective that waits longer for
 another rank fails, and the worker exits with `fzero.CollectiveError`), and `spawn` kills every worker still running
 when the test ends for any reason, including the `pytest.mark.timeout` that every multi-process test carries.
-Workers end with `fzero.process_group.shutdown()`, so their gloo group is freed before the interpreter exits.
+Workers end with `fzero.host.process_group.shutdown()`, so their gloo group is freed before the interpreter exits.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fzero import process_group
+from fzero.host import process_group
 
 __all__ = ["WORKER_TIMEOUT", "init_worker", "report", "spawn"]
 

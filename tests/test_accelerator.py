@@ -1,4 +1,4 @@
-"""The accelerator's choice (`fzero.accelerator`): DeepSpeed's `DS_ACCELERATOR` forces it, a bad value is named."""
+"""The accelerator's choice (`fzero.host.accelerator`): DeepSpeed's `DS_ACCELERATOR` forces it, a bad value is named."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fzero
-from fzero import accelerator
+from fzero.host import accelerator
 
 
 def test_cpu_is_forced_by_the_variable(monkeypatch):

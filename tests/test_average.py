@@ -114,7 +114,7 @@ def test_bad_averages_are_refused():
        exponent=st.integers(-135, 124), seed=st.integers(0, 99), overlap=st.booleans())  # fmt: skip
 def test_a_power_of_two_world_divides_before_the_sum_bitwise(world, dtype, exponent, seed, overlap):
     """The default mean over a power-of-two world divides in the copy to the result's place (one pass fewer,
-    `fzero.pieces.exact_division`): bitwise `(sum_r g_r) / world` on every element where no value
+    `fzero.layout.pieces.exact_division`): bitwise `(sum_r g_r) / world` on every element where no value
     of either order is subnormal or infinite (the exponents here reach both ends of float32's range, so some
     elements are excluded and most are not); and at gradients' usual magnitudes, on every element."""
     g = torch.Generator().manual_seed(seed)
@@ -133,7 +133,7 @@ def test_a_power_of_two_world_divides_before_the_sum_bitwise(world, dtype, expon
 
 
 def test_the_division_moves_before_the_sum_only_where_it_is_exact():
-    exact = fzero.pieces.exact_division
+    exact = fzero.layout.pieces.exact_division
     assert exact(2, torch.float32) and exact(4, torch.bfloat16) and exact(8, torch.float64)
     assert not exact(1, torch.float32) and not exact(3, torch.float32) and not exact(6, torch.bfloat16)
     assert not exact(2, torch.float16)  # (float16's subnormals, below 6.1e-5, are within a gradient's range)

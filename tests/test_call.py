@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-from fzero import bind
+from fzero.sharding import bind
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 
 

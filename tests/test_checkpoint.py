@@ -18,12 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fzero
-from fzero.checkpoint import (
-    CheckpointError,
-    IncompatibleCheckpointError,
-    named_leaves,
-    reshard,
-)
+from fzero.checkpoint import CheckpointError, IncompatibleCheckpointError, named_leaves, reshard
 from fzero.cli import main as cli
 from fzero.optim.schedules import warmup_lr
 from tests.bounds import adam_drift, max_diff
@@ -147,7 +142,7 @@ def noisy_lm(model):
 def test_resume_is_bitwise(tmp_path, preset, at):
     """Save at micro-step `at` (3: in the middle of an accumulation), resume in a 'fresh process' (other RNG state,
     fresh init), run to the end: bitwise the uninterrupted run, fp16 dynamic loss scale and warm-up schedule
-    included. The step draws its randomness from the state's stream (fzero.rng), so the global generators need not
+    included. The step draws its randomness from the state's stream (fzero.state.rng), so the global generators need not
     be restored; a different stream gives a different run (so the test can fail)."""
     model = tiny_gpt(0)
     mesh = fzero.SimMesh(2)

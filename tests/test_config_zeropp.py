@@ -22,7 +22,7 @@ from fzero.commands import train as train_command
 from fzero.config import ConfigError, ConfigWarning, parse_config
 from fzero.config.build import build_transform
 from fzero.config.zeropp import zero_mesh_shape, zeropp_arguments
-from fzero.hostmem import VARIABLE
+from fzero.host.hostmem import VARIABLE
 from tests import zeropp_worker
 from tests.spawn import spawn
 from tests.support import tiny_gpt

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests import engine_worker
 from tests.bounds import assert_adam_close
 from tests.support import lm_batches, lm_loss, reference_run, tiny_gpt

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import fzero
-from fzero import process_group
 from fzero.config import ConfigError, parse_config
+from fzero.host import process_group
 from fzero.mesh import collective_error
 
 ROOT = Path(__file__).resolve().parent.parent

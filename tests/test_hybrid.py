@@ -238,7 +238,8 @@ def test_checkpoint_mid_window_is_refused_naming_the_leaf(tmp_path):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_sharded_construction_from_meta(stage):
-    """A meta-device model is constructed unit by unit into each rank's chunk along `shard` (fzero.construct)."""
+    """A meta-device model is constructed unit by unit into each rank's chunk along `shard`
+    (fzero.sharding.construct)."""
     from fzero.examples.gpt import GPT
     from tests.test_zero3 import copy_initializer
 

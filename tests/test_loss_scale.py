@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-from fzero.loss_scale import DynamicLossScale, make_loss_scale
+from fzero.state.loss_scale import DynamicLossScale, make_loss_scale
 from fzero.transforms import base
 from tests.support import mlp, regression_batches
 from tests.test_stages import PRESETS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import fzero
-from fzero.memory import state_bytes
+from fzero.state.memory import state_bytes
 from tests.support import tiny_gpt
 
 

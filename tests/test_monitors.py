@@ -26,7 +26,7 @@ import pytest
 
 from fzero.commands import train as train_command
 from fzero.config import ConfigError, ConfigTypeError, parse_config
-from fzero.monitors import MonitorMaster, boundary_events
+from fzero.metrics.monitors import MonitorMaster, boundary_events
 from tests import monitor_worker as w
 from tests.spawn import spawn
 
@@ -241,7 +241,7 @@ def test_missing_package_is_an_error_naming_the_extra(tmp_path):
         for name in ("tensorboard", "wandb", "comet_ml"):
             sys.modules[name] = None
         import fzero
-        from fzero.monitors import MonitorMaster
+        from fzero.metrics.monitors import MonitorMaster
         from tests.support import mlp
 
         out = {}

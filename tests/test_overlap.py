@@ -18,7 +18,9 @@ from tests.support import lm_batches, lm_loss, tiny_gpt
 def test_overlap_changes_nothing_on_two_gloo_processes(tmp_path):
     spawn(overlap_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results.pop("decided") == {"undecided": True}  # several processes: overlap (fzero.units.overlap_pays)
+    assert results.pop("decided") == {
+        "undecided": True
+    }  # several processes: overlap (fzero.sharding.units.overlap_pays)
     assert len(results) == len(overlap_worker.CASES)
     for case, runs in results.items():
         for budget, r in runs.items():

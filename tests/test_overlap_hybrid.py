@@ -11,7 +11,7 @@ import torch
 
 import fzero
 from fzero.layout import make_layout
-from fzero.ranks import _DistReduction
+from fzero.mesh.ranks import _DistReduction
 from fzero.transforms.collective import _After, _Chained
 from tests import overlap_hybrid_worker as worker
 from tests.spawn import spawn

@@ -1,4 +1,4 @@
-"""`fzero.pieces`: a unit's gradient written into its place from its parameters' gradients in one pass, bitwise
+"""`fzero.layout.pieces`: a unit's gradient written into its place from its parameters' gradients in one pass, bitwise
 the concatenation `split`'s backward made before; and the reductions that take pieces are exactly the ones that
 say so."""
 
@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 import fzero
 from fzero.layout import make_layout
-from fzero.pieces import Pieces, into, takes_pieces, whole
-from fzero.ranks import _DistReduction
+from fzero.layout.pieces import Pieces, into, takes_pieces, whole
+from fzero.mesh.ranks import _DistReduction
 from tests import pieces_worker
 from tests.spawn import spawn
 

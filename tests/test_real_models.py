@@ -309,8 +309,8 @@ def test_parent_set_initialisation_reaches_the_child():
 
 
 def test_simulated_ranks_draw_different_dropout():
-    """Each rank draws its own dropout masks (the rule of fzero.rng; separate processes seeded alike would not), and
-    the same state, batch and step draw the same masks again."""
+    """Each rank draws its own dropout masks (the rule of fzero.state.rng; separate processes seeded alike would not),
+    and the same state, batch and step draw the same masks again."""
     model = gpt2(dropout=0.3)
     mesh = fzero.SimMesh(2)
     state = fzero.init(model, fzero.zero2(fzero.adamw()), mesh)

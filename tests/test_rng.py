@@ -1,4 +1,4 @@
-"""`fzero.rng.stream`: the step's draws come from the seed alone, and torch's global generator is left as it was."""
+"""`fzero.state.rng.stream`: the step's draws come from the seed alone; torch's global generator is left as it was."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fzero import rng
+from fzero.state import rng
 
 
 @settings(max_examples=20, deadline=None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fzero
-from fzero import scratch
+from fzero.host import scratch
 from tests import scratch_worker
 from tests.spawn import spawn
 

@@ -15,7 +15,7 @@ import torch
 from fzero import cli
 from fzero.commands import train as train_command
 from fzero.examples.gpt import GPT, GPTConfig
-from fzero.hostmem import VARIABLE
+from fzero.host.hostmem import VARIABLE
 from fzero.metrics import Monitor, Throughput, format_line, plot_loss_curve, read_jsonl, transformer_flops
 
 pytestmark = pytest.mark.usefixtures("keep_threads")  # they run commands in this process

@@ -206,7 +206,7 @@ PLANS = {  # stage: (sharded, accumulate_before_reduce, gather, sharded_at_rest,
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_each_stage_has_its_plan_and_holds_the_zero_memory(stage, precision):
-    """The plan each preset makes, and the model-state memory a rank holds under it (fzero.memory's table): N
+    """The plan each preset makes, and the model-state memory a rank holds under it (fzero.state.memory's table): N
     padded parameters, W ranks, fp32 master and Adam (12 N, over W where sharded), the compute copy (2 N
     in bf16, none in fp32: it is the master tensor), an fp32 accumulator of full (stages 0-1) or sharded gradients."""
     model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import fzero
 from fzero.layout import make_layout
-from fzero.ranks import ranks_of
+from fzero.mesh.ranks import ranks_of
 from fzero.transforms.base import Context
 from tests.support import differing, lm_batches, lm_loss, tiny_gpt
 from tests.test_quantize import SLACK, block_max

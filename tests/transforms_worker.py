@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import fzero
-from fzero import process_group
+from fzero.host import process_group
 from tests.chains import train
 from tests.spawn import init_worker, report
 from tests.support import differing, lm_batches, tiny_gpt

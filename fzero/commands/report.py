@@ -389,7 +389,7 @@ def _distributed() -> list[Row]:
 
 
 def _huge_pages() -> list[Row]:
-    from ..hostmem import VARIABLE, huge_pages_requested
+    from ..host.hostmem import VARIABLE, huge_pages_requested
 
     requested = huge_pages_requested()
     enabled, defrag = _thp_setting("enabled"), _thp_setting("defrag")

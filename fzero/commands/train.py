@@ -140,7 +140,7 @@ def _check_device(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """`DS_ACCELERATOR`'s value, and, on GPUs, a process for each (NCCL refuses two ranks on one device)."""
     import torch
 
-    from .. import accelerator
+    from ..host import accelerator
 
     try:
         where = accelerator.name()
@@ -315,10 +315,10 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Train (or launch torchrun to train); returns the exit code. The process group, if any, is shut down before
-    this returns (`fzero.process_group.shutdown`), whatever happened."""
-    from .. import process_group
+    this returns (`fzero.host.process_group.shutdown`), whatever happened."""
     from ..config import ConfigError
-    from ..hostmem import enable_huge_pages, retain_freed_memory
+    from ..host import process_group
+    from ..host.hostmem import enable_huge_pages, retain_freed_memory
     from ..mesh import CollectiveError
 
     enable_huge_pages()  # before the model's first tensor (and inherited by the ranks torchrun starts)

@@ -38,19 +38,13 @@ from typing import Any
 
 import torch
 
-from .. import accelerator, optim
-from ..loss_scale import DynamicLossScale
+from .. import optim
+from ..host import accelerator
 from ..optim import Hyper, Optimizer, hyper_value
-from ..precision import Policy, get_policy
-from ..transforms import (
-    Average,
-    Transform,
-    zero0,
-    zero1,
-    zero2,
-    zero3,
-)
-from ..units import GatherPolicy
+from ..sharding.units import GatherPolicy
+from ..state.loss_scale import DynamicLossScale
+from ..state.precision import Policy, get_policy
+from ..transforms import Average, Transform, zero0, zero1, zero2, zero3
 from . import Config, ConfigError
 from .zeropp import zeropp_arguments
 
@@ -375,7 +369,8 @@ def build_gather_policy(cfg: Config) -> GatherPolicy:
     (otherwise one unit ahead), `stage3_max_live_parameters` bounds the gathered elements,
     `stage3_param_persistence_threshold` keeps small units gathered for the whole step; `overlap_comm` overlaps
     each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight (unset: decided for
-    the mesh by `fzero.units.overlap_pays`, on for several processes; DeepSpeed's default is on at stage 3 only)."""
+    the mesh by `fzero.sharding.units.overlap_pays`, on for several processes; DeepSpeed's default is on at stage 3
+    only)."""
     zero = cfg["zero_optimization"]
     overlap = zero["overlap_comm"]
     return GatherPolicy(

@@ -6,7 +6,7 @@ Three kinds of keys:
   `gradient_clipping`, `steps_per_print`, `wall_clock_breakdown`, the monitors `tensorboard`, `wandb`,
   `csv_monitor` and `comet`, ...): DeepSpeed's meaning and default;
 - keys that tune how DeepSpeed schedules its communication: `overlap_comm` (each unit's gradient reduction overlaps the
-  backward; unset, decided for the mesh: `fzero.units.overlap_pays`) and `reduce_bucket_size` (with it, the
+  backward; unset, decided for the mesh: `fzero.sharding.units.overlap_pays`) and `reduce_bucket_size` (with it, the
   most gradient elements in flight) take effect through `fzero.GatherPolicy`, as do stage 3's prefetch, persistence and
   live-parameter bounds; those for DeepSpeed's own buckets and copies (`allgather_bucket_size`, `contiguous_gradients`,
   ...) have no effect, because fzero's unit of communication is the unit of its flat buffer (one collective per unit):
@@ -146,8 +146,8 @@ ZERO = Section(
             Nullable(Bool()),
             None,
             effect="each unit's gradient reduction overlaps the backward "
-            "(fzero.GatherPolicy.overlap_reduce); null: decided for the mesh (fzero.units.overlap_pays: on for "
-            "several processes)",
+            "(fzero.GatherPolicy.overlap_reduce); null: decided for the mesh "
+            "(fzero.sharding.units.overlap_pays: on for several processes)",
         ),
         "load_from_fp32_weights": Field(Bool(), True, effect="no effect (checkpoints hold fp32 master weights)"),
         "elastic_checkpoint": Field(Bool(), False, effect="no effect (fzero's checkpoints reshard on load)"),

@@ -1,5 +1,5 @@
 """The config's monitor blocks (`tensorboard`, `wandb`, `csv_monitor`, `comet`): DeepSpeed 0.19.8's keys, defaults
-and meaning (its deepspeed/monitor/config.py). What is written, where and when: `fzero.monitors`."""
+and meaning (its deepspeed/monitor/config.py). What is written, where and when: `fzero.metrics.monitors`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class _Closed(Section):
 
 
 # DeepSpeed 0.19.8's deepspeed/monitor/config.py: the same keys and defaults. Written on global rank 0 only, once
-# per optimizer step (fzero.monitors).
+# per optimizer step (fzero.metrics.monitors).
 _ON = "write DeepSpeed's Train/Samples/* events every optimizer step (rank 0)"
 _JOB = Field(Str(), "DeepSpeedJobName", effect="the run's directory under output_path")
 TENSORBOARD = _Closed(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import accelerator
+from ..host import accelerator
 from .schema import Bool, ConfigError, Field, Int, Nullable, Num, Section, Str, UnsupportedConfigError
 
 __all__ = ["AIO", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "check_offload"]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import accelerator, optim, process_group
+from .. import optim
 from ..config import Config, ConfigError, ConfigWarning, parse_config
 from ..config.build import (
     MUP,
@@ -39,8 +39,9 @@ from ..config.build import (
 )
 from ..config.build import scheduled as with_schedule
 from ..config.zeropp import zero_mesh_shape
+from ..host import accelerator, process_group
 from ..mesh import DistMesh, Mesh, SimMesh
-from ..precision import round_params
+from ..state.precision import round_params
 from .client import OptimizerView, client_spec, live, trainable_params
 from .engine import Engine
 from .groups import parse_groups, split_options
@@ -371,7 +372,7 @@ def init_distributed(
 
     `timeout` (a `timedelta`, or seconds) bounds every collective's wait for the other ranks; default, as in
     DeepSpeed, the `DEEPSPEED_TIMEOUT` environment variable (minutes) if set, else torch's default. The group is
-    shut down before the interpreter exits (`fzero.process_group`)."""
+    shut down before the interpreter exits (`fzero.host.process_group`)."""
     if dist.is_initialized():
         return
     if rank >= 0 and world_size > 0:

@@ -1,10 +1,10 @@
 """`Engine`: DeepSpeed's `engine(batch)`, `engine.backward(loss)`, `engine.step()` over fzero's functional core.
 
 (Over 500 lines: about half of it is DeepSpeed's public surface, each method a name its users call, with its
-docstring; the training itself is `fzero.microstep.MicroStep`'s, the counters `EngineCounters`, the configuration
+docstring; the training itself is `fzero.step.microstep.MicroStep`'s, the counters `EngineCounters`, the configuration
 accessors `ConfigAccessors`, the checkpoints `fzero.engine.checkpointing`.)
 
-The engine holds a `TrainState` and rebinds it; a micro-step is the core's own `fzero.microstep.MicroStep`, driven
+The engine holds a `TrainState` and rebinds it; a micro-step is the core's own `fzero.step.microstep.MicroStep`, driven
 in two halves:
 
     engine(*args)          the first forward opens the micro-step (MicroStep.open_shell): functional_call(model,
@@ -16,7 +16,7 @@ in two halves:
 so `initialize` + this loop computes exactly what `fzero.train_step` computes with the same preset, through the
 same code: the desync check (`fzero.DesyncError`; a rank whose forward or backward raises completes the step's
 collectives and fails it on every rank, `MicroStep.fail`), the loss scale and the per-unit path included. From the first
-forward of a micro-step to its `step()` the views stay bound into the model (`fzero.bind`), so that an
+forward of a micro-step to its `step()` the views stay bound into the model (`fzero.sharding.bind`), so that an
 activation-checkpoint recompute in the backward computes with them. A forward under `torch.no_grad()` (or
 `inference_mode`), e.g. an evaluation between steps, starts no micro-step: it computes with the current parameters
 (stage 3 gathering one unit at a time and freeing each after its module ran, then gathering the units an early
@@ -47,13 +47,19 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from ..bind import bound
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..layout import unflatten
 from ..mesh import CollectiveError, Mesh
 from ..metrics import Monitor, transformer_flops
-from ..microstep import (
+from ..metrics.monitors import MonitorMaster, boundary_events
+from ..optim import Hyper, hyper_value
+from ..sharding.bind import bound
+from ..sharding.units import UnitGathering
+from ..state import TrainState
+from ..step import init
+from ..step import state_dict as consolidated
+from ..step.microstep import (
     MicroStep,
     compute_params,
     frozen_params,
@@ -62,15 +68,9 @@ from ..microstep import (
     read_unit_by_unit,
     scaled,
 )
-from ..monitors import MonitorMaster, boundary_events
-from ..optim import Hyper, hyper_value
-from ..state import TrainState
-from ..step import init
-from ..step import state_dict as consolidated
 from ..storage import in_memory
 from ..transforms import Transform
 from ..transforms.scaling import current_loss_scale
-from ..units import UnitGathering
 from . import checkpointing
 from .accessors import ConfigAccessors
 from .client import OptimizerView

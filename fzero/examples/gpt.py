@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..bind import call
+from ..sharding.bind import call
 
 __all__ = ["GPT", "GPTConfig", "corpus_tokens", "gpt_loss", "sample_batch"]
 

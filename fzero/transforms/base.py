@@ -39,9 +39,9 @@ from torch import Tensor
 
 from .. import native
 from ..layout import Layout
+from ..layout.pieces import takes_pieces
 from ..mesh import Mesh, Work
-from ..pieces import takes_pieces
-from ..plan import EXACT, Wire
+from ..state.plan import EXACT, Wire
 
 __all__ = [
     "Context",
@@ -192,7 +192,8 @@ class Does(NamedTuple):
       updates: it applies the optimizer (its state is the optimizer's: what the engine counts updates with).
       gathers: how it makes the compute parameters from the master ones: `"now"`, `"lazy"` or `"keep"` (see
         `fzero.gather`); None: it does not.
-      wire: how its lazily gathered units travel (`fzero.plan.Wire`: quantized, re-gathered from a secondary copy).
+      wire: how its lazily gathered units travel (`fzero.state.plan.Wire`: quantized, re-gathered from a secondary
+        copy).
     """
 
     accumulates: int = 0
@@ -251,7 +252,7 @@ def identity() -> Transform:
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
         return grads
 
-    unit.takes_pieces = True  # type: ignore[attr-defined]  # (passed on as they came: `fzero.pieces`)
+    unit.takes_pieces = True  # type: ignore[attr-defined]  # (passed on as they came: `fzero.layout.pieces`)
     return stateless(lambda flow, ctx: flow, "identity", unit=unit)
 
 
@@ -281,7 +282,7 @@ def _compose_units(pairs: tuple[tuple[str, Transform], ...]) -> tuple[UnitFn | N
             grads = cast(Tensor, fn(grads, index, ctx))
         return prefix[-1](grads, index, ctx)
 
-    unit.takes_pieces = all(takes_pieces(fn) for fn in prefix)  # type: ignore[attr-defined]  # (`fzero.pieces`)
+    unit.takes_pieces = all(takes_pieces(fn) for fn in prefix)  # type: ignore[attr-defined]  # (`fzero.layout.pieces`)
     return unit, True
 
 

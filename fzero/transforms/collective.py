@@ -8,8 +8,8 @@
   unit by unit (stage 3: parameters sharded at rest).
 
 Means are the rank-ordered sum divided by `world` (see `fzero.mesh`; over a power-of-two world the division comes
-first, bitwise the same: `fzero.pieces.exact_division`), so per element an all-reduce and a reduce-scatter give the
-same value, bitwise, and so does reducing unit by unit (the reductions' `unit` form, which
+first, bitwise the same: `fzero.layout.pieces.exact_division`), so per element an all-reduce and a reduce-scatter
+give the same value, bitwise, and so does reducing unit by unit (the reductions' `unit` form, which
 stage 3 runs in the backward) or the whole buffer at once. Gradients travel in `dtype` (the policy's reduce dtype).
 
 Where the division by `world` happens is DeepSpeed's choice too (`Average`): after the sum (the default), before
@@ -34,12 +34,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ..int8 import dequantize, quantize
 from ..layout import Layout, to_rank_major, to_unit_major
+from ..layout.int8 import dequantize, quantize
+from ..layout.pieces import Pieces, exact_division, into, whole
 from ..mesh import AllOf, Mesh, ReduceOp, Work, completed, progress
-from ..pieces import Pieces, exact_division, into, whole
-from ..plan import EXACT, Wire
 from ..state import pytree, register_torch_pytree, static_field
+from ..state.plan import EXACT, Wire
 from .base import Context, Does, EmptyState, Flow, Transform
 
 __all__ = [
@@ -132,7 +132,7 @@ class _Chained:
     The second starts only once the first has completed: at `progress()` (never blocks) or at `wait()`. A backend
     pairs the collectives of a group by the order they are issued in, so every rank must start the second
     collectives of its handles in the same (unit) order: whoever holds several advances them oldest first and stops
-    at the first that cannot advance yet (`fzero.ranks._DistReduction`).
+    at the first that cannot advance yet (`fzero.mesh.ranks._DistReduction`).
 
     Args:
       first: the first collective's handle; its `wait()` gives the second's input.
@@ -218,7 +218,7 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
     def unit(grads: Tensor | Pieces, index: int, ctx: Context) -> Tensor | Work:
         return reduce(grads, ctx)
 
-    unit.takes_pieces = True  # type: ignore[attr-defined]  # (written into their place in one pass: `fzero.pieces`)
+    unit.takes_pieces = True  # type: ignore[attr-defined]  # (written into their place in one pass: `fzero.layout.pieces`)
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
 
 
@@ -313,7 +313,7 @@ def reduce_scatter(
             return start(x, ctx)
         return reduce(x, ctx)
 
-    unit.takes_pieces = True  # type: ignore[attr-defined]  # (`fzero.pieces`)
+    unit.takes_pieces = True  # type: ignore[attr-defined]  # (`fzero.layout.pieces`)
     return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..plan import EXACT, GatherMode, Plan, Role
+from ..state.plan import EXACT, GatherMode, Plan, Role
 from .base import Transform
 
 __all__ = ["plan_of", "transform_at"]

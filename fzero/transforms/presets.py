@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..optim import Optimizer
-from ..precision import Policy, get_policy
+from ..state.precision import Policy, get_policy
 from .accumulate import accumulate as accumulate_
 from .base import Transform, chain, identity
 from .clipping import clip_by_global_norm

@@ -1,6 +1,6 @@
 """Quantized collectives (ZeRO++'s qgZ and qwZ) as opt-in transforms: communicate int8 with blockwise scales.
 
-Blockwise symmetric int8 (`fzero.int8`): a buffer's chunk is cut into blocks of `block` elements (the last one
+Blockwise symmetric int8 (`fzero.layout.int8`): a buffer's chunk is cut into blocks of `block` elements (the last one
 zero-padded); block `b` is sent as `q = round(x / s_b)` in [-127, 127] with `s_b = max|x_b| / 127` (fp32), and read
 back as `q * s_b`. Per element the error is at most `s_b / 2 = max|x_b| / 254`. A block costs `block + 4` bytes
 instead of `4 block`: 3.9x fewer at block 256.
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..int8 import dequantize, quantize
 from ..layout import to_rank_major, to_unit_major
+from ..layout.int8 import dequantize, quantize
 from ..mesh import Mesh
 from .base import Context, Does, EmptyState, Flow, Transform
 from .collective import _require_full

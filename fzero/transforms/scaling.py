@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, make_loss_scale
+from ..state.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, make_loss_scale
 from .base import Context, Does, Flow, Transform, find, grad_stats
 
 __all__ = ["current_loss_scale", "scale_loss"]

@@ -1,5 +1,5 @@
 """Blockwise symmetric int8, the wire format of ZeRO++'s quantized collectives (`fzero.transforms.quantize`, and
-the quantized unit gathers of `fzero.ranks`).
+the quantized unit gathers of `fzero.mesh.ranks`).
 
 A tensor's last dimension is cut into blocks of `block` elements (the last one zero-padded); block `b` travels as
 `q = round(x / s_b)` in [-127, 127] with `s_b = max|x_b| / 127` (fp32), and is read back as `q * s_b`. Per element

@@ -6,7 +6,7 @@ A micro-step is two halves around the forwards and backwards, and `MicroStep` is
                                               gradients are reduced unit by unit in the backward (`per_unit`)
     (the core: every rank's forward and backward, `fzero.step`; the shell: `open_shell` for this rank, then the
      user's `engine(...)` and `engine.backward(loss)`, each backward's loss times `scaled`)
-    close   micro.close(grads, loss, ...)     the ranks agree they ran the same step (`fzero.agreement`: else
+    close   micro.close(grads, loss, ...)     the ranks agree they ran the same step (`fzero.mesh.agreement`: else
                                               `DesyncError` on every rank, before any update), then the chain runs
                                               on the gradients (`apply_gradients`), and, where the plan keeps the
                                               gathered compute parameters through an accumulation window, the
@@ -26,18 +26,18 @@ from typing import Any
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from .agreement import agree
-from .bind import bound
-from .layout import Layout, unflatten
-from .mesh import CollectiveError, Mesh
-from .pieces import Pieces, takes_pieces
-from .state import TrainState
-from .storage import Offloaded, in_memory
-from .transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
-from .transforms.planning import transform_at
-from .transforms.scaling import current_loss_scale
-from .transforms.speculate import Speculation
-from .units import GatherPolicy, UnitGathering
+from ..layout import Layout, unflatten
+from ..layout.pieces import Pieces, takes_pieces
+from ..mesh import CollectiveError, Mesh
+from ..mesh.agreement import agree
+from ..sharding.bind import bound
+from ..sharding.units import GatherPolicy, UnitGathering
+from ..state import TrainState
+from ..storage import Offloaded, in_memory
+from ..transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
+from ..transforms.planning import transform_at
+from ..transforms.scaling import current_loss_scale
+from ..transforms.speculate import Speculation
 
 __all__ = [
     "MicroStep",
@@ -335,7 +335,7 @@ class MicroStep:
 
 
 class _Reducer:
-    """A chain's per-unit reduction for the gathering (`fzero.ranks.ReduceFn`), telling a speculation as each unit
+    """A chain's per-unit reduction for the gathering (`fzero.mesh.ranks.ReduceFn`), telling a speculation as each unit
     lands."""
 
     def __init__(self, unit: Any, ctx: Context, speculation: Speculation | None) -> None:

@@ -32,8 +32,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from .layout import Layout, dtype_of, flatten
-from .mesh import Mesh
+from ..layout import Layout, dtype_of, flatten
+from ..mesh import Mesh
 
 __all__ = ["replicated_parameters", "sharded_parameters"]
 

@@ -5,8 +5,8 @@ One step, on every rank:
 1. compute parameters: `state.compute`, or (stage 3) the all-gather of the master shards, one unit at a time;
 2. `loss, grads` of `loss_fn` on this rank's batch, the parameters presented to `loss_fn` as named views of one
    flat buffer, so the gradient arrives as one flat buffer too. The step's tensors stay bound into the model for
-   the forward *and* the backward (`fzero.bind`), so an activation-checkpoint recompute sees them, and the
-   forward draws its randomness (dropout) from the state's stream (`fzero.rng`). Collectives stay outside the
+   the forward *and* the backward (`fzero.sharding.bind`), so an activation-checkpoint recompute sees them, and the
+   forward draws its randomness (dropout) from the state's stream (`fzero.state.rng`). Collectives stay outside the
    differentiation (`torch.func` cannot differentiate through them). Two interchangeable engines compute it,
    bitwise equal: `autodiff="autograd"` (default: a backward on a fresh leaf, still pure) and `autodiff="func"`
    (`torch.func.grad`, 5-10% slower per step on the small GPT of `benchmarks/step_overhead.py`, and without
@@ -40,18 +40,17 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from . import rng
-from .bind import bound
-from .construct import replicated_parameters, sharded_parameters
-from .layout import Layout, from_module, unflatten, unshard
-from .mesh import Mesh
+from ..layout import Layout, from_module, unflatten, unshard
+from ..mesh import Mesh
+from ..mesh.ranks import ranks_of
+from ..sharding.bind import bound
+from ..sharding.construct import replicated_parameters, sharded_parameters
+from ..sharding.units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
+from ..state import TrainState, count, rng
+from ..storage import in_memory
+from ..transforms import Context, Flow, Transform, gather_params, plan_of, shard_params, unit_reducer
+from ..transforms.collective import sharding_world
 from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
-from .ranks import ranks_of
-from .state import TrainState, count
-from .storage import in_memory
-from .transforms import Context, Flow, Transform, gather_params, plan_of, shard_params, unit_reducer
-from .transforms.collective import sharding_world
-from .units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 
 __all__ = [
     "StepFn",
@@ -102,8 +101,8 @@ def init(
         model without an `nn.ModuleList`).
       align: padding quantum per rank, in elements.
       initializer: for a `meta` model: run on every module, children first, as `model.apply(initializer)` would
-        (e.g. a Hugging Face model's `_init_weights`); see `fzero.construct.sharded_parameters`.
-      seed: the step's random stream (`fzero.rng`); default `torch.initial_seed()` (rank 0's).
+        (e.g. a Hugging Face model's `_init_weights`); see `fzero.sharding.construct.sharded_parameters`.
+      seed: the step's random stream (`fzero.state.rng`); default `torch.initial_seed()` (rank 0's).
     """
     _check_mesh(mesh)
     if not isinstance(tx, Transform):
@@ -216,7 +215,7 @@ def _check_state(state: Any, mesh: Mesh) -> None:
 
 
 def rank_seeds(state: TrainState, mesh: Mesh, *tags: int) -> Tensor:
-    """Each rank's seed for the state's current micro-step (`fzero.rng`), per rank (int64)."""
+    """Each rank's seed for the state's current micro-step (`fzero.state.rng`), per rank (int64)."""
     base, step, ranks = int(state.seed), int(state.step), ranks_of(mesh)
     return ranks.stack([torch.tensor(rng.fold(base, step, r, *tags), dtype=torch.int64) for r in ranks.indices])
 

@@ -4,7 +4,7 @@ As DeepSpeed: the GPU when CUDA sees one (`cuda:LOCAL_RANK`, NCCL), else the CPU
 (or `cuda`) in the environment forces the choice, as DeepSpeed's `get_accelerator()` reads it, so one variable moves
 a run of either library to the CPU on a machine with a GPU (the test suite sets it: its references run on the CPU).
 
-    >>> import os, fzero.accelerator as acc
+    >>> import os, fzero.host.accelerator as acc
     >>> os.environ["DS_ACCELERATOR"] = "cpu"
     >>> acc.device(), acc.backend()
     (device(type='cpu'), 'gloo')

@@ -2,7 +2,7 @@
 
 A `GatheredUnit` knows how to gather itself (`start`, asynchronously ahead of its use, or `unshard`, ready to read),
 free itself (`reshard`), hand out named views of its full buffers (`views`) and put them into its modules and take
-them out again (`swap`, `unswap`). When each verb runs is the schedule's business (`fzero.units.Gatherer`: the
+them out again (`swap`, `unswap`). When each verb runs is the schedule's business (`fzero.sharding.units.Gatherer`: the
 hooks, the prefetch order, the catch-up of units a rank did not run); what the verbs of a rank's units share (the
 ranks, the two flat spaces' layouts, modes and buffers, the count of gathered elements) is one `Spaces`.
 
@@ -24,13 +24,13 @@ from typing import Any, Final
 import torch
 from torch import Tensor, nn
 
-from . import scratch
+from ..host import scratch
+from ..layout import ROOT_UNIT, Layout, unit_pieces, unit_views
+from ..layout.pieces import Pieces
+from ..mesh import Work
+from ..mesh.ranks import Ranks
+from ..state.plan import EXACT, Wire
 from .bind import carry_attributes, submodules
-from .layout import ROOT_UNIT, Layout, unit_pieces, unit_views
-from .mesh import Work
-from .pieces import Pieces
-from .plan import EXACT, Wire
-from .ranks import Ranks
 
 __all__ = ["FROZEN", "TRAIN", "GatheredUnit", "Phase", "Spaces", "build_units"]
 
@@ -85,7 +85,7 @@ class Spaces:
     buffer of its own, freed after its forward, gathered again for its backward: stage 3).
 
     Attributes:
-      ranks, rank: the mesh's strategy (`fzero.ranks`) and the rank the units are gathered for.
+      ranks, rank: the mesh's strategy (`fzero.mesh.ranks`) and the rank the units are gathered for.
       layouts: the trainable layout and the frozen one (None without frozen parameters).
       shards: this rank's trainable and frozen (or None) buffers: shards, or full buffers (`FULL`); the trainable
         one is the autograd leaf.
@@ -99,7 +99,7 @@ class Spaces:
       source: where the trainable units' shard pieces come from when the shard is not in memory (offloaded to
         disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values;
         `shards` then holds an empty placeholder of the compute dtype (the autograd leaf).
-      wire: how `RESHARD` units travel (`fzero.plan.Wire`: int8 gathers, hpZ's secondary copies).
+      wire: how `RESHARD` units travel (`fzero.state.plan.Wire`: int8 gathers, hpZ's secondary copies).
       kept_elements, kept_peak: the elements of hpZ secondary copies this rank holds now / at most so far.
     """
 
@@ -155,7 +155,7 @@ class Spaces:
 class _Unit(torch.autograd.Function):
     """shard slice -> the unit's parameters, views of its full trainable buffer (an alias of the unit's storage,
     which the unit fills and frees); backward: hand the unit's complete gradient, as its parameters' gradients
-    (`fzero.pieces.Pieces`: no concatenation), to the schedule (`GatheredUnit.on_gradient`)."""
+    (`fzero.layout.pieces.Pieces`: no concatenation), to the schedule (`GatheredUnit.on_gradient`)."""
 
     @staticmethod
     def forward(ctx: Any, shard: Tensor, unit: GatheredUnit, sizes: tuple[int, ...],
@@ -199,8 +199,8 @@ class GatheredUnit:
         checkpoint recompute that stopped early never ends its forward): the modules' own tensors come back
         when it drops to 0.
       originals: `(owner, name, original)` for the module slots the views took.
-      owners: the model's submodules by path (`fzero.bind.submodules`, the step's), where `swap` finds the views'
-        modules.
+      owners: the model's submodules by path (`fzero.sharding.bind.submodules`, the step's), where `swap` finds the
+        views' modules.
       inputs_done: the gradient of an input of its module exists (its frozen buffer is no longer needed).
       ran: its forward ran this step.
       passed: its forward did not run here but was passed (`Gatherer.catch_up_forward`).

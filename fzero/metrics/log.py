@@ -206,7 +206,7 @@ class Monitor:
       flops_per_sample: training FLOPs per sample (enables TFLOPS), e.g. `transformer_flops(..., batch=1)`.
       enabled: whether this process reports at all (rank 0 only, normally).
       printer: where lines go (`print`; `tqdm.write` under a progress bar).
-      writers: DeepSpeed's monitors (`fzero.monitors.MonitorMaster`) that `write_events` feeds, if any.
+      writers: DeepSpeed's monitors (`fzero.metrics.monitors.MonitorMaster`) that `write_events` feeds, if any.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """A unit's gradient as its parameters' gradients, not yet in one buffer (`Pieces`).
 
 A unit's parameters are views of one flat buffer; autograd hands the unit's backward one gradient per view
-(`fzero.gathered_unit`). `split`'s backward would concatenate them into a new buffer, which the reduction then
+(`fzero.sharding.gathered_unit`). `split`'s backward would concatenate them into a new buffer, which the reduction then
 reads again to copy (or divide) it into its place in the step's gradient: two passes over the unit's gradient.
 `Pieces.into` writes each parameter's gradient straight into the place, the division included: one pass. It is
 elementwise, so the result is bitwise the concatenation's (divided).

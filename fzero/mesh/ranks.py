@@ -35,11 +35,11 @@ import optree
 import torch
 from torch import Tensor
 
-from . import scratch
-from .int8 import dequantize, quantize
-from .layout import Layout
-from .mesh import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, completed, done, progress
-from .pieces import Pieces, takes_pieces, whole
+from ..host import scratch
+from ..layout import Layout
+from ..layout.int8 import dequantize, quantize
+from ..layout.pieces import Pieces, takes_pieces, whole
+from .meshes import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, completed, done, progress
 
 __all__ = ["Ranks", "Reduction", "ranks_of"]
 

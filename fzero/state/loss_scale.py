@@ -24,7 +24,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .state import pytree_dataclass, register_torch_pytree, static_field
+from .train_state import pytree_dataclass, register_torch_pytree, static_field
 
 __all__ = ["DynamicLossScale", "LossScale", "LossScaleError", "NoOpLossScale", "StaticLossScale", "make_loss_scale"]
 

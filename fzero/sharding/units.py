@@ -1,7 +1,7 @@
 """Unit-at-a-time gathering inside the forward and the backward, as a schedule: when each unit is gathered, freed
 and reduced. The machinery every stage's per-unit path uses (stages 1-2 keep the gathered units to the end of the
 backward, stage 3 frees each after its forward; stage 0 and a window's kept buffer are given whole). Each unit's
-state and its own verbs (gather, free, swap into its modules) are `fzero.gathered_unit.GatheredUnit`.
+state and its own verbs (gather, free, swap into its modules) are `fzero.sharding.gathered_unit.GatheredUnit`.
 
 (Over 500 lines: one rank's schedule (`Gatherer`: the forward and backward hooks, the prefetch order, the catch-up
 that keeps every rank's collectives paired, the abandoned-step completion) is one set of invariants on the order of
@@ -40,7 +40,7 @@ the views stay in the unit's modules through its backward, where a recompute of 
 Why this mechanism: `torch.func` can neither differentiate through collectives nor accept saved-tensor hooks
 (docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full trainable buffer is
 the output of an autograd Function whose backward receives the unit's complete gradient exactly once, after its
-last use; its storage is freed and refilled under the tensors autograd saved (`fzero.gathered_unit`).
+last use; its storage is freed and refilled under the tensors autograd saved (`fzero.sharding.gathered_unit`).
 
 On a `SimMesh` the ranks run one after another, so a unit's gradient is reduced once every rank's backward is done;
 the arithmetic (a rank-ordered sum divided by the world size) and the ledger are those of a real run.
@@ -58,14 +58,14 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from ..layout import Layout
+from ..layout.pieces import Pieces
+from ..mesh import CollectiveError, Mesh, SimMesh
+from ..mesh.ranks import OneRank, Ranks, Reduction, SimRanks, ranks_of
+from ..state.plan import EXACT, Wire
+from ..storage import Offloaded, UnitReader
 from .bind import Unavailable
 from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_units
-from .layout import Layout
-from .mesh import CollectiveError, Mesh, SimMesh
-from .pieces import Pieces
-from .plan import EXACT, Wire
-from .ranks import OneRank, Ranks, Reduction, SimRanks, ranks_of
-from .storage import Offloaded, UnitReader
 
 __all__ = ["Abandoned", "GatherPolicy", "Gatherer", "Phase", "UnitGathering", "frozen_shard", "sharded_backward"]
 
@@ -148,7 +148,7 @@ def overlap_pays(mesh: Mesh) -> bool:
 
 class Abandoned(Exception):
     """A rank's forward or backward raised `error`; the step's collectives were completed (zero gradients) so
-    that the other ranks' pair with them (`fzero.agreement` then fails the step on every rank)."""
+    that the other ranks' pair with them (`fzero.mesh.agreement` then fails the step on every rank)."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
@@ -180,13 +180,14 @@ def _hook_targets(outputs: list[Tensor]) -> list[Tensor]:
 
 class Gatherer:
     """One rank's schedule of its gathered units for one forward and backward (or, without a `reduction`, for
-    forwards only): the hooks that call each unit's verbs (`fzero.gathered_unit.GatheredUnit`), the prefetch order,
-    the catch-up of units this rank did not run, the timings (FSDP2's `FSDPState` to the units' `FSDPParamGroup`).
+    forwards only): the hooks that call each unit's verbs (`fzero.sharding.gathered_unit.GatheredUnit`), the prefetch
+    order, the catch-up of units this rank did not run, the timings (FSDP2's `FSDPState` to the units'
+    `FSDPParamGroup`).
 
-    Each space (trainable, frozen) is `FULL`, `KEEP` or `RESHARD` (`fzero.gathered_unit.Spaces`).
+    Each space (trainable, frozen) is `FULL`, `KEEP` or `RESHARD` (`fzero.sharding.gathered_unit.Spaces`).
 
     Args:
-      ranks, rank: the mesh's strategy (`fzero.ranks`) and the rank this gatherer runs.
+      ranks, rank: the mesh's strategy (`fzero.mesh.ranks`) and the rank this gatherer runs.
       layout, model, policy: the step's.
       shards: this rank's trainable and frozen (or None) buffers: shards, or full buffers (`FULL`); the trainable
         one is the autograd leaf.
@@ -194,7 +195,7 @@ class Gatherer:
       reduction: where the units' gradients go (`Ranks.reduction`); None for forwards without gradients.
       keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
       source: where the trainable pieces are read from when the shard is on disk (`Spaces.source`).
-      wire: how freed units travel when gathered again (`fzero.plan.Wire`: qwZ, hpZ).
+      wire: how freed units travel when gathered again (`fzero.state.plan.Wire`: qwZ, hpZ).
     """
 
     def __init__(
@@ -489,7 +490,7 @@ class UnitGathering:
       reducer: the chain's per-unit reduction (`fzero.transforms.unit_reducer`), as `reducer(grads, unit)`.
       frozen_dtype: the dtype frozen parameters are computed in.
       keep: keep gathered units to the end (stages 1-2) rather than free them after their forward (stage 3).
-      wire: how freed units travel (`fzero.plan.Wire`).
+      wire: how freed units travel (`fzero.state.plan.Wire`).
     """
 
     def __init__(
@@ -597,7 +598,7 @@ def sharded_backward(
         unit by unit, or full buffers (`FULL`: stage 0, or kept from an earlier micro-step).
       policy: prefetch, persistence, overlap of the reductions.
       keep: keep gathered units to the end (`KEEP`, stages 1-2) rather than free them after their forward.
-      wire: how freed units travel (`fzero.plan.Wire`).
+      wire: how freed units travel (`fzero.state.plan.Wire`).
       reducer: the chain's per-unit reduction, `reducer(grads, unit)` (`fzero.transforms.unit_reducer`); None to
         run forwards without gradients (evaluation).
       run: `run(params, rank) -> out`: rank `rank`'s forward and backward (of its scaled loss) with the named

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import accelerator, process_group
+from ..host import accelerator, process_group
 
 __all__ = ["AllOf", "CollectiveError", "DistMesh", "Ledger", "Mesh", "Pending", "Ready", "SimMesh", "Work", "done"]
 
@@ -654,9 +654,9 @@ class DistMesh(_LedgerMixin):
     Args:
       group: the process group; default the world group. If `torch.distributed` is not initialised yet, it is,
         from the `torchrun` environment variables, with `backend` (default: NCCL where CUDA sees a GPU, else gloo;
-        `DS_ACCELERATOR=cpu` forces gloo: `fzero.accelerator`) and `timeout`; the group is then shut down before the
-        interpreter exits (`fzero.process_group`). Over NCCL, a host tensor handed to a collective is copied to the
-        current GPU (`torch.cuda.set_device`) and the result back.
+        `DS_ACCELERATOR=cpu` forces gloo: `fzero.host.accelerator`) and `timeout`; the group is then shut down before
+        the interpreter exits (`fzero.host.process_group`). Over NCCL, a host tensor handed to a collective is copied to
+        the current GPU (`torch.cuda.set_device`) and the result back.
       backend: the backend for that initialisation.
       timeout: seconds (or a `datetime.timedelta`) a collective may wait for the other ranks before it fails with
         `CollectiveError`; set on the group, so it applies to everything that uses the group. Default: the
@@ -924,7 +924,7 @@ class DistMesh(_LedgerMixin):
         return guarded
 
     def exchange(self, x: Tensor) -> Tensor:
-        """Every rank's 1-D `x` (`[world, n]`): a control message (`fzero.agreement`), not counted in the ledger."""
+        """Every rank's 1-D `x` (`[world, n]`): a control message (`fzero.mesh.agreement`), not in the ledger."""
         src = self._to_comm(x.contiguous())
         out = torch.empty(self.world * x.numel(), dtype=x.dtype, device=src.device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

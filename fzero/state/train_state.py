@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
-from .layout import Layout
+from ..layout import Layout
 from .plan import Plan
 
 __all__ = ["TrainState", "pytree", "pytree_dataclass", "static_field"]

@@ -30,9 +30,9 @@ from typing import Any
 import optree
 from torch import Tensor
 
+from ..storage import Offloaded
 from .plan import Role
-from .state import TrainState
-from .storage import Offloaded
+from .train_state import TrainState
 
 __all__ = ["state_bytes"]
 

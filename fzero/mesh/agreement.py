@@ -9,7 +9,7 @@ others, which then train on mixed-up gradients, until a size mismatch aborts the
 
 On any difference, or if any rank failed, every rank raises `DesyncError` in that step, before any update: after
 a failure the ranks are still in step (the failed rank completed the step's collectives with zero gradients, see
-`fzero.units`), so a loop that catches the error on every rank can go on; after a difference in steps they are
+`fzero.sharding.units`), so a loop that catches the error on every rank can go on; after a difference in steps they are
 not, and training must stop. Cost: one all-gather of 256 bytes per rank per step (a `SimMesh` runs its ranks in one
 process and needs none).
 """
@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from .mesh import Mesh
+from .meshes import Mesh
 
 __all__ = ["DesyncError", "agree"]
 

@@ -1,0 +1,32 @@
+"""The step layer: the pure training step built from a model, a loss function, a transform and a mesh.
+
+`init` (the first `TrainState`), `train_step`, `eval_step` and `state_dict`, on one `MicroStep` (`microstep`) that the
+engine drives too. May import every layer below: `fzero.transforms`, `fzero.optim`, `fzero.state`, `fzero.sharding`,
+`fzero.mesh`, `fzero.layout`, `fzero.storage`, `fzero.native`, `fzero.host`.
+"""
+
+from .train import (
+    StepFn,
+    apply_gradients,
+    compute_params,
+    eval_step,
+    init,
+    keeps_gathered,
+    named_tensors,
+    rank_seeds,
+    state_dict,
+    train_step,
+)
+
+__all__ = [
+    "StepFn",
+    "apply_gradients",
+    "compute_params",
+    "eval_step",
+    "init",
+    "keeps_gathered",
+    "named_tensors",
+    "rank_seeds",
+    "state_dict",
+    "train_step",
+]
