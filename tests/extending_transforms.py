@@ -2,7 +2,7 @@
 gradient norms. The page shows this file's code; tests/test_extending.py checks that the two are the same, and
 trains each at stages 0-3 on a `SimMesh` and on 2 gloo processes.
 
-Each uses only the public transform API (`fzero.Transform`, `fzero.stateless`, `Flow`, `Facts`, `Context`), the
+Each uses only the public transform API (`fzero.Transform`, `fzero.stateless`, `Flow`, `StepInfo`, `Context`), the
 layout and the mesh's collectives, and knows no other transform's fields or state.
 """
 
@@ -75,20 +75,20 @@ def topk_reduce(k, inner=None):
 
 
 def unit_norms(prefix="unit_grad_norm/"):
-    """Report each unit's gradient norm (at the gradients' true scale: times `Facts.grad_factor`) in the step's
+    """Report each unit's gradient norm (at the gradients' true scale: times `StepInfo.grad_factor`) in the step's
     metrics, as `prefix + unit name`. It reads the averaged gradient, full (after `all_reduce()`) or this rank's
     shard (after `reduce_scatter()`: the ranks' parts are added with a one-element-per-unit all-reduce), so it goes
     after the reduction, where stage 3 runs it too: it needs no `unit` form."""
 
     def update(flow, ctx):
-        if not flow.facts.reduced:
+        if not flow.info.reduced:
             raise ValueError("unit_norms() needs averaged gradients: put it after reduce_scatter() or all_reduce()")
         grads, layout = flow.gradients("unit_norms"), ctx.layout
         part = layout.unit_shard_slice if flow.sharded else layout.unit_slice  # where unit i is in `grads`
         sumsq = torch.stack([grads[..., part(i)].double().square().sum(-1) for i in range(len(layout.units))], -1)
         if flow.sharded:
             sumsq = ctx.mesh.all_reduce(sumsq, "sum", axis=layout.axis)
-        norms = ctx.mesh.unreplicate(sumsq).sqrt() * abs(flow.facts.grad_factor)
+        norms = ctx.mesh.unreplicate(sumsq).sqrt() * abs(flow.info.grad_factor)
         return flow.with_metrics(**{prefix + u.name: float(n) for u, n in zip(layout.units, norms, strict=True)})
 
     return fzero.stateless(update, "unit_norms")

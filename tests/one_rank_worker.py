@@ -1,5 +1,5 @@
 """The process of tests/test_one_rank.py: one gloo rank, where a step reduces once after the backward rather than
-unit by unit (`fzero.step.microstep.units_pay`), against the same step made to go unit by unit."""
+unit by unit (`fzero.step.microstep.reduce_per_unit`), against the same step made to go unit by unit."""
 
 from __future__ import annotations
 
@@ -49,14 +49,14 @@ def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_worker(rank, world, f"{out_dir}/store")
     mesh = fzero.DistMesh()
-    pays = microstep.units_pay
+    pays = microstep.reduce_per_unit
     results = {}
     try:
         for stage, micro, precision in CASES:
-            microstep.units_pay = pays
+            microstep.reduce_per_unit = pays
             whole, whole_calls = _core(stage, micro, precision, mesh)
             shell_whole = _shell(stage, micro, precision, mesh)
-            microstep.units_pay = lambda state, mesh: True
+            microstep.reduce_per_unit = lambda state, mesh: True
             units, unit_calls = _core(stage, micro, precision, mesh)
             shell_units = _shell(stage, micro, precision, mesh)
             results[f"{stage}-{micro}-{precision}"] = {
@@ -65,6 +65,6 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 "calls": [whole_calls, unit_calls],
             }
     finally:
-        microstep.units_pay = pays
+        microstep.reduce_per_unit = pays
     report(rank, out_dir, results)
     process_group.shutdown()

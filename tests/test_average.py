@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fzero
-from fzero.transforms import Context, Facts, Flow
+from fzero.transforms import Context, Flow, StepInfo
 from tests.bounds import assert_adam_close
 from tests.support import differing, mlp, reference_run, regression_batches, regression_loss
 
@@ -53,7 +53,7 @@ def test_reductions_are_deepspeeds_operations(world, n, index, dtype, seed, over
     mesh = fzero.SimMesh(world)
     layout = fzero.layout.make_layout([("w", (n * world,), dtype)], world=world, align=1)
     ctx = Context(mesh, layout, overlap=overlap)
-    flow = Flow(grads, torch.zeros(world, n * world, dtype=dtype), None, facts=Facts())
+    flow = Flow(grads, torch.zeros(world, n * world, dtype=dtype), None, info=StepInfo())
     got = fzero.all_reduce(average=average).update(flow, None, ctx)[0].grads
     assert torch.equal(got, want.expand_as(got))
     unit = fzero.all_reduce(average=average).unit(grads, 0, ctx)
@@ -68,7 +68,7 @@ def test_prescaling_keeps_a_half_precision_sum_finite():
     representable); prescaled, each is halved first and the sum is exact."""
     grads = torch.full((2, 4), 40000.0, dtype=torch.float16)
     mesh, layout = fzero.SimMesh(2), fzero.layout.make_layout([("w", (4,), torch.float16)], world=2, align=1)
-    flow = Flow(grads, torch.zeros(2, 4, dtype=torch.float16), None, facts=Facts())
+    flow = Flow(grads, torch.zeros(2, 4, dtype=torch.float16), None, info=StepInfo())
     plain = fzero.reduce_scatter().update(flow, None, Context(mesh, layout))[0].grads
     pre = fzero.reduce_scatter(average=fzero.Average(prescale=True)).update(flow, None, Context(mesh, layout))[0]
     assert torch.isinf(plain).all()

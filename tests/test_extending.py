@@ -191,7 +191,7 @@ def test_topk_sends_the_largest_and_carries_the_rest(k, seed, stage):
             assert shown.numel() >= min(k, int((acc[r] != 0).sum()))
             assert shown.numel() == 0 or shown.min() >= new[r].abs().max()
         plain = reductions(stage).update(fzero.Flow(sent, params, None), fzero.EmptyState(), ctx)[0].grads
-        assert torch.equal(flow.grads, plain) and flow.facts.reduced
+        assert torch.equal(flow.grads, plain) and flow.info.reduced
         if stage == 2:
             assert torch.equal(plain, mesh.reduce_scatter(to_rank_major(layout, sent), "mean"))
 

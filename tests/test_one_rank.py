@@ -1,5 +1,5 @@
 """One process: a step reduces its gradients once after the backward, not unit by unit (nothing to overlap the
-reduction with: `fzero.step.microstep.units_pay`), and trains bitwise as the unit-by-unit step does."""
+reduction with: `fzero.step.microstep.reduce_per_unit`), and trains bitwise as the unit-by-unit step does."""
 
 from __future__ import annotations
 

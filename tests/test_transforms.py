@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fzero
-from fzero.transforms import Context, EmptyState, Facts, Flow, unit_reducer
+from fzero.transforms import Context, EmptyState, Flow, StepInfo, unit_reducer
 from tests import transforms_worker
 from tests.chains import REDUCES, train
 from tests.spawn import spawn
@@ -102,7 +102,7 @@ def test_reduced_gradients_skip_to_after_the_reduction():
     after = fzero.stateless(lambda flow, ctx: calls.append("after") or flow, "after")
     tx = fzero.chain(before, fzero.reduce_scatter(), after)
     ctx = Context(fzero.SimMesh(1), None)
-    flow = Flow(torch.zeros(1, 16), torch.zeros(1, 16), None, sharded=True, facts=Facts(reduced=True))
+    flow = Flow(torch.zeros(1, 16), torch.zeros(1, 16), None, sharded=True, info=StepInfo(reduced=True))
     tx.update(flow, {"before": EmptyState(), "reduce_scatter": EmptyState(), "after": EmptyState()}, ctx)
     assert calls == ["after"]
 

@@ -131,19 +131,21 @@ def _legacy_frozen(source: Source, like: FlatState) -> dict[str, str]:
     """For checkpoints written before frozen parameters had a flat buffer (one replicated leaf per frozen
     parameter, ``frozen/NAME``): `{name: key}` when the state's flat frozen leaf is missing and those are all there,
     else empty."""
-    flay = like.layout.frozen_layout
+    frozen_layout = like.layout.frozen_layout
     wanted = [e for e in like.entries if e.space == FROZEN and e.key not in source.entries]
-    if flay is None or not wanted:
+    if frozen_layout is None or not wanted:
         return {}
-    keys = {leaf.name: f"frozen/{_escape(leaf.name)}" for leaf in flay.leaves}
+    keys = {leaf.name: f"frozen/{_escape(leaf.name)}" for leaf in frozen_layout.leaves}
     return keys if all(k in source.entries for k in keys.values()) else {}
 
 
 def _fill_legacy_frozen(source: Source, names: dict[str, str], t: Entry, target: Layout, outs: dict) -> None:
-    flay = t.layout_in(target)
-    full = flatten(flay, {name: source.read(key, 0).to(flay.torch_dtype) for name, key in names.items()})
+    frozen_layout = t.layout_in(target)
+    full = flatten(
+        frozen_layout, {name: source.read(key, 0).to(frozen_layout.torch_dtype) for name, key in names.items()}
+    )
     for r, out in outs.items():
-        out.copy_(rank_chunk(flay, full, r) if t.kind == SHARD else full)
+        out.copy_(rank_chunk(frozen_layout, full, r) if t.kind == SHARD else full)
 
 
 def check_compatible(

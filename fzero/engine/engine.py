@@ -283,7 +283,7 @@ class Engine(ConfigAccessors, nn.Module):
             frozen = None if state.frozen is None else self._local(state.frozen)
             gathering = UnitGathering(
                 self.mesh, state.layout, module, state.compute, frozen, self._gather_policy, None,
-                state.frozen_dtype, wire=state.plan.wire,
+                state.frozen_dtype, gather_spec=state.plan.gather_spec,
             )  # fmt: skip
             named = {**gathering.params(), **buffers}
         else:

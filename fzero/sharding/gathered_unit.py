@@ -29,7 +29,7 @@ from ..layout import ROOT_UNIT, Layout, unit_pieces, unit_views
 from ..layout.pieces import Pieces
 from ..mesh import Work
 from ..mesh.ranks import Ranks
-from ..state.plan import EXACT, Wire
+from ..state.plan import EXACT, GatherSpec
 from .bind import carry_attributes, submodules
 
 __all__ = ["FROZEN", "TRAIN", "GatheredUnit", "Phase", "Spaces", "build_units"]
@@ -99,7 +99,7 @@ class Spaces:
       source: where the trainable units' shard pieces come from when the shard is not in memory (offloaded to
         disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values;
         `shards` then holds an empty placeholder of the compute dtype (the autograd leaf).
-      wire: how `RESHARD` units travel (`fzero.state.plan.Wire`: int8 gathers, hpZ's secondary copies).
+      gather_spec: how `RESHARD` units travel (`fzero.state.plan.GatherSpec`: int8 gathers, hpZ's secondary copies).
       kept_elements, kept_peak: the elements of hpZ secondary copies this rank holds now / at most so far.
     """
 
@@ -114,7 +114,7 @@ class Spaces:
     live_elements: int = 0
     peak: int = 0
     source: Callable[[int], Tensor] | None = None
-    wire: Wire = EXACT
+    gather_spec: GatherSpec = EXACT
     kept_elements: int = 0
     kept_peak: int = 0
 
@@ -129,7 +129,7 @@ class Spaces:
         gradients: bool,
         keep: bool,
         source: Callable[[int], Tensor] | None = None,
-        wire: Wire = EXACT,
+        gather_spec: GatherSpec = EXACT,
     ) -> Spaces:
         """The spaces of `layout` (and its frozen layout) over `shards`.
 
@@ -137,7 +137,7 @@ class Spaces:
           ranks, rank, shards, everyone, gradients: as the attributes.
           layout: the step's layout.
           keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
-          source, wire: as the attributes.
+          source, gather_spec: as the attributes.
 
         Returns:
           The spaces, nothing gathered yet.
@@ -149,7 +149,9 @@ class Spaces:
         full = [_full(lay, x, mode) for lay, x, mode in zip(layouts, shards, modes, strict=True)]
         if source is not None and modes[0] == KEEP:
             full[0] = scratch.new_empty("gathered", shards[0], (layout.numel,))
-        return cls(ranks, rank, layouts, shards, everyone, gradients, modes, full, source=source, wire=wire)
+        return cls(
+            ranks, rank, layouts, shards, everyone, gradients, modes, full, source=source, gather_spec=gather_spec
+        )
 
 
 class _Unit(torch.autograd.Function):
@@ -192,7 +194,7 @@ class GatheredUnit:
       stores: each space's full buffer while gathered; its storage is resized to 0 when released.
       live: whether each space's buffer is gathered now (unsharded).
       pending: collectives in flight into `stores`.
-      kept: each space's hpZ secondary copy (`Spaces.wire.secondary`) while held: this rank's chunk of the unit
+      kept: each space's hpZ secondary copy (`Spaces.gather_spec.secondary`) while held: this rank's chunk of the unit
         as gathered by its forward (per-rank values), kept from the forward to the backward's gather.
       named: the unit's parameters as named views of `stores` (created once, when the unit first runs: `views`).
       swaps: how many times the views are in the unit's modules now (its forward, its backward; an activation-
@@ -254,10 +256,10 @@ class GatheredUnit:
                 store = self.stores[space] = shard.new_empty(size)
             elif sp.modes[space] == RESHARD:
                 store.untyped_storage().resize_(size * store.element_size())
-            piece, axis, block = lay.unit_shard_slice(i), lay.axis, sp.wire.blocks[space]
+            piece, axis, block = lay.unit_shard_slice(i), lay.axis, sp.gather_spec.blocks[space]
             kept = self.kept[space]
             if kept is not None:  # hpZ: from the secondary copies, exactly as the forward gathered them
-                everyone, piece, axis, block = kept, slice(None), sp.wire.secondary, None
+                everyone, piece, axis, block = kept, slice(None), sp.gather_spec.secondary, None
             elif space == TRAIN and sp.source is not None:  # the pieces read from disk, then gathered as usual
                 everyone, piece = sp.source(i), slice(None)
             work = sp.ranks.gather_into(_alias(store), everyone, piece, sp.rank, ahead, axis, block)
@@ -291,7 +293,7 @@ class GatheredUnit:
     def _keep(self, space: int) -> None:
         """hpZ: after the unit's forward (a backward to come), keep this rank's chunk of what it gathered."""
         sp = self.shared
-        axis = sp.wire.secondary
+        axis = sp.gather_spec.secondary
         if axis is None or self.phase is not Phase.IDLE or not sp.gradients or not torch.is_grad_enabled():
             return
         if self.kept[space] is None:

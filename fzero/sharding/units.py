@@ -62,7 +62,7 @@ from ..layout import Layout
 from ..layout.pieces import Pieces
 from ..mesh import CollectiveError, Mesh, SimMesh
 from ..mesh.ranks import OneRank, Ranks, Reduction, SimRanks, ranks_of
-from ..state.plan import EXACT, Wire
+from ..state.plan import EXACT, GatherSpec
 from ..storage import Offloaded, UnitReader
 from .bind import Unavailable
 from .gathered_unit import FROZEN, TRAIN, GatheredUnit, Phase, Spaces, build_units
@@ -195,7 +195,7 @@ class Gatherer:
       reduction: where the units' gradients go (`Ranks.reduction`); None for forwards without gradients.
       keep: keep gathered units (`KEEP`) rather than free them (`RESHARD`).
       source: where the trainable pieces are read from when the shard is on disk (`Spaces.source`).
-      wire: how freed units travel when gathered again (`fzero.state.plan.Wire`: qwZ, hpZ).
+      gather_spec: how freed units travel when gathered again (`fzero.state.plan.GatherSpec`: qwZ, hpZ).
     """
 
     def __init__(
@@ -210,10 +210,12 @@ class Gatherer:
         reduction: Reduction | None = None,
         keep: bool = False,
         source: Callable[[int], Tensor] | None = None,
-        wire: Wire = EXACT,
+        gather_spec: GatherSpec = EXACT,
     ) -> None:
         self.ranks, self.rank, self.layout, self.policy, self.reduction = ranks, rank, layout, policy, reduction
-        self.spaces = Spaces.create(ranks, rank, layout, shards, everyone, reduction is not None, keep, source, wire)
+        self.spaces = Spaces.create(
+            ranks, rank, layout, shards, everyone, reduction is not None, keep, source, gather_spec
+        )
         self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
         self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
         # the backward begins where the forward ended: the last on-demand unit stays gathered into it, as DeepSpeed's
@@ -490,7 +492,7 @@ class UnitGathering:
       reducer: the chain's per-unit reduction (`fzero.transforms.unit_reducer`), as `reducer(grads, unit)`.
       frozen_dtype: the dtype frozen parameters are computed in.
       keep: keep gathered units to the end (stages 1-2) rather than free them after their forward (stage 3).
-      wire: how freed units travel (`fzero.state.plan.Wire`).
+      gather_spec: how freed units travel (`fzero.state.plan.GatherSpec`).
     """
 
     def __init__(
@@ -504,7 +506,7 @@ class UnitGathering:
         reducer: Callable[[Tensor, int], Tensor] | None,
         frozen_dtype: torch.dtype | None = None,
         keep: bool = False,
-        wire: Wire = EXACT,
+        gather_spec: GatherSpec = EXACT,
     ) -> None:
         if mesh.stacked and mesh.world != 1:
             raise TypeError("UnitGathering runs one rank; on a SimMesh use sharded_backward")
@@ -515,7 +517,7 @@ class UnitGathering:
         reuse = _kept_to_end(layout, compute, self._reader, keep)
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
         self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep,
-                           self._reader, wire)  # fmt: skip
+                           self._reader, gather_spec)  # fmt: skip
         self._handles = self._g.install()
         self._params = self._g.params()
 
@@ -586,7 +588,7 @@ def sharded_backward(
     reducer: Callable[[Tensor, int], Tensor] | None,
     run: Callable[[dict[str, Tensor], int], Any],
     keep: bool = False,
-    wire: Wire = EXACT,
+    gather_spec: GatherSpec = EXACT,
 ) -> tuple[Tensor | None, list[Any], dict[str, Any]]:
     """Every rank's forward and backward (or, without a `reducer`, forward only) with unit-at-a-time gathering and
     each unit's gradient reduced as soon as it is complete (the chain's `reducer`).
@@ -598,7 +600,7 @@ def sharded_backward(
         unit by unit, or full buffers (`FULL`: stage 0, or kept from an earlier micro-step).
       policy: prefetch, persistence, overlap of the reductions.
       keep: keep gathered units to the end (`KEEP`, stages 1-2) rather than free them after their forward.
-      wire: how freed units travel (`fzero.state.plan.Wire`).
+      gather_spec: how freed units travel (`fzero.state.plan.GatherSpec`).
       reducer: the chain's per-unit reduction, `reducer(grads, unit)` (`fzero.transforms.unit_reducer`); None to
         run forwards without gradients (evaluation).
       run: `run(params, rank) -> out`: rank `rank`'s forward and backward (of its scaled loss) with the named
@@ -623,7 +625,7 @@ def sharded_backward(
             mine = ranks.pick(shards[0], rank).detach().requires_grad_(reducer is not None)
             mine_frozen = ranks.pick(shards[1], rank)
             g = Gatherer(ranks, rank, layout, model, (mine, mine_frozen), shards, policy, reduction, keep, reader,
-                         wire)  # fmt: skip
+                         gather_spec)  # fmt: skip
             handles = g.install()
             try:
                 outs.append(_run_rank(g, run, rank))
@@ -638,7 +640,7 @@ def sharded_backward(
         if reader is not None:
             reader.close()
     info: dict[str, Any] = {"gathered_peak": peak, "gathered": ranks.stack(gathered)}
-    if wire.secondary is not None:
+    if gather_spec.secondary is not None:
         info["secondary_peak"] = kept
     if reduction is not None:
         result = reduction.result()

@@ -92,10 +92,10 @@ def state_bytes(state: TrainState) -> dict[str, int]:
     out["total"] = sum(out.values())
     out["offloaded"] = offloaded
     out["secondary"] = 0
-    if state.plan.wire.secondary is not None:
+    if state.plan.gather_spec.secondary is not None:
         size = state.plan.state_of(state.tx_state, "gather").secondary_size
         out["secondary"] = state.layout.numel * state.plan.compute_dtype.itemsize // size
-        flay = state.layout.frozen_layout
-        if flay is not None and state.frozen is not None:
-            out["secondary"] += flay.numel * (state.frozen_dtype or state.frozen.dtype).itemsize // size
+        frozen_layout = state.layout.frozen_layout
+        if frozen_layout is not None and state.frozen is not None:
+            out["secondary"] += frozen_layout.numel * (state.frozen_dtype or state.frozen.dtype).itemsize // size
     return out

@@ -33,14 +33,14 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["EXACT", "GatherMode", "Plan", "Role", "Wire"]
+__all__ = ["EXACT", "GatherMode", "GatherSpec", "Plan", "Role"]
 
 GatherMode = Literal["now", "lazy", "keep"]
 Role = Literal["accumulate", "scale_loss", "update", "gather"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Wire:
+class GatherSpec:
     """How a lazily gathered unit travels (ZeRO++'s qwZ and hpZ at stage 3; `fzero.gather`).
 
     Attributes:
@@ -55,7 +55,7 @@ class Wire:
     secondary: str | None = None
 
 
-EXACT = Wire()  # units gathered exactly, from the shards, forward and backward
+EXACT = GatherSpec()  # units gathered exactly, from the shards, forward and backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Plan:
       paths: where each role's state sits in the chain's state, `(role, keys)` in chain order.
       speculative: the update runs speculatively, unit by unit, during the backward (SuperOffload:
         `fzero.Offload(..., speculate=True)`), validated before it is taken.
-      wire: how lazily gathered units travel (`Wire`).
+      gather_spec: how lazily gathered units travel (`GatherSpec`).
     """
 
     stacked: bool
@@ -98,7 +98,7 @@ class Plan:
     compute_dtype: torch.dtype
     paths: tuple[tuple[Role, tuple[str, ...]], ...] = ()
     speculative: bool = False
-    wire: Wire = EXACT
+    gather_spec: GatherSpec = EXACT
 
     @property
     def stage(self) -> int:

@@ -34,7 +34,7 @@ from ..sharding.bind import bound
 from ..sharding.units import GatherPolicy, UnitGathering
 from ..state import TrainState
 from ..storage import Offloaded, in_memory
-from ..transforms import Context, Facts, Flow, Transform, gather_params, unit_reducer
+from ..transforms import Context, Flow, StepInfo, Transform, gather_params, unit_reducer
 from ..transforms.planning import transform_at
 from ..transforms.scaling import current_loss_scale
 from ..transforms.speculate import Speculation
@@ -58,7 +58,7 @@ def loss_scale(state: TrainState) -> float:
 
 
 def scaled(state: TrainState, loss: Tensor) -> Tensor:
-    """The loss the backward differentiates: times the loss scale (unscaled later: `Facts.grad_factor`)."""
+    """The loss the backward differentiates: times the loss scale (unscaled later: `StepInfo.grad_factor`)."""
     scale = current_loss_scale(state)
     return loss if scale is None else scale.scale(loss)
 
@@ -82,7 +82,7 @@ def read_unit_by_unit(state: TrainState, mesh: Mesh) -> bool:
     return mesh.stacked and mesh.world == 1 and isinstance(state.compute, Offloaded)
 
 
-def units_pay(state: TrainState, mesh: Mesh) -> bool:
+def reduce_per_unit(state: TrainState, mesh: Mesh) -> bool:
     """Whether reducing unit by unit in the backward buys anything over one reduction after it: on several ranks
     (each unit's reduction overlaps the backward, stage 3's units are gathered and freed), or on one where the update
     is speculative (SuperOffload updates each unit as it lands) or the compute copy is on disk (read unit by unit).
@@ -100,7 +100,7 @@ def compute_params(state: TrainState, mesh: Mesh, out: Tensor | None = None) -> 
         compute = state.params
     if state.plan.sharded_at_rest:
         with record_function("fzero.gather"):
-            compute = gather_params(mesh, state.layout, compute, block=state.plan.wire.blocks[0], out=out)
+            compute = gather_params(mesh, state.layout, compute, block=state.plan.gather_spec.blocks[0], out=out)
     return compute
 
 
@@ -109,11 +109,11 @@ def frozen_params(state: TrainState, mesh: Mesh) -> Tensor | None:
     frozen = state.frozen
     if frozen is None:
         return None
-    dtype, flay = state.frozen_dtype, state.layout.frozen_layout
-    assert flay is not None  # (frozen parameters have one)
+    dtype, frozen_layout = state.frozen_dtype, state.layout.frozen_layout
+    assert frozen_layout is not None  # (frozen parameters have one)
     if state.plan.sharded_at_rest:
         with record_function("fzero.gather"):
-            return gather_params(mesh, flay, frozen, dtype, block=state.plan.wire.blocks[1])
+            return gather_params(mesh, frozen_layout, frozen, dtype, block=state.plan.gather_spec.blocks[1])
     return frozen.to(dtype or frozen.dtype)
 
 
@@ -145,26 +145,26 @@ def apply_gradients(
     """
     layout = state.layout
     scale = loss_scale(state)
-    facts = Facts(grad_factor=1.0 / scale, reduced=reduced, speculation=speculation)
+    info = StepInfo(grad_factor=1.0 / scale, reduced=reduced, speculation=speculation)
     # gradients reduced in the backward are this rank's shard where the chain shards
     sharded = reduced and state.plan.sharded and layout.world > 1
-    flow = Flow(grads, state.params, state.compute, sharded=sharded, facts=facts)
+    flow = Flow(grads, state.params, state.compute, sharded=sharded, info=info)
     with record_function("fzero.update"):
         flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
     loss = mesh.all_reduce(loss.detach().float(), "mean")
     new = state.replace(step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state)
     metrics: dict[str, Any] = {
         "loss": mesh.unreplicate(loss),
-        "applied": not flow.facts.deferred,
+        "applied": not flow.info.deferred,
         "skipped": False,
         "loss_scale": scale,
     }
-    if flow.facts.stats is not None:
-        metrics["grad_norm"] = math.sqrt(flow.facts.stats.sumsq) / scale
+    if flow.info.stats is not None:
+        metrics["grad_norm"] = math.sqrt(flow.info.stats.sumsq) / scale
     if speculation is not None:
         speculation.rollback()  # (a step the chain ended early: never taken)
         metrics["speculation"] = {"hit": speculation.outcome == "hit", "units": speculation.units}
-    metrics.update(flow.facts.metrics)
+    metrics.update(flow.info.metrics)
     return new, metrics
 
 
@@ -180,7 +180,7 @@ class MicroStep:
 
     Attributes:
       per_unit: the backward reduces each unit's gradient as soon as it is complete, with the chain's own reduction
-        (the plan's `per_unit`, under autograd, where it buys something: `units_pay`).
+        (the plan's `per_unit`, under autograd, where it buys something: `reduce_per_unit`).
       speculation: where the plan speculates (SuperOffload) and this micro-step ends an accumulation window on the
         per-unit path, the update computed unit by unit as the backward reduces (`fzero.transforms.speculate`);
         opened by `reducer`.
@@ -191,7 +191,7 @@ class MicroStep:
                  autodiff: str = "autograd") -> None:  # fmt: skip
         self.state, self.tx, self.mesh = state, tx, mesh
         self.policy = (policy or GatherPolicy()).on(mesh)
-        self.per_unit = autodiff == "autograd" and state.plan.per_unit and units_pay(state, mesh)
+        self.per_unit = autodiff == "autograd" and state.plan.per_unit and reduce_per_unit(state, mesh)
         self._stack = contextlib.ExitStack()
         self.ledger = self._stack.enter_context(mesh.record())
         self._gathering: UnitGathering | None = None
@@ -241,7 +241,7 @@ class MicroStep:
             frozen = state.frozen if not one or state.frozen is None else local(state.frozen)
             self._gathering = UnitGathering(
                 self.mesh, state.layout, module, shard, frozen, self.policy, self.reducer(),
-                state.frozen_dtype, state.plan.keep_gathered, state.plan.wire,
+                state.frozen_dtype, state.plan.keep_gathered, state.plan.gather_spec,
             )  # fmt: skip
             leaf, named = self._gathering.shard, self._gathering.params()
         else:

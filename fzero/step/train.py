@@ -110,7 +110,7 @@ def init(
     axis = tx.axis  # the chain's sharding axis (hybrid sharding; docs/hybrid.md), None: every rank
     layout = from_module(model, world=sharding_world(mesh, axis), align=align, units=units)
     layout = layout if axis is None else layout.on_axis(axis)
-    flay = layout.frozen_layout
+    frozen_layout = layout.frozen_layout
     meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     if meta:
         params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
@@ -126,14 +126,14 @@ def init(
     compute_dtype = flow.compute.dtype if flow.compute is not None else flow.params.dtype
     plan = plan_of(tx, sharded=flow.sharded, world=layout.world, stacked=mesh.stacked, compute_dtype=compute_dtype)
     if frozen is not None:
-        assert flay is not None  # (frozen parameters have one)
-        frozen = _frozen_at_rest(mesh, flay, frozen, plan.sharded_at_rest, meta)
+        assert frozen_layout is not None  # (frozen parameters have one)
+        frozen = _frozen_at_rest(mesh, frozen_layout, frozen, plan.sharded_at_rest, meta)
     if plan.sharded_at_rest and plan.gather == "lazy":  # stage 3
         unit_reducer(tx)  # it reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
     cdtype = flow.compute.dtype if flow.compute is not None else None
     cast = cdtype is not None and cdtype != layout.torch_dtype
-    frozen_dtype = cdtype if cast and flay is not None and flay.torch_dtype != cdtype else None
+    frozen_dtype = cdtype if cast and frozen_layout is not None and frozen_layout.torch_dtype != cdtype else None
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype, plan
     )
@@ -147,14 +147,14 @@ def _seed(mesh: Mesh, seed: int | None) -> Tensor:
     return mesh.unreplicate(mesh.broadcast(mesh.replicate(torch.tensor(rng.fold(start), dtype=torch.int64)), 0))
 
 
-def _frozen_at_rest(mesh: Mesh, flay: Layout, frozen: Tensor, sharded: bool, presharded: bool) -> Tensor:
+def _frozen_at_rest(mesh: Mesh, frozen_layout: Layout, frozen: Tensor, sharded: bool, presharded: bool) -> Tensor:
     """The frozen buffer as the stage keeps it: this rank's shard where compute parameters are sharded at rest,
     else full (`frozen` is full, or a shard when constructed sharded from `meta`)."""
-    full = not presharded or flay.world == 1
-    if sharded and full and flay.world > 1:
-        return shard_params(mesh, flay, frozen, flay.axis)
+    full = not presharded or frozen_layout.world == 1
+    if sharded and full and frozen_layout.world > 1:
+        return shard_params(mesh, frozen_layout, frozen, frozen_layout.axis)
     if not sharded and not full:
-        return gather_params(mesh, flay, frozen)
+        return gather_params(mesh, frozen_layout, frozen)
     return frozen
 
 
@@ -355,8 +355,8 @@ def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, a
         if mesh.stacked:  # every rank failed together: nothing to complete
             raise
         raise Abandoned(e) from e  # a local forward and backward: no collective of the step is left to pair
-    flay = layout.frozen_layout
-    peak = layout.numel + (flay.numel if frozen is not None and flay is not None else 0)
+    frozen_layout = layout.frozen_layout
+    peak = layout.numel + (frozen_layout.numel if frozen is not None and frozen_layout is not None else 0)
     return grads, loss, aux, buffers, {"reduced": False, "gathered_peak": peak, "gathered": compute}
 
 
@@ -396,7 +396,7 @@ def _unit_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, po
     compute = state.compute if state.compute is not None else state.params
     grads, outs, info = sharded_backward(
         mesh, state.layout, run.model, (compute, frozen), policy, micro.reducer(), rank_run,
-        state.plan.keep_gathered, state.plan.wire,
+        state.plan.keep_gathered, state.plan.gather_spec,
     )  # fmt: skip
     loss, aux, buffers = (ranks.stack([o[k] for o in outs]) for k in range(3))
     return grads, loss, aux, buffers, {"reduced": True, **info}
@@ -435,7 +435,9 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
         if state.sharded_at_rest:
             compute = state.compute if state.compute is not None else state.params
             shards = (compute, frozen_shard(state.frozen, state.frozen_dtype))
-            outs = sharded_backward(mesh, state.layout, model, shards, policy, None, rank_run, wire=state.plan.wire)[1]
+            outs = sharded_backward(
+                mesh, state.layout, model, shards, policy, None, rank_run, gather_spec=state.plan.gather_spec
+            )[1]
             return ranks.stack(outs)
         compute, frozen = compute_params(state, mesh), frozen_params(state, mesh)
         outs = []

@@ -67,7 +67,7 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
             acc = state.acc.copy_(g) if ctx.donate else g
         else:
             acc = torch.add(state.acc, g, out=state.acc if ctx.donate else None)
-        return flow.with_facts(deferred=True), AccumulateState(count(n), acc)
+        return flow.with_info(deferred=True), AccumulateState(count(n), acc)
 
     return Transform(init, update, "accumulate", does=Does(accumulates=k))
 

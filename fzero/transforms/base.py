@@ -1,4 +1,4 @@
-"""The transform algebra: `Flow`, `Facts`, `Context`, `Transform`, `chain`.
+"""The transform algebra: `Flow`, `StepInfo`, `Context`, `Transform`, `chain`.
 
 A step's gradient flows through a chain of transforms and changes form on the way: the full per-rank gradient
 (`[numel]`) may be accumulated, reduced, scattered to this rank's shard (`[shard_numel]`), consumed by the optimizer
@@ -11,7 +11,7 @@ of pure functions in the manner of optax:
 Three kinds of things travel, kept apart:
 
 - `Flow`: what flows: `grads`, `params`, `compute`, and whether `grads` (at init: `params`) are this rank's shard;
-- `Facts` (`flow.facts`): what a step found out on the way: the factor the gradients still owe (1 / loss scale,
+- `StepInfo` (`flow.info`): what a step found out on the way: the factor the gradients still owe (1 / loss scale,
   times the clipping coefficient: paid in the optimizer's single read), their global statistics, whether they
   are averaged over ranks, whether the micro-step ends early, the metrics;
 - `Context`: what is static: the mesh, the layout, donation, and (at init only) whether the parameters arrive
@@ -41,16 +41,16 @@ from .. import native
 from ..layout import Layout
 from ..layout.pieces import takes_pieces
 from ..mesh import Mesh, Work
-from ..state.plan import EXACT, Wire
+from ..state.plan import EXACT, GatherSpec
 
 __all__ = [
     "Context",
     "Does",
     "EmptyState",
-    "Facts",
     "Flow",
     "GradStats",
     "InitFn",
+    "StepInfo",
     "Transform",
     "UnitFn",
     "UpdateFn",
@@ -70,7 +70,7 @@ class GradStats(NamedTuple):
 
     Attributes:
       sumsq: sum of squares over all ranks' shards (float64; padding is zero and adds nothing), of the gradients
-        as they flow, before `Facts.grad_factor`.
+        as they flow, before `StepInfo.grad_factor`.
       finite: whether every element on every rank is finite (the sum is inf or nan otherwise).
     """
 
@@ -81,7 +81,7 @@ class GradStats(NamedTuple):
 _NO_METRICS: Mapping[str, Any] = MappingProxyType({})
 
 
-class Facts(NamedTuple):
+class StepInfo(NamedTuple):
     """What the step found out so far (see the module docstring).
 
     Attributes:
@@ -116,20 +116,20 @@ class Flow(NamedTuple):
       compute: compute parameters for the next forward (full, or this rank's shard to be gathered at the next
         step's start), or None if stale.
       sharded: whether `grads` (at init: `params`) are this rank's shard rather than full buffers.
-      facts: the step's `Facts` so far.
+      info: the step's `StepInfo` so far.
     """
 
     grads: Tensor | None
     params: Tensor
     compute: Tensor | None
     sharded: bool = False
-    facts: Facts = Facts()
+    info: StepInfo = StepInfo()
 
-    def with_facts(self, **changes: Any) -> Flow:
-        return self._replace(facts=self.facts._replace(**changes))
+    def with_info(self, **changes: Any) -> Flow:
+        return self._replace(info=self.info._replace(**changes))
 
     def with_metrics(self, **values: Any) -> Flow:
-        return self.with_facts(metrics={**self.facts.metrics, **values})
+        return self.with_info(metrics={**self.info.metrics, **values})
 
     def gradients(self, what: str) -> Tensor:
         """`grads`, which an update always carries (None only at init: `what` names the transform asking)."""
@@ -140,10 +140,10 @@ class Flow(NamedTuple):
     def unscaled(self) -> Flow:
         """The flow with the factor the gradients owe paid now (for a transform that must see their true scale,
         e.g. one that adds noise); costs one pass over them."""
-        factor = self.facts.grad_factor
+        factor = self.info.grad_factor
         if factor == 1.0 or self.grads is None:
             return self
-        return self._replace(grads=self.grads * factor).with_facts(grad_factor=1.0)
+        return self._replace(grads=self.grads * factor).with_info(grad_factor=1.0)
 
 
 class Context(NamedTuple):
@@ -192,15 +192,15 @@ class Does(NamedTuple):
       updates: it applies the optimizer (its state is the optimizer's: what the engine counts updates with).
       gathers: how it makes the compute parameters from the master ones: `"now"`, `"lazy"` or `"keep"` (see
         `fzero.gather`); None: it does not.
-      wire: how its lazily gathered units travel (`fzero.state.plan.Wire`: quantized, re-gathered from a secondary
-        copy).
+      gather_spec: how its lazily gathered units travel (`fzero.state.plan.GatherSpec`: quantized, re-gathered
+        from a secondary copy).
     """
 
     accumulates: int = 0
     scales_loss: bool = False
     updates: bool = False
     gathers: str | None = None
-    wire: Wire = EXACT
+    gather_spec: GatherSpec = EXACT
 
 
 class Transform(NamedTuple):
@@ -321,9 +321,9 @@ def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"chain of transforms {names} got a state for {got}; was the chain changed after init?")
         new = dict(state)
-        for n, t in pairs[first_after if flow.facts.reduced else 0 :]:
+        for n, t in pairs[first_after if flow.info.reduced else 0 :]:
             flow, new[n] = t.update(flow, state[n], ctx)
-            if flow.facts.deferred:
+            if flow.info.deferred:
                 break
         return flow, new
 
@@ -431,11 +431,11 @@ def find(tx_state: Any, kind: type | tuple[type, ...]) -> Any:
 def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
     """The step's global gradient statistics: computed on first use (one pass over this rank's gradients and a
     one-element all-reduce when they are sharded; where every rank holds them whole, from `SPLIT_STATS_ELEMENTS` on
-    the CPU, each rank's pass over its 1/world of them and the all-reduce), then carried in the flow's facts for the
+    the CPU, each rank's pass over its 1/world of them and the all-reduce), then carried in the flow's info for the
     transforms after."""
-    if flow.facts.stats is not None:
-        return flow, flow.facts.stats
-    if not flow.facts.reduced:
+    if flow.info.stats is not None:
+        return flow, flow.info.stats
+    if not flow.info.reduced:
         raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
     # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
     grads, mesh = flow.gradients(what), ctx.mesh
@@ -451,7 +451,7 @@ def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
         total = native.sumsq(grads)
     sumsq = float(mesh.unreplicate(total))
     stats = GradStats(sumsq, math.isfinite(sumsq))
-    return flow.with_facts(stats=stats), stats
+    return flow.with_info(stats=stats), stats
 
 
 # From this many elements of a whole gradient on the CPU, each rank sums the squares of its 1/world of it: below,

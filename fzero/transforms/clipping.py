@@ -3,7 +3,7 @@
     norm = sqrt(sum over ranks of the local sums of squares) / S      (unscaled; padding is zero)
     coef = min(1, max_norm / (norm + 1e-6))
 
-The coefficient is folded into `Facts.grad_factor` (no pass over the gradients); the step reports the norm as
+The coefficient is folded into `StepInfo.grad_factor` (no pass over the gradients); the step reports the norm as
 `grad_norm`. The local sum of squares is shared with `scale_loss`'s non-finite check: one pass for both.
 """
 
@@ -23,8 +23,8 @@ def clip_by_global_norm(max_norm: float) -> Transform:
       >>> import torch, fzero
       >>> tx = fzero.chain(fzero.all_reduce(), fzero.clip_by_global_norm(1.0))
       >>> ctx = fzero.Context(fzero.SimMesh(1), None)
-      >>> flow = fzero.Flow(torch.full((1, 4), 2.0), torch.zeros(1, 4), None, facts=fzero.Facts(reduced=True))
-      >>> round(tx.children[1][1].update(flow, (), ctx)[0].facts.grad_factor, 6)   # norm 4: factor 1/4
+      >>> flow = fzero.Flow(torch.full((1, 4), 2.0), torch.zeros(1, 4), None, info=fzero.StepInfo(reduced=True))
+      >>> round(tx.children[1][1].update(flow, (), ctx)[0].info.grad_factor, 6)   # norm 4: factor 1/4
       0.25
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
@@ -32,8 +32,8 @@ def clip_by_global_norm(max_norm: float) -> Transform:
 
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         flow, stats = grad_stats(flow, ctx, "clip_by_global_norm")
-        norm = math.sqrt(stats.sumsq) * abs(flow.facts.grad_factor)
+        norm = math.sqrt(stats.sumsq) * abs(flow.info.grad_factor)
         coef = min(1.0, max_norm / (norm + 1e-6)) if stats.finite else 1.0
-        return flow.with_facts(grad_factor=flow.facts.grad_factor * coef), state
+        return flow.with_info(grad_factor=flow.info.grad_factor * coef), state
 
     return Transform(lambda flow, ctx: (flow, EmptyState()), update, "clip_by_global_norm")

@@ -39,7 +39,7 @@ from ..layout.int8 import dequantize, quantize
 from ..layout.pieces import Pieces, exact_division, into, whole
 from ..mesh import AllOf, Mesh, ReduceOp, Work, completed, progress
 from ..state import pytree, register_torch_pytree, static_field
-from ..state.plan import EXACT, Wire
+from ..state.plan import EXACT, GatherSpec
 from .base import Context, Does, EmptyState, Flow, Transform
 
 __all__ = [
@@ -213,7 +213,7 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "all_reduce")
         grads = cast(Tensor, reduce(flow.gradients("all_reduce"), ctx._replace(overlap=False)))
-        return flow._replace(grads=grads).with_facts(reduced=True), state
+        return flow._replace(grads=grads).with_info(reduced=True), state
 
     def unit(grads: Tensor | Pieces, index: int, ctx: Context) -> Tensor | Work:
         return reduce(grads, ctx)
@@ -283,7 +283,7 @@ def reduce_scatter(
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "reduce_scatter")
         grads = reduce(to_rank_major(ctx.layout, _cast(flow.gradients("reduce_scatter"), dtype)), ctx)
-        return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
+        return flow._replace(grads=grads, sharded=True).with_info(reduced=True), state
 
     def start(x: Tensor, ctx: Context) -> Work:
         """`reduce`'s collectives, started (`reduce`'s arithmetic in its order: bitwise its result); a hybrid
@@ -461,8 +461,8 @@ def gather(
     for name, block in (("quantize", quantize), ("quantize_frozen", quantize_frozen)):
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"gather({name}=...) needs None or an int >= 1 (elements per scale), got {block!r}")
-    wire = Wire((quantize, quantize_frozen), secondary)
-    if wire != EXACT and (not lazy or keep):
+    gather_spec = GatherSpec((quantize, quantize_frozen), secondary)
+    if gather_spec != EXACT and (not lazy or keep):
         raise ValueError("gather(quantize=, quantize_frozen=, secondary=) act on units gathered in the forward and "
                          "again in the backward (stage 3): they need lazy=True and keep=False")  # fmt: skip
     state = GatherState(keep) if lazy else EmptyState()  # type: ignore[call-arg]  # (optree's field)
@@ -474,7 +474,7 @@ def gather(
 
     mode = ("keep" if keep else "lazy") if lazy else "now"
     return Transform(init, lambda flow, state, ctx: (apply(flow, ctx), state), "gather",
-                     does=Does(gathers=mode, wire=wire))  # fmt: skip
+                     does=Does(gathers=mode, gather_spec=gather_spec))  # fmt: skip
 
 
 def _secondary_size(ctx: Context, axis: str) -> int:

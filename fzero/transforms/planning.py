@@ -64,7 +64,7 @@ def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_
     paths: dict[Role, tuple[str, ...]] = {}
     order: list[Role] = []
     reduced_at = None
-    accumulate, accumulate_at, gather, speculative, wire = 1, None, None, False, EXACT
+    accumulate, accumulate_at, gather, speculative, gather_spec = 1, None, None, False, EXACT
     for i, (path, t) in enumerate(_leaves(tx)):
         if t.reduces and reduced_at is None:
             reduced_at = i
@@ -82,7 +82,7 @@ def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_
         if role == "accumulate":
             accumulate, accumulate_at = t.does.accumulates, i
         elif role == "gather":
-            gather, wire = t.does.gathers, t.does.wire
+            gather, gather_spec = t.does.gathers, t.does.gather_spec
         elif role == "update":
             speculative = t.speculate is not None
     mode: GatherMode | None = gather  # type: ignore[assignment]  # (declared as str: checked below)
@@ -109,7 +109,7 @@ def plan_of(tx: Transform, *, sharded: bool, world: int, stacked: bool, compute_
         compute_dtype=compute_dtype,
         paths=tuple((r, paths[r]) for r in order),
         speculative=speculative,
-        wire=wire,
+        gather_spec=gather_spec,
     )
 
 

@@ -139,7 +139,7 @@ def quantized_reduce_scatter(
     def update(flow: Flow, state: EmptyState, ctx: Context) -> tuple[Flow, EmptyState]:
         _require_full(flow, "quantized_reduce_scatter")
         grads = reduce(to_rank_major(ctx.layout, flow.gradients("quantized_reduce_scatter")), ctx)
-        return flow._replace(grads=grads, sharded=True).with_facts(reduced=True), state
+        return flow._replace(grads=grads, sharded=True).with_info(reduced=True), state
 
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
         return reduce(grads, ctx)

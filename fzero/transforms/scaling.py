@@ -1,7 +1,7 @@
 """`scale_loss`: loss scaling and the all-ranks skip of non-finite steps.
 
 The step multiplies the loss by the current scale `S` (this transform's state) before the backward and records
-`1/S` as a factor the gradients owe (`Facts.grad_factor`), paid in the optimizer's single read of them. At the
+`1/S` as a factor the gradients owe (`StepInfo.grad_factor`), paid in the optimizer's single read of them. At the
 accumulation boundary this transform looks at the step's global gradient statistics: an inf or nan on any rank
 makes every rank skip the update (the flag is the all-reduced sum of squares), the parameters, the optimizer state
 and its step count stay as they were, and the loss scale adjusts by DeepSpeed's rule (`fzero.loss_scale`).
@@ -44,14 +44,14 @@ def scale_loss(loss_scale: Any = "dynamic", *, skip_nonfinite: bool = True, **dy
         flow, stats = grad_stats(flow, ctx, "scale_loss")
         skipped = not stats.finite and skip_nonfinite
         flow = flow.with_metrics(loss_scale=state.loss_scale, skipped=skipped)
-        return (flow.with_facts(deferred=True) if skipped else flow), state.adjust(stats.finite)
+        return (flow.with_info(deferred=True) if skipped else flow), state.adjust(stats.finite)
 
     return Transform(lambda flow, ctx: (flow, initial), update, "scale_loss", does=Does(scales_loss=True))
 
 
 def current_loss_scale(state: Any) -> Any:
     """The loss scale a chain's `scale_loss` holds (None without one): the step multiplies the loss by it before
-    the backward, and the gradients owe its inverse (`Facts.grad_factor`).
+    the backward, and the gradients owe its inverse (`StepInfo.grad_factor`).
 
     Args:
       state: a `TrainState` (its plan says where the scale is), or a chain's state (found by type).

@@ -134,7 +134,7 @@ class Speculation:
         grads = flow.gradients("shard_update")
         ok = (
             not self.dirty
-            and flow.facts.grad_factor == self.factor
+            and flow.info.grad_factor == self.factor
             and flow.params is self.params
             and _same_tree(state, self.state)
         )

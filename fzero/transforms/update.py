@@ -1,7 +1,7 @@
 """`shard_update(optimizer)`: apply a functional optimizer to this rank's master parameters.
 
 The optimizer's state has the form of the parameters where `shard_update` sits: sharded after `reduce_scatter`
-(ZeRO stages 1-3), full after `all_reduce` (stage 0). The gradients owe a factor (`Facts.grad_factor`: 1 / loss
+(ZeRO stages 1-3), full after `all_reduce` (stage 0). The gradients owe a factor (`StepInfo.grad_factor`: 1 / loss
 scale times the clipping coefficient). With a torch-op optimizer they are cast to the master dtype and multiplied
 by it in one pass, then the optimizer runs. An optimizer with fused `features` (`fzero.cpu_adamw`) takes the
 factor, low-precision gradients and a low-precision output buffer into its own single pass instead, and then
@@ -185,7 +185,7 @@ class _ShardUpdate:
         return Speculation(target, params, state, factor, slices, acc, k)
 
     def update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
-        if flow.facts.applied:
+        if flow.info.applied:
             raise ValueError("shard_update: the gradients were applied already (two shard_update()s in one chain?)")
         grads = flow.gradients("shard_update")
         if grads.shape != flow.params.shape:
@@ -198,23 +198,23 @@ class _ShardUpdate:
             return self._update(flow, state, ctx)
 
     def _update(self, flow: Flow, state: Any, ctx: Context) -> tuple[Flow, Any]:
-        speculation = flow.facts.speculation
+        speculation = flow.info.speculation
         taken = None if speculation is None else speculation.take(flow, state)
         if taken is not None:  # computed during the backward, and what it assumed holds
-            flow = flow._replace(params=taken.params, compute=taken.compute).with_facts(applied=True)
+            flow = flow._replace(params=taken.params, compute=taken.compute).with_info(applied=True)
             return (flow if taken.io is None else flow.with_metrics(io={"nvme": taken.io})), taken.state
-        grads, kw = self.prepare(flow.gradients("shard_update"), flow.facts.grad_factor, flow.params.dtype)
+        grads, kw = self.prepare(flow.gradients("shard_update"), flow.info.grad_factor, flow.params.dtype)
         kw.update(self.keywords(ctx, flow.params, flow.sharded))
         compute: Tensor | None
         if self.offload == "nvme":
             handle = cast(Offloaded, flow.params)
             new, state, copy, io = nvme_update(self.optimizer, grads, state, handle, kw, self.compute_dtype)
-            flow = flow._replace(params=cast(Tensor, new), compute=cast(Tensor, copy)).with_facts(applied=True)
+            flow = flow._replace(params=cast(Tensor, new), compute=cast(Tensor, copy)).with_info(applied=True)
             return flow.with_metrics(io={"nvme": io}), state
         if self.offload is not None:
             params, state, compute = _offload_update(self.optimizer, grads, state, flow.params, kw, ctx.donate,
                                                      self.compute_dtype, self.chunk)  # fmt: skip
-            return flow._replace(params=params, compute=compute).with_facts(applied=True), state
+            return flow._replace(params=params, compute=compute).with_info(applied=True), state
         compute, cdt = None, self.compute_dtype
         # a donated step's compute copy (this rank's, as the parameters) is rewritten in place: a fresh buffer of
         # that size would fault in page by page every step
@@ -226,7 +226,7 @@ class _ShardUpdate:
         params, state = self.optimizer.update(grads, state, flow.params, donate=ctx.donate, **kw)
         if reuse and not fused and cdt != params.dtype:
             compute = cast(Tensor, old).copy_(params)  # the rounding `gather`'s cast would make (to nearest even)
-        return flow._replace(params=params, compute=compute).with_facts(applied=True), state
+        return flow._replace(params=params, compute=compute).with_info(applied=True), state
 
 
 def _files(ctx: Context, params: Tensor) -> tuple[int, ...]:
