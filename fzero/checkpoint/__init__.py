@@ -9,6 +9,9 @@ A checkpoint directory holds one safetensors file per rank (``rank-00000-of-0000
 shards, and the process's random generator states) and ``manifest.json`` (format version, layout, world size,
 step, precision, how each leaf is stored, every file's size and sha256, the data position, user state and
 config) with its digest ``manifest.json.sha256``, written last. See ``docs/checkpoints.md``.
+
+May import: `fzero._version`, `fzero.storage`, `fzero.layout`, `fzero.config` (its schema machinery, for the
+manifest).
 """
 
 from __future__ import annotations
@@ -17,16 +20,10 @@ from typing import Any
 
 import optree
 
+from . import errors
 from .atomic import read_latest, resolve
 from .consolidate import consolidate, write_consolidated
-from .errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointVersionError,
-    CheckpointWarning,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-)
+from .errors import *  # noqa: F403  (every error is public: `__all__` takes `errors.__all__`)
 from .hybrid import expand_hybrid, hybrid_mesh, shard_group
 from .load import load
 from .manifest import FORMAT, VERSION, Manifest
@@ -41,12 +38,6 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "Checkpoint",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointVersionError",
-    "CheckpointWarning",
-    "CorruptCheckpointError",
-    "IncompatibleCheckpointError",
     "Manifest",
     "consolidate",
     "load",
@@ -58,6 +49,7 @@ __all__ = [
     "save",
     "write_consolidated",
 ]
+__all__ += errors.__all__
 
 
 def _memory(state: Any) -> MemorySource:

@@ -398,27 +398,10 @@ def parse_manifest(text: str, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: nested too deeply to be a manifest; the file is damaged") from None
     if unknown:
         raise CorruptCheckpointError(f"{where}: malformed manifest: unknown field {unknown[0]}")
-    leaves = tuple(_stored(e) for e in v["leaves"])
-    return Manifest(
-        tag=v["tag"],
-        step=v["step"],
-        world=v["world"],
-        processes=v["processes"],
-        simulated=v["simulated"],
-        layout=v["layout"],
-        leaves=leaves,
-        files=tuple(FileInfo(f["name"], f["rank"], f["bytes"], f["sha256"]) for f in v["files"]),
-        precision=v["precision"],
-        data_position=v["data_position"],
-        user_state=v["user_state"],
-        config=v["config"],
-        created=v["created"],
-        fzero_version=v["fzero_version"],
-        torch_version=v["torch_version"],
-        roles=v["roles"],
-        version=v["version"],
-        mesh=v["mesh"],
-    )
+    fields = {name: v[name] for name in Manifest.__dataclass_fields__}  # the schema's fields are the manifest's
+    fields["leaves"] = tuple(_stored(e) for e in v["leaves"])
+    fields["files"] = tuple(FileInfo(f["name"], f["rank"], f["bytes"], f["sha256"]) for f in v["files"])
+    return Manifest(**fields)
 
 
 def _read_small(path: Path, limit: int) -> bytes:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..layout import dtype_of
 from ..storage.aligned import tensor_bytes
+from ..storage.scratch import Closing
 from ..storage.swapfile import DTYPES
 from . import rng
 from .atomic import inside, resolve
@@ -82,7 +83,7 @@ class _Shard:
 _CODES = {code: dtype_name(dtype) for dtype, code in DTYPES.items()}
 
 
-class Checkpoint:
+class Checkpoint(Closing):
     """A checkpoint directory opened for reading; a `fzero.checkpoint.sources.Source`.
 
     Args:
@@ -109,12 +110,6 @@ class Checkpoint:
         self._open: dict[int, Any] = {}
         if verify:
             self.verify()
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Release the open files (tensors read are the caller's: nothing maps the files)."""

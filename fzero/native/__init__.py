@@ -36,6 +36,8 @@ OpenMP threads above `parallel_threshold()` elements and release the GIL.
 The modules: `binding` (the extension and the path's choice), `kernels` (Adam's entry points and the statistics),
 `kernels_more` (Lion's and Adagrad's), `checks` (their tensor arguments), `segments` (per-group values and segment
 tables), `hyper` (a step's scalars), `twin` (the pure-torch path), `ops` (the `torch.library` custom ops).
+
+May import: nothing of fzero.
 """
 
 from __future__ import annotations

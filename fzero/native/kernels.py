@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import binding, twin
-from .checks import DTYPE, F32, LOW, check_aliasing, check_tensor
+from .checks import DTYPE, F32, LOW, StepTensors, check_step, check_tensor
 from .hyper import adam_hyper
 from .segments import PerGroup, PerGroupValues, Segments, check_table, per_group, segment_arrays
 
-__all__ = ["adam_step", "ceiling", "grad_stats", "sumsq"]
+__all__ = ["adam_step", "ceiling", "grad_stats", "run_step", "sumsq"]
 
 
 def resolve_groups(
@@ -99,57 +100,76 @@ def adam_step(
       TypeError, ValueError: naming the tensor, hyper-parameter or segment-table entry at fault.
     """
     where = "adam_step"
-    n = params.numel() if isinstance(params, Tensor) else 0
-    check_tensor(where, "params", params, n, F32)
-    check_tensor(where, "grads", grads, n, DTYPE)
-    check_tensor(where, "exp_avg", exp_avg, n, F32)
-    check_tensor(where, "exp_avg_sq", exp_avg_sq, n, F32)
-    p_out = params if params_out is None else check_tensor(where, "params_out", params_out, n, F32)
-    m_out = exp_avg if exp_avg_out is None else check_tensor(where, "exp_avg_out", exp_avg_out, n, F32)
-    v_out = exp_avg_sq if exp_avg_sq_out is None else check_tensor(where, "exp_avg_sq_out", exp_avg_sq_out, n, F32)
-    outputs = {"params_out": p_out, "exp_avg_out": m_out, "exp_avg_sq_out": v_out}
-    if out is not None:
-        outputs["out"] = check_tensor(where, "out", out, n, LOW)
-    inputs = {"params": params, "grads": grads, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    check_aliasing(where, inputs, outputs)
+    outputs = {"params_out": params_out, "exp_avg_out": exp_avg_out, "exp_avg_sq_out": exp_avg_sq_out}
+    checked = check_step(where, params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, outputs, out)
     if not isinstance(betas, Sequence) or len(betas) != 2:
         raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    n = params.numel()
     values = {"lr": lr, "betas[0]": betas[0], "betas[1]": betas[1], "eps": eps, "weight_decay": weight_decay}
     groups, table = resolve_groups(where, values, segments, n)
     hypers = [
         adam_hyper(step, lr_g, b1, b2, eps_g, wd, decoupled, bias_correction, grad_scale)
         for lr_g, b1, b2, eps_g, wd in groups.rows
     ]
+    run_step(where, "adam", hypers, table, groups, (params, grads, exp_avg, exp_avg_sq), checked)
+
+
+def run_step(
+    where: str,
+    kernel: str,
+    hypers: Sequence[Any],
+    table: tuple[Tensor, Tensor] | None,
+    groups: PerGroupValues,
+    inputs: tuple[Tensor, ...],
+    checked: StepTensors,
+) -> None:
+    """Run a checked step of `fz_<kernel>_step` (one group) or `fz_<kernel>_step_segments`, or of the twin's
+    `<kernel>_step` where the path is "torch"; explain a segment table the kernel refuses.
+
+    Args:
+      where: the calling function's name, for the messages.
+      kernel: "adam", "lion" or "adagrad".
+      hypers: each group's scalars (an `AdamHyper`, ...: a NamedTuple fills the C struct in field order).
+      table: the segment table, or None (one group: `hypers[0]`).
+      groups: the per-group values the table was checked against.
+      inputs: `(params, grads, *states)`, as the kernel takes them.
+      checked: the step's outputs (`params_out`, then each state's) and copy-out, from `check_step`.
+    """
+    outputs, out = tuple(checked.outputs.values()), checked.out
     if binding.isa() == "torch":
         segs = None if table is None else (table[0].tolist(), table[1].tolist())
-        twin.adam_step(hypers if table is not None else hypers[0], params, grads, exp_avg, exp_avg_sq, out, p_out,
-                       m_out, v_out, segments=segs)  # fmt: skip
+        step = getattr(twin, f"{kernel}_step")
+        step(hypers if table is not None else hypers[0], *inputs, out, *outputs, segments=segs)
         return
+    n = inputs[0].numel()
     if n == 0:
         return
     ffi, lib = binding.ffi, binding.lib
+    params, grads, *states = inputs
     fp = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
     common = (
         n,
         fp(params),
         ffi.cast("void *", grads.data_ptr()),
         DTYPE[grads.dtype],
-        fp(exp_avg),
-        fp(exp_avg_sq),
-        fp(p_out),
-        fp(m_out),
-        fp(v_out),
+        *(fp(t) for t in (*states, *outputs)),
         ffi.cast("void *", out.data_ptr()) if out is not None else ffi.NULL,
         LOW[out.dtype] if out is not None else -1,
         torch.get_num_threads(),
     )
+    ctype = f"fz_{kernel}_hyper"
     if table is None:
-        rc = lib.fz_adam_step(ffi.new("fz_adam_hyper *", hypers[0]._asdict()), *common)
+        rc = getattr(lib, f"fz_{kernel}_step")(ffi.new(f"{ctype} *", hypers[0]), *common)
     else:
         ends, group = table
-        rc = lib.fz_adam_step_segments(ffi.new("fz_adam_hyper[]", hypers), len(hypers),  # field order = C's
-                                       ffi.cast("int64_t *", ends.data_ptr()), ffi.cast("int64_t *", group.data_ptr()),
-                                       ends.numel(), *common)  # fmt: skip
+        rc = getattr(lib, f"fz_{kernel}_step_segments")(
+            ffi.new(f"{ctype}[]", list(hypers)),
+            len(hypers),
+            ffi.cast("int64_t *", ends.data_ptr()),
+            ffi.cast("int64_t *", group.data_ptr()),
+            ends.numel(),
+            *common,
+        )
         if rc == -2:  # the kernel refused the segment table (and wrote nothing): say what is wrong with it
             check_table(where, ends, group, n, groups.ngroups, groups.first)
     if rc != 0:  # unreachable after the checks above; kept so a C-side refusal never passes silently

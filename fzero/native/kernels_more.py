@@ -9,16 +9,13 @@ elements and release the GIL.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import torch
 from torch import Tensor
 
-from . import binding, twin
-from .checks import DTYPE, LOW, check_step
+from .checks import check_step
 from .hyper import adagrad_hyper, lion_hyper
-from .kernels import resolve_groups
-from .segments import PerGroup, PerGroupValues, Segments, check_table
+from .kernels import resolve_groups, run_step
+from .segments import PerGroup, Segments
 
 __all__ = ["adagrad_step", "lion_step"]
 
@@ -59,6 +56,7 @@ def lion_step(
       TypeError, ValueError: naming the tensor, hyper-parameter or segment-table entry at fault.
 
     Example:
+      >>> import torch
       >>> p, m = torch.zeros(3), torch.zeros(3)
       >>> lion_step(p, torch.tensor([2.0, -1.0, 0.0]), m, lr=0.1)
       >>> p
@@ -73,13 +71,7 @@ def lion_step(
     values = {"lr": lr, "betas[0]": betas[0], "betas[1]": betas[1], "weight_decay": weight_decay}
     groups, table = resolve_groups(where, values, segments, n)
     hypers = [lion_hyper(lr_g, b1, b2, wd, grad_scale) for lr_g, b1, b2, wd in groups.rows]
-    p_out, m_out = checked.outputs.values()
-    if binding.isa() == "torch":
-        segs = None if table is None else (table[0].tolist(), table[1].tolist())
-        twin.lion_step(hypers if segs is not None else hypers[0], params, grads, exp_avg, checked.out, p_out, m_out,
-                       segments=segs)  # fmt: skip
-        return
-    _call(where, "lion", hypers, table, groups, n, (params, grads, exp_avg, p_out, m_out), checked.out)
+    run_step(where, "lion", hypers, table, groups, (params, grads, exp_avg), checked)
 
 
 def adagrad_step(
@@ -114,14 +106,13 @@ def adagrad_step(
       lr, lr_decay, eps, weight_decay: as `torch.optim.Adagrad`; with `segments`, each a float for every group or a
         sequence with one float per group.
       grad_scale: multiplies every gradient as it is loaded (before the weight decay is added).
-      out: optional bfloat16 / float16 tensor that receives the new parameters, bitwise `params.to(out.dtype)`.
-      params_out, state_sum_out: where to write the new values (default: in place).
-      segments: `(ends, group)`, as for `adam_step`.
+      out, params_out, state_sum_out, segments: as for `lion_step` (`state_sum_out` the running sum's).
 
     Raises:
-      TypeError, ValueError: naming the tensor, hyper-parameter or segment-table entry at fault.
+      As `lion_step`.
 
     Example:
+      >>> import torch
       >>> p, s = torch.zeros(2), torch.zeros(2)
       >>> adagrad_step(p, torch.tensor([2.0, 0.0]), s, step=1, lr=0.1)
       >>> p, s
@@ -134,58 +125,4 @@ def adagrad_step(
     values = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay}
     groups, table = resolve_groups(where, values, segments, n)
     hypers = [adagrad_hyper(step, lr_g, decay, eps_g, wd, grad_scale) for lr_g, decay, eps_g, wd in groups.rows]
-    p_out, s_out = checked.outputs.values()
-    if binding.isa() == "torch":
-        segs = None if table is None else (table[0].tolist(), table[1].tolist())
-        twin.adagrad_step(hypers if segs is not None else hypers[0], params, grads, state_sum, checked.out, p_out,
-                          s_out, segments=segs)  # fmt: skip
-        return
-    _call(where, "adagrad", hypers, table, groups, n, (params, grads, state_sum, p_out, s_out), checked.out)
-
-
-def _call(
-    where: str,
-    kernel: str,
-    hypers: Sequence[Any],
-    table: tuple[Tensor, Tensor] | None,
-    groups: PerGroupValues,
-    n: int,
-    tensors: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
-    out: Tensor | None,
-) -> None:
-    """Call `fz_<kernel>_step` (one group) or `fz_<kernel>_step_segments` on `(params, grads, state, params_out,
-    state_out)` and the copy-out; explain a refused segment table."""
-    if n == 0:
-        return
-    ffi, lib = binding.ffi, binding.lib
-    p, g, s, p_out, s_out = tensors
-    fp = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
-    common = (
-        n,
-        fp(p),
-        ffi.cast("void *", g.data_ptr()),
-        DTYPE[g.dtype],
-        fp(s),
-        fp(p_out),
-        fp(s_out),
-        ffi.cast("void *", out.data_ptr()) if out is not None else ffi.NULL,
-        LOW[out.dtype] if out is not None else -1,
-        torch.get_num_threads(),
-    )
-    ctype = f"fz_{kernel}_hyper"
-    if table is None:
-        rc = getattr(lib, f"fz_{kernel}_step")(ffi.new(f"{ctype} *", hypers[0]), *common)
-    else:
-        ends, group = table
-        rc = getattr(lib, f"fz_{kernel}_step_segments")(
-            ffi.new(f"{ctype}[]", list(hypers)),  # a NamedTuple fills the struct in field order (= C's)
-            len(hypers),
-            ffi.cast("int64_t *", ends.data_ptr()),
-            ffi.cast("int64_t *", group.data_ptr()),
-            ends.numel(),
-            *common,
-        )
-        if rc == -2:  # the kernel refused the segment table (and wrote nothing): say what is wrong with it
-            check_table(where, ends, group, n, groups.ngroups, groups.first)
-    if rc != 0:  # unreachable after the checks above; kept so a C-side refusal never passes silently
-        raise RuntimeError(f"{where}: the kernel rejected its arguments (code {rc})")
+    run_step(where, "adagrad", hypers, table, groups, (params, grads, state_sum), checked)

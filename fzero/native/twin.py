@@ -44,39 +44,14 @@ def adam_step(
     Without `segments`, `h` is the step's one `AdamHyper`. With `segments = (ends, group)` (a validated table, as
     lists of ints), `h` holds one `AdamHyper` per group, and each non-empty segment runs the ungrouped step on its
     slice of the flat buffers with `h[group[s]]`: bitwise what an ungrouped call on that slice gives, by
-    construction (the same torch operations on the same views).
+    construction (the same torch operations on the same views). Each segment runs whole, not in blocks.
     """
-    if segments is None:
-        _step(cast(AdamHyper, h), params, grads, exp_avg, exp_avg_sq, out, params_out, exp_avg_out, exp_avg_sq_out)
-        return
-    per_group = cast(Sequence[AdamHyper], h)  # (an AdamHyper is a sequence too: the segments say which h is)
-    flat = [t.view(-1) for t in (params, grads, exp_avg, exp_avg_sq)]
-    flat_outs = [t.view(-1) for t in (params_out, exp_avg_out, exp_avg_sq_out)]
-    flat16 = out.view(-1) if out is not None else None
-    # an in-place output is its input's very slice object, as in an ungrouped in-place call on that slice
-    in_place = [o is i for o, i in zip((params_out, exp_avg_out, exp_avg_sq_out), (params, exp_avg, exp_avg_sq),
-                                       strict=True)]  # fmt: skip
-    begin = 0
-    for end, g in zip(*segments, strict=True):
-        if end > begin:
-            p, gr, m, v = (t[begin:end] for t in flat)
-            p_out, m_out, v_out = (x if same else o[begin:end] for x, o, same in zip((p, m, v), flat_outs, in_place,
-                                                                                      strict=True))  # fmt: skip
-            _step(per_group[g], p, gr, m, v, flat16[begin:end] if flat16 is not None else None, p_out, m_out, v_out)
-        begin = end
+    inputs = (params, grads, exp_avg, exp_avg_sq)
+    _by_segment(_adam, h, inputs, (params_out, exp_avg_out, exp_avg_sq_out), out, segments, block=None)
 
 
-def _step(
-    h: AdamHyper,
-    params: Tensor,
-    grads: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    out: Tensor | None,
-    params_out: Tensor,
-    exp_avg_out: Tensor,
-    exp_avg_sq_out: Tensor,
-) -> None:
+def _adam(h: AdamHyper, params: Tensor, grads: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Tensor | None,
+          params_out: Tensor, exp_avg_out: Tensor, exp_avg_sq_out: Tensor) -> None:  # fmt: skip
     g = grads.to(torch.float32)
     if h.grad_scale != 1.0:
         g = g * h.grad_scale
@@ -184,13 +159,17 @@ def _by_segment(
     outputs: Sequence[Tensor],
     out: Tensor | None,
     segments: tuple[Sequence[int], Sequence[int]] | None,
+    block: int | None = _BLOCK,
 ) -> None:
-    """Run `step(h, *inputs, out, *outputs)` block by block on the flat buffers, or with `segments = (ends, group)`
-    (a validated table) on each non-empty segment's slices with `h[group[s]]`. `inputs` are the parameters, the
-    gradients and the states; `outputs` match `inputs` without the gradients (an output may be its input itself:
-    in place). Every element is computed alone, from the inputs only, so neither blocks nor segments change a bit:
-    a segment gives what an ungrouped call on its slice gives."""
+    """Run `step(h, *inputs, out, *outputs)` on the flat buffers, or with `segments = (ends, group)` (a validated
+    table) on each non-empty segment's slices with `h[group[s]]`, in blocks of `block` elements (None: whole).
+    `inputs` are the parameters, the gradients and the states; `outputs` match `inputs` without the gradients (an
+    output may be its input itself: in place, and then `step` gets the input's very slice). Every element is
+    computed alone, from the inputs only, so neither blocks nor segments change a bit: a segment gives what an
+    ungrouped call on its slice gives."""
     flat = [t.view(-1) for t in inputs]
+    # an in-place output is its input's slice object, as in an ungrouped in-place call on that slice
+    same = [next((k for k, t in enumerate(inputs) if t is o), None) for o in outputs]
     flat_outs = [t.view(-1) for t in outputs]
     flat16 = out.view(-1) if out is not None else None
     if segments is None:
@@ -200,10 +179,12 @@ def _by_segment(
         starts = [0, *segments[0][:-1]]
         runs = [(a, b, per_group[g]) for a, b, g in zip(starts, segments[0], segments[1], strict=True) if b > a]
     for begin, end, hg in runs:
-        for a in range(begin, end, _BLOCK):
-            b = min(a + _BLOCK, end)
-            step(hg, *(t[a:b] for t in flat), flat16[a:b] if flat16 is not None else None,
-                 *(t[a:b] for t in flat_outs))  # fmt: skip
+        size = block or max(end - begin, 1)
+        for a in range(begin, end, size):
+            b = min(a + size, end)
+            ins = [t[a:b] for t in flat]
+            outs = [ins[k] if k is not None else t[a:b] for k, t in zip(same, flat_outs, strict=True)]
+            step(hg, *ins, flat16[a:b] if flat16 is not None else None, *outs)
 
 
 def lion_step(

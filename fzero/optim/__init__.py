@@ -3,6 +3,8 @@
 They know nothing of sharding: a shard, a full buffer and a single tensor are all just tensors. Every operation of
 `adam(w)`, `sgd`, `lion` and `adagrad` is elementwise, so an update of a shard equals the same slice of the update of
 the whole buffer bitwise; `lamb`'s per-tensor norms are given the tensors' places (`fzero.optim.tensors`).
+
+May import: `fzero.native`, `fzero.layout`.
 """
 
 from .adagrad import adagrad

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from .base import AdagradState, Hyper, Optimizer, check_hyper, hyper_value
-from .groups import ParamGroups, Segments
+from .grouped import Ops, elementwise
+from .groups import ParamGroups
 
 __all__ = ["AdagradState", "adagrad"]
 
@@ -81,41 +82,17 @@ def adagrad(
     def init(params: Tensor) -> AdagradState:
         return AdagradState(torch.tensor(0, dtype=torch.int64), torch.full_like(params, initial_accumulator_value))
 
-    def update(
-        grads: Tensor, state: AdagradState, params: Tensor, *, donate: bool = False, segments: Segments | None = None
-    ) -> tuple[Tensor, AdagradState]:
-        applied = int(state.count)
-        if segments is not None:
-            return _grouped(grads, state, params, donate, segments, defaults)
-        if weight_decay != 0:
-            grads = grads.add(params, alpha=weight_decay)
-        s = torch.addcmul(state.sum, grads, grads, value=1, out=state.sum if donate else None)
-        std = s.sqrt().add_(eps)
-        p = torch.addcdiv(params, grads, std, value=-_clr(defaults, applied), out=params if donate else None)
-        return p, AdagradState(torch.tensor(applied + 1, dtype=torch.int64), s)
-
-    return Optimizer(init, update, defaults=defaults, groups=groups, check=check)
+    return elementwise(init, _update, defaults, check, groups)
 
 
-def _grouped(
-    grads: Tensor, state: AdagradState, params: Tensor, donate: bool, segments: Segments, defaults: Mapping[str, Any]
-) -> tuple[Tensor, AdagradState]:
-    """The update group by group: per group, the ungrouped path's torch ops on the views of its segments
-    (`_foreach_` ops: one call per op for all of a group's segments), with the group's scalars."""
-    applied = int(state.count)
-    p, s = (params, state.sum) if donate else (params.clone(), state.sum.clone())
-    flat_p, flat_g, flat_s = (x.reshape(-1) for x in (p, grads, s))
-    for group, ranges in segments.pieces().items():
-        h = {**defaults, **segments.overrides[group]}
-        ps, ss = ([x[a:b] for a, b in ranges] for x in (flat_p, flat_s))
-        gs: list[Tensor] | tuple[Tensor, ...] = [flat_g[a:b] for a, b in ranges]
-        if h["weight_decay"] != 0:
-            gs = torch._foreach_add(gs, ps, alpha=h["weight_decay"])
-        torch._foreach_addcmul_(ss, gs, gs, value=1)
-        std = torch._foreach_sqrt(ss)
-        torch._foreach_add_(std, h["eps"])
-        torch._foreach_addcdiv_(ps, gs, std, value=-_clr(h, applied))
-    return p, AdagradState(torch.tensor(applied + 1, dtype=torch.int64), s)
+def _update(h: Mapping[str, Any], applied: int, ops: Ops, ps: list[Tensor], gs: list[Tensor], ss: list[Tensor]) -> None:
+    """One update in place on the pieces `update_by_group` gives, in `torch.optim.Adagrad`'s operation order."""
+    if h["weight_decay"] != 0:
+        gs = ops.add(gs, ps, alpha=h["weight_decay"])
+    ops.addcmul_(ss, gs, gs, value=1)
+    std = ops.sqrt(ss)
+    ops.add_(std, h["eps"])
+    ops.addcdiv_(ps, gs, std, value=-_clr(h, applied))
 
 
 def checker(initial_accumulator_value: float) -> Callable[[Mapping[str, Any]], None]:

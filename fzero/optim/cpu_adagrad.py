@@ -20,15 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from .. import native
-from .adagrad import checker
-from .base import AdagradState, Hyper, Optimizer, hyper_value
-from .groups import ParamGroups, Segments
-from .native_common import FEATURES, scalars
-from .native_common import check_params as _check_params
+from .adagrad import adagrad
+from .base import Hyper, Optimizer, hyper_value
+from .groups import ParamGroups
+from .native_common import PerGroup, native_optimizer
 
 __all__ = ["cpu_adagrad"]
 
@@ -73,41 +69,15 @@ def cpu_adagrad(
       (tensor([-0.1000,  0.0000]), tensor([4., 0.]))
     """
 
-    check = checker(initial_accumulator_value)
-    defaults = {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
-                "initial_accumulator_value": initial_accumulator_value, "eps": eps}  # fmt: skip
-    check(defaults)
-    native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
+    like = adagrad(lr, lr_decay, weight_decay, initial_accumulator_value, eps, groups=groups)  # state and checks
 
     def values(h: Mapping[str, Any], applied: int) -> tuple[float, float, float, float]:
         return hyper_value(h["lr"], applied), h["lr_decay"], h["eps"], h["weight_decay"]
 
-    def init(params: Tensor) -> AdagradState:
-        _check_params("cpu_adagrad", params)
-        return AdagradState(torch.tensor(0, dtype=torch.int64), torch.full_like(params, initial_accumulator_value))
+    def kernel(step: int, scalars: tuple[PerGroup, ...], *tensors: Any, **fused: Any) -> None:
+        lr_t, decay_t, eps_t, wd_t = scalars
+        p, g, s, p_out, s_out = tensors
+        native.adagrad_step(p, g, s, step=step, lr=lr_t, lr_decay=decay_t, eps=eps_t, weight_decay=wd_t,
+                            params_out=p_out, state_sum_out=s_out, **fused)  # fmt: skip
 
-    def update(
-        grads: Tensor,
-        state: AdagradState,
-        params: Tensor,
-        *,
-        donate: bool = False,
-        grad_scale: float = 1.0,
-        out: Tensor | None = None,
-        segments: Segments | None = None,
-    ) -> tuple[Tensor, AdagradState]:
-        _check_params("cpu_adagrad", params)
-        applied = int(state.count)
-        (lr_t, decay_t, eps_t, wd_t), table = scalars(values, defaults, applied, segments)
-        if donate:
-            p, s = params, state.sum
-            p_out = s_out = None
-        else:  # pure: the kernel reads the inputs and writes fresh buffers, in the same single pass
-            p, s = torch.empty_like(params), torch.empty_like(state.sum)
-            p_out, s_out = p, s
-        native.adagrad_step(params, grads.contiguous(), state.sum, step=applied + 1, lr=lr_t, lr_decay=decay_t,
-                            eps=eps_t, weight_decay=wd_t, grad_scale=grad_scale, out=out, segments=table,
-                            params_out=p_out, state_sum_out=s_out)  # fmt: skip
-        return p, AdagradState(torch.tensor(applied + 1, dtype=torch.int64), s)
-
-    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=check)
+    return native_optimizer("cpu_adagrad", like.init, kernel, values, like.defaults, like.check, groups)

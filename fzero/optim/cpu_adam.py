@@ -17,82 +17,31 @@ and tested in `tests/test_native.py`.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from collections.abc import Mapping
+from typing import Any
 
 from .. import native
-from . import adam_core, native_common
-from .base import AdamState, Hyper, Optimizer
-from .groups import ParamGroups, Segments
+from . import adam_core
+from .base import Hyper, Optimizer
+from .groups import ParamGroups
+from .native_common import PerGroup, native_optimizer
 
 __all__ = ["cpu_adam", "cpu_adamw"]
 
-FEATURES = native_common.FEATURES
-
 
 def _cpu_adam(
-    lr: Hyper,
-    betas: tuple[Hyper, Hyper],
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    bias_correction: bool,
-    groups: ParamGroups | None,
+    defaults: Mapping[str, Any], decoupled: bool, bias_correction: bool, groups: ParamGroups | None
 ) -> Optimizer:
-    defaults = adam_core.make_defaults(lr, betas, eps, weight_decay)
+    def kernel(step: int, scalars: tuple[PerGroup, ...], *tensors: Any, **fused: Any) -> None:
+        lr_t, b1_t, b2_t, eps_t, wd_t = scalars
+        p, g, m, v, p_out, m_out, v_out = tensors
+        native.adam_step(p, g, m, v, step=step, lr=lr_t, betas=(b1_t, b2_t), eps=eps_t, weight_decay=wd_t,
+                         decoupled=decoupled, bias_correction=bias_correction, params_out=p_out, exp_avg_out=m_out,
+                         exp_avg_sq_out=v_out, **fused)  # fmt: skip
+
     name = "cpu_adamw" if decoupled else "cpu_adam"
-    native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
-
-    def check_params(params: Tensor) -> None:
-        native_common.check_params(name, params)
-
-    def init(params: Tensor) -> AdamState:
-        check_params(params)
-        return adam_core.init_state(params)
-
-    def update(
-        grads: Tensor,
-        state: AdamState,
-        params: Tensor,
-        *,
-        donate: bool = False,
-        grad_scale: float = 1.0,
-        out: Tensor | None = None,
-        segments: Segments | None = None,
-    ) -> tuple[Tensor, AdamState]:
-        check_params(params)
-        applied = int(state.count)
-        (lr_t, b1_t, b2_t, eps_t, wd_t), table = native_common.scalars(adam_core.step_values, defaults, applied,
-                                                                         segments)  # fmt: skip
-        betas_t = (b1_t, b2_t)
-        if donate:
-            p, m, v = params, state.exp_avg, state.exp_avg_sq
-            p_out = m_out = v_out = None
-        else:  # pure: the kernel reads the inputs and writes fresh buffers, in the same single pass
-            p, m, v = torch.empty_like(params), torch.empty_like(state.exp_avg), torch.empty_like(state.exp_avg_sq)
-            p_out, m_out, v_out = p, m, v
-        native.adam_step(
-            params,
-            grads.contiguous(),
-            state.exp_avg,
-            state.exp_avg_sq,
-            step=applied + 1,
-            lr=lr_t,
-            betas=betas_t,
-            eps=eps_t,
-            weight_decay=wd_t,
-            decoupled=decoupled,
-            bias_correction=bias_correction,
-            grad_scale=grad_scale,
-            out=out,
-            segments=table,
-            params_out=p_out,
-            exp_avg_out=m_out,
-            exp_avg_sq_out=v_out,
-        )
-        return p, adam_core.next_state(applied + 1, m, v)
-
-    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=adam_core.check)
+    return native_optimizer(name, adam_core.init_state, kernel, adam_core.step_values, defaults, adam_core.check,
+                            groups)  # fmt: skip
 
 
 def cpu_adamw(
@@ -122,7 +71,7 @@ def cpu_adamw(
       >>> p
       tensor([0.9000, 0.9000, 0.9000])
     """
-    return _cpu_adam(lr, betas, eps, weight_decay, True, bias_correction, groups)
+    return _cpu_adam(adam_core.make_defaults(lr, betas, eps, weight_decay), True, bias_correction, groups)
 
 
 def cpu_adam(
@@ -136,4 +85,4 @@ def cpu_adam(
 ) -> Optimizer:
     """Adam with an L2 penalty (`g <- g + weight_decay p`, as `torch.optim.Adam`) on the native CPU kernel; see
     `cpu_adamw`. Unlike DeepSpeed's `"type": "Adam"`, this is never silently AdamW."""
-    return _cpu_adam(lr, betas, eps, weight_decay, False, bias_correction, groups)
+    return _cpu_adam(adam_core.make_defaults(lr, betas, eps, weight_decay), False, bias_correction, groups)

@@ -17,26 +17,15 @@ momentum and the parameters per step, and takes the same sign unless the interpo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from .. import native
-from .base import Hyper, LionState, Optimizer, hyper_value
-from .groups import ParamGroups, Segments
-from .lion import check
-from .native_common import FEATURES, scalars
-from .native_common import check_params as _check_params
+from .base import Hyper, Optimizer
+from .groups import ParamGroups
+from .lion import lion, step_values
+from .native_common import PerGroup, native_optimizer
 
 __all__ = ["cpu_lion"]
-
-
-def _values(h: Mapping[str, Any], applied: int) -> tuple[float, float, float, float]:
-    """`(lr, beta1, beta2, weight_decay)` of the update after `applied` applied updates (schedules evaluated)."""
-    return (hyper_value(h["lr"], applied), hyper_value(h["betas"][0], applied), hyper_value(h["betas"][1], applied),
-            hyper_value(h["weight_decay"], applied))  # fmt: skip
 
 
 def cpu_lion(
@@ -50,16 +39,11 @@ def cpu_lion(
     `p <- p (1 - lr weight_decay) - lr sign(c)` and `m <- beta2 m + (1 - beta2) g`.
 
     Args:
-      lr: learning rate, a float or a function of the number of updates already applied. Every element moves by
-        `lr`: Lion's learning rate is typically 3-10x smaller than AdamW's.
-      betas: `beta1` interpolates the momentum and the gradient for the update's sign, `beta2` is the momentum's
-        decay (each may be a schedule).
-      weight_decay: decoupled decay, `p <- p (1 - lr weight_decay)` before the signed step (a schedule too).
-      groups: parameter groups (`fzero.param_groups`): other values of `lr`, `betas`, `weight_decay` for the
-        parameters they name.
+      lr, betas, weight_decay, groups: as `fzero.lion` (each hyper-parameter a constant or a schedule; Lion's
+        learning rate is typically 3-10x smaller than AdamW's).
 
     Returns:
-      The `Optimizer`; its state is `LionState(count, exp_avg)`.
+      The `Optimizer`; its state is `fzero.lion`'s, `LionState(count, exp_avg)`.
 
     Example:
       >>> import torch
@@ -70,39 +54,12 @@ def cpu_lion(
       >>> p
       tensor([-0.1000,  0.1000,  0.0000])
     """
-    defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
-    check(defaults)
-    native.isa()  # choose the path now: a missing extension warns at construction, not mid-training
+    like = lion(lr, betas, weight_decay, groups=groups)  # its state and checks
 
-    def check_params(params: Tensor) -> None:
-        _check_params("cpu_lion", params)
+    def kernel(step: int, scalars: tuple[PerGroup, ...], *tensors: Any, **fused: Any) -> None:
+        lr_t, b1_t, b2_t, wd_t = scalars
+        p, g, m, p_out, m_out = tensors
+        native.lion_step(p, g, m, lr=lr_t, betas=(b1_t, b2_t), weight_decay=wd_t, params_out=p_out,
+                         exp_avg_out=m_out, **fused)  # fmt: skip
 
-    def init(params: Tensor) -> LionState:
-        check_params(params)
-        return LionState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params))
-
-    def update(
-        grads: Tensor,
-        state: LionState,
-        params: Tensor,
-        *,
-        donate: bool = False,
-        grad_scale: float = 1.0,
-        out: Tensor | None = None,
-        segments: Segments | None = None,
-    ) -> tuple[Tensor, LionState]:
-        check_params(params)
-        applied = int(state.count)
-        (lr_t, b1_t, b2_t, wd_t), table = scalars(_values, defaults, applied, segments)
-        if donate:
-            p, m = params, state.exp_avg
-            p_out = m_out = None
-        else:  # pure: the kernel reads the inputs and writes fresh buffers, in the same single pass
-            p, m = torch.empty_like(params), torch.empty_like(state.exp_avg)
-            p_out, m_out = p, m
-        native.lion_step(params, grads.contiguous(), state.exp_avg, lr=lr_t, betas=(b1_t, b2_t), weight_decay=wd_t,
-                         grad_scale=grad_scale, out=out, segments=table, params_out=p_out,
-                         exp_avg_out=m_out)  # fmt: skip
-        return p, LionState(torch.tensor(applied + 1, dtype=torch.int64), m)
-
-    return Optimizer(init, update, FEATURES, defaults=defaults, groups=groups, check=check)
+    return native_optimizer("cpu_lion", like.init, kernel, step_values, like.defaults, like.check, groups)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from . import adam_core
 from .base import AdamState, Hyper, Optimizer
+from .grouped import owned
 from .groups import ParamGroups, Segments
 from .native_common import FEATURES
 
@@ -55,19 +56,11 @@ def torch_fused_adam(
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def update(
-        grads: Tensor,
-        state: AdamState,
-        params: Tensor,
-        *,
-        donate: bool = False,
-        segments: Segments | None = None,
+        grads: Tensor, state: AdamState, params: Tensor, *, donate: bool = False, segments: Segments | None = None
     ) -> tuple[Tensor, AdamState]:
         applied = int(state.count)  # (the count lives on the CPU: reading it does not wait for the device)
         t = applied + 1
-        if donate:
-            p, m, v = params, state.exp_avg, state.exp_avg_sq
-        else:
-            p, m, v = params.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
+        p, m, v = owned(donate, params, state.exp_avg, state.exp_avg_sq)
         # torch keeps a float32 step on the parameters' device; `full` writes it there without a host copy
         step = torch.full((), float(t), dtype=torch.float32, device=p.device)
         whole = [(0, p.numel())]

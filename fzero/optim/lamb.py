@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import adam_core
 from .base import AdamState, Hyper, Optimizer, check_hyper
+from .grouped import owned
 from .groups import ParamGroups, Segments
 from .tensors import Tensors
 
@@ -87,10 +88,7 @@ def lamb(
         tensors: Tensors | None = None,
     ) -> tuple[Tensor, AdamState]:
         applied = int(state.count)
-        if donate:
-            p, m, v = params, state.exp_avg, state.exp_avg_sq
-        else:
-            p, m, v = params.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
+        p, m, v = owned(donate, params, state.exp_avg, state.exp_avg_sq)
         n = p.numel()
         flat_p, flat_g, flat_m, flat_v = (x.reshape(-1) for x in (p, grads, m, v))
         segments = segments or Segments((n,), (0,), ({},))

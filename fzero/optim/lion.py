@@ -54,7 +54,8 @@ import torch
 from torch import Tensor
 
 from .base import Hyper, LionState, Optimizer, check_hyper, hyper_value
-from .groups import ParamGroups, Segments
+from .grouped import Ops, elementwise
+from .groups import ParamGroups
 
 __all__ = ["LionState", "lion"]
 
@@ -70,11 +71,16 @@ class _Step(NamedTuple):
     neg_lr: float
 
 
+def step_values(h: Mapping[str, Any], applied: int) -> tuple[float, float, float, float]:
+    """`(lr, beta1, beta2, weight_decay)` of the update after `applied` applied updates (schedules evaluated), from
+    the hyper-parameters `h` (shared with `cpu_lion`)."""
+    return (hyper_value(h["lr"], applied), hyper_value(h["betas"][0], applied), hyper_value(h["betas"][1], applied),
+            hyper_value(h["weight_decay"], applied))  # fmt: skip
+
+
 def _step(h: Mapping[str, Any], applied: int) -> _Step:
     """The scalars of the update after `applied` applied updates, from the hyper-parameters `h`."""
-    lr = hyper_value(h["lr"], applied)
-    b1, b2 = hyper_value(h["betas"][0], applied), hyper_value(h["betas"][1], applied)
-    wd = hyper_value(h["weight_decay"], applied)
+    lr, b1, b2, wd = step_values(h, applied)
     return _Step(b1, 1 - b1, b2, 1 - b2, 1 - lr * wd if wd != 0 else None, -lr)
 
 
@@ -133,46 +139,18 @@ def lion(
     def init(params: Tensor) -> LionState:
         return LionState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params))
 
-    def update(
-        grads: Tensor, state: LionState, params: Tensor, *, donate: bool = False, segments: Segments | None = None
-    ) -> tuple[Tensor, LionState]:
-        applied = int(state.count)
-        if segments is not None:
-            return _grouped(grads, state, params, donate, segments, defaults)
-        s = _step(defaults, applied)
-        m = state.exp_avg
-        c = torch.mul(m, s.beta1)
-        t = torch.mul(grads, s.one_minus_beta1)
-        c.add_(t).sign_()
-        p = params
-        if s.decay is not None:
-            p = torch.mul(p, s.decay, out=p if donate else None)
-        # -lr * sign(c) is exact (sign is -1, 0 or 1): one rounding, fused or not
-        p = torch.add(p, c, alpha=s.neg_lr, out=p if donate or p is not params else None)
-        m = torch.mul(m, s.beta2, out=m if donate else None)
-        m.add_(torch.mul(grads, s.one_minus_beta2, out=t))  # m is ours: donated, or fresh from the mul
-        return p, LionState(torch.tensor(applied + 1, dtype=torch.int64), m)
-
-    return Optimizer(init, update, defaults=defaults, groups=groups, check=check)
+    return elementwise(init, _update, defaults, check, groups)
 
 
-def _grouped(
-    grads: Tensor, state: LionState, params: Tensor, donate: bool, segments: Segments, defaults: Mapping[str, Any]
-) -> tuple[Tensor, LionState]:
-    """The update group by group: per group, the ungrouped path's torch ops on the views of its segments
-    (`_foreach_` ops: one call per op for all of a group's segments), with the group's scalars."""
-    applied = int(state.count)
-    p, m = (params, state.exp_avg) if donate else (params.clone(), state.exp_avg.clone())
-    flat_p, flat_g, flat_m = (x.reshape(-1) for x in (p, grads, m))
-    for group, ranges in segments.pieces().items():
-        s = _step({**defaults, **segments.overrides[group]}, applied)
-        ps, gs, ms = ([x[a:b] for a, b in ranges] for x in (flat_p, flat_g, flat_m))
-        cs = torch._foreach_mul(ms, s.beta1)
-        torch._foreach_add_(cs, torch._foreach_mul(gs, s.one_minus_beta1))
-        torch._foreach_sign_(cs)
-        if s.decay is not None:
-            torch._foreach_mul_(ps, s.decay)
-        torch._foreach_add_(ps, cs, alpha=s.neg_lr)
-        torch._foreach_mul_(ms, s.beta2)
-        torch._foreach_add_(ms, torch._foreach_mul(gs, s.one_minus_beta2))
-    return p, LionState(torch.tensor(applied + 1, dtype=torch.int64), m)
+def _update(h: Mapping[str, Any], applied: int, ops: Ops, ps: list[Tensor], gs: list[Tensor], ms: list[Tensor]) -> None:
+    """One update in place on the pieces `update_by_group` gives, in the order the module's notes state."""
+    s = _step(h, applied)
+    cs = ops.mul(ms, s.beta1)
+    ops.add_(cs, ops.mul(gs, s.one_minus_beta1))
+    ops.sign_(cs)
+    if s.decay is not None:
+        ops.mul_(ps, s.decay)
+    # -lr * sign(c) is exact (sign is -1, 0 or 1): one rounding, fused or not
+    ops.add_(ps, cs, alpha=s.neg_lr)
+    ops.mul_(ms, s.beta2)
+    ops.add_(ms, ops.mul(gs, s.one_minus_beta2))

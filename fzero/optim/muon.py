@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import adam_core
 from .base import AdamState, Hyper, Optimizer, check_hyper, hyper_value
+from .grouped import owned
 from .groups import Segments
 from .tensors import Tensors
 
@@ -143,10 +144,7 @@ def muon(
             raise ValueError("muon needs each tensor's place in the buffer: run it through shard_update")
         applied = int(state.count)
         t = applied + 1
-        if donate:
-            p, m, v = params, state.exp_avg, state.exp_avg_sq
-        else:
-            p, m, v = params.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()
+        p, m, v = owned(donate, params, state.exp_avg, state.exp_avg_sq)
         flat_p, flat_g, flat_m, flat_v = (x.reshape(-1) for x in (p, grads, m, v))
         segs = segments or Segments((flat_p.numel(),), (0,), ({},))
         hypers = [{**defaults, **o} for o in segs.overrides]

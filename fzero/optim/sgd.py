@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .base import Hyper, Optimizer, check_hyper, hyper_value
-from .groups import ParamGroups, Segments
+from .grouped import Ops, elementwise
+from .groups import ParamGroups
 
 __all__ = ["SGDState", "sgd"]
 
@@ -66,51 +67,19 @@ def sgd(
         buf = torch.zeros_like(params) if momentum != 0 or groups is not None else params.new_empty(0)
         return SGDState(torch.tensor(0, dtype=torch.int64), buf)
 
-    def update(
-        grads: Tensor, state: SGDState, params: Tensor, *, donate: bool = False, segments: Segments | None = None
-    ) -> tuple[Tensor, SGDState]:
-        applied = int(state.count)
-        if segments is not None:
-            return _grouped(grads, state, params, donate, segments, defaults)
-        lr_t = hyper_value(lr, applied)
-        if weight_decay != 0:
-            grads = grads.add(params, alpha=weight_decay)
-        buf = state.momentum_buffer
-        if momentum != 0:
-            if applied == 0:
-                buf = buf.copy_(grads) if donate else grads.clone()
-            else:
-                buf = torch.mul(buf, momentum, out=buf if donate else None).add_(grads, alpha=1 - dampening)
-            grads = grads.add(buf, alpha=momentum) if nesterov else buf
-        p = torch.add(params, grads, alpha=-lr_t, out=params if donate else None)
-        return p, SGDState(torch.tensor(applied + 1, dtype=torch.int64), buf)
-
-    return Optimizer(init, update, defaults=defaults, groups=groups, check=check)
+    return elementwise(init, _update, defaults, check, groups)
 
 
-def _grouped(
-    grads: Tensor, state: SGDState, params: Tensor, donate: bool, segments: Segments, defaults: Mapping[str, Any]
-) -> tuple[Tensor, SGDState]:
-    """The update group by group, with `_foreach_` ops over each group's segments (the ops of the ungrouped path)."""
-    applied = int(state.count)
-    p = params if donate else params.clone()
-    buf = state.momentum_buffer if donate else state.momentum_buffer.clone()
-    flat_p, flat_g = p.reshape(-1), grads.reshape(-1)
-    flat_b = buf.reshape(-1)
-    for group, ranges in segments.pieces().items():
-        h = {**defaults, **segments.overrides[group]}
-        lr_t, momentum, dampening = hyper_value(h["lr"], applied), h["momentum"], h["dampening"]
-        ps = [flat_p[a:b] for a, b in ranges]
-        gs: list[Tensor] | tuple[Tensor, ...] = [flat_g[a:b] for a, b in ranges]
-        if h["weight_decay"] != 0:
-            gs = torch._foreach_add(gs, ps, alpha=h["weight_decay"])
-        if momentum != 0:
-            bs = [flat_b[a:b] for a, b in ranges]
-            if applied == 0:
-                torch._foreach_copy_(bs, gs)
-            else:
-                torch._foreach_mul_(bs, momentum)
-                torch._foreach_add_(bs, gs, alpha=1 - dampening)
-            gs = torch._foreach_add(gs, bs, alpha=momentum) if h["nesterov"] else bs
-        torch._foreach_add_(ps, gs, alpha=-lr_t)
-    return p, SGDState(torch.tensor(applied + 1, dtype=torch.int64), buf)
+def _update(h: Mapping[str, Any], applied: int, ops: Ops, ps: list[Tensor], gs: list[Tensor], bs: list[Tensor]) -> None:
+    """One update in place on the pieces `update_by_group` gives, in `torch.optim.SGD`'s operation order."""
+    momentum = h["momentum"]
+    if h["weight_decay"] != 0:
+        gs = ops.add(gs, ps, alpha=h["weight_decay"])
+    if momentum != 0:
+        if applied == 0:
+            ops.copy_(bs, gs)
+        else:
+            ops.mul_(bs, momentum)
+            ops.add_(bs, gs, alpha=1 - h["dampening"])
+        gs = ops.add(gs, bs, alpha=momentum) if h["nesterov"] else bs
+    ops.add_(ps, gs, alpha=-hyper_value(h["lr"], applied))

@@ -35,6 +35,8 @@ Example: a float32 region written through a pool and read back, checksums verifi
     ...         pool.read(f, f.offset("m"), back, x.nbytes, crcs).result()
     >>> len(crcs), torch.equal(back[: x.nbytes].view(torch.float32), x)
     (2, True)
+
+May import: nothing of fzero.
 """
 
 from .aligned import ALIGN, aligned_empty, round_up

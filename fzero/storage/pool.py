@@ -26,6 +26,7 @@ import torch
 
 from .aligned import ALIGN, round_up, tensor_bytes
 from .errors import SwapCorruptError
+from .scratch import Closing
 from .swapfile import SwapFile
 
 __all__ = ["IOPool"]
@@ -65,7 +66,7 @@ def _combine(blocks: Sequence[Future[T]]) -> Future[tuple[T, ...]]:
     return out
 
 
-class IOPool:
+class IOPool(Closing):
     """pread/pwrite on a small thread pool with a crc32 checksum per block.
 
     Args:
@@ -203,12 +204,6 @@ class IOPool:
         with self._lock:
             self._closed = True
         self._finalizer()
-
-    def __enter__(self) -> IOPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -20,10 +20,27 @@ import secrets
 import shutil
 import socket
 import weakref
+from typing import TypeVar
 
 from .errors import StoragePathError, storage_error
 
-__all__ = ["ScratchDir"]
+__all__ = ["Closing", "ScratchDir"]
+
+C = TypeVar("C", bound="Closing")
+
+
+class Closing:
+    """A context manager that closes itself on exit (`ScratchDir`, `SwapFile`, `IOPool`, checkpoint readers)."""
+
+    def close(self) -> None:
+        """Releases what the object holds; idempotent (each subclass's own)."""
+        raise NotImplementedError
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _host() -> str:
@@ -63,7 +80,7 @@ def _remove(path: pathlib.Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class ScratchDir:
+class ScratchDir(Closing):
     """This process's scratch directory `<root>/fzero-<hostname>-<pid>-<8 hex chars>/` for swap files.
 
     Created at construction; removed on `close()`, on `__exit__` and at interpreter exit. Creating one first
@@ -121,12 +138,6 @@ class ScratchDir:
         """Removes the directory and everything in it. Idempotent."""
         self._closed = True
         self._finalizer()
-
-    def __enter__(self) -> ScratchDir:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ScratchDir({str(self.path)!r}{', closed' if self._closed else ''})"

@@ -29,6 +29,7 @@ import torch
 
 from .aligned import ALIGN, aligned_empty, buffer_address, round_up, tensor_bytes
 from .errors import StorageError, SwapCorruptError, errno_name, storage_error
+from .scratch import Closing
 
 __all__ = ["Region", "SwapFile"]
 
@@ -107,7 +108,7 @@ def _close_fds(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-class SwapFile:
+class SwapFile(Closing):
     """One scratch file of named regions, readable by a standard safetensors reader.
 
     The layout: an 8-byte little-endian header length, a JSON header padded with spaces so that the data starts
@@ -319,12 +320,6 @@ class SwapFile:
     def close(self) -> None:
         """Closes the file (it stays on disk; the scratch directory removes it). Idempotent."""
         self._finalizer()
-
-    def __enter__(self) -> SwapFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if not self._fds else ("O_DIRECT" if self.direct else "buffered")
