@@ -8,6 +8,8 @@
 Errors name the key (`zero_optimization.stage: expected an integer in [0, 3], got 4 (int)`); unknown keys give one
 `ConfigWarning` naming them all; known DeepSpeed features fzero does not implement raise `UnsupportedConfigError`.
 The schema, with every key's default and meaning in fzero, is `fzero.config.deepspeed.SCHEMA` (and docs/engine.md).
+
+May import: `fzero.host`, `fzero.sharding`, `fzero.state`, `fzero.optim`, `fzero.transforms`.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from ..state.loss_scale import DynamicLossScale
 from ..state.precision import Policy, get_policy
 from ..transforms import Average, Transform, zero0, zero1, zero2, zero3
 from . import Config, ConfigError
+from .optimizers import OPTIMIZERS, optimizer_type
 from .zeropp import zeropp_arguments
 
 __all__ = [
@@ -82,7 +83,8 @@ class OptimizerSpec:
     """The optimizer the config (or a client optimizer) asks for, before it is built.
 
     Attributes:
-      kind: the fzero optimizer: "adamw", "adam", "sgd", "lamb", "lion" or "adagrad".
+      kind: the fzero optimizer (`fzero.config.optimizers.optimizer_type(kind)` is its row of the table): "adamw",
+        "adam", "sgd", "lamb", "lion", "adagrad" or "muon".
       lr: the learning rate: a number, or a function of the number of applied updates (a schedule).
       hypers: the other hyper-parameters a param group may set, as keywords of the optimizer (`betas` may hold a
         schedule for beta1).
@@ -124,10 +126,10 @@ class OptimizerSpec:
         where the master weights live on the CPU (`offload`, or `cpu`: a CPU run), and Adam and AdamW torch's fused
         kernel where they live on a GPU (`adamw(fused=True)`, as DeepSpeed runs its FusedAdam there), unless
         `torch_adam` asks for torch's operations."""
-        name, kw = self.kind, dict(self.options)
-        if not self.torch_adam and name in ("adam", "adamw"):
+        name, kw, row = self.kind, dict(self.options), optimizer_type(self.kind)
+        if not self.torch_adam and row.fused:
             kw["fused"] = True  # (the kernel follows the master weights' device, update by update)
-        elif (offload or cpu) and not self.torch_adam and name in _NATIVE:
+        elif (offload or cpu) and not self.torch_adam and row.native:
             name = f"cpu_{name}"
         groups = None
         if self.groups is not None:
@@ -214,73 +216,34 @@ def build_schedule(cfg: Config, base_lr: float) -> tuple[Hyper, Hyper | None]:
 
 def scheduled(spec: OptimizerSpec, cfg: Config) -> OptimizerSpec:
     """`spec` with the config's scheduler on every group (DeepSpeed builds it on whatever optimizer it has, the
-    config's or a client's); OneCycle's momentum cycling sets Adam's `betas` to `(beta1 schedule, 0.99)`. Without a
-    `scheduler` block, `spec` itself."""
+    config's or a client's), on each of the optimizer's learning rates (Muon's two halves: DeepSpeed schedules them
+    as two param groups, Muon's then Adam's); OneCycle's momentum cycling sets Adam's `betas` to `(beta1 schedule,
+    0.99)`. Without a `scheduler` block, `spec` itself."""
     if cfg["scheduler"] is None:
         return spec
-    if spec.kind == "muon":  # DeepSpeed schedules each group's two halves as two param groups: Muon's, then Adam's
-        groups = spec.per_group()
-        if spec.groups is not None and any(isinstance(v, list) for v in cfg["scheduler"]["params"].values()):
-            raise ConfigError("scheduler.params", "per-group lists with Muon's param groups are not supported "
-                              "(DeepSpeed counts a half only where the group has such parameters)")  # fmt: skip
-        bases = [hyper_value(h[k], 0) for h in groups for k in ("lr", "adam_lr")]
-        lrs, _ = build_schedules(cfg, bases, betas=False)
-        return spec.with_per_group([{**h, "lr": lrs[2 * i], "adam_lr": lrs[2 * i + 1]} for i, h in enumerate(groups)])
-    groups = spec.per_group()
-    lrs, moms = build_schedules(cfg, [hyper_value(h["lr"], 0) for h in groups], betas="betas" in groups[0])
+    keys, groups = optimizer_type(spec.kind).lrs, spec.per_group()
+    lists = any(isinstance(v, list) for v in cfg["scheduler"]["params"].values())
+    if len(keys) > 1 and spec.groups is not None and lists:
+        raise ConfigError("scheduler.params", "per-group lists with Muon's param groups are not supported "
+                          "(DeepSpeed counts a half only where the group has such parameters)")  # fmt: skip
+    bases = [hyper_value(h[k], 0) for h in groups for k in keys]
+    lrs, moms = build_schedules(cfg, bases, betas="betas" in groups[0])
     out = []
     for i, h in enumerate(groups):
-        h = {**h, "lr": lrs[i]}
+        h = {**h, **{k: lrs[len(keys) * i + j] for j, k in enumerate(keys)}}
         if moms is not None:
-            h["betas"] = (moms[i], 0.99)  # DeepSpeed's OneCycle sets beta2 to 0.99
+            h["betas"] = (moms[len(keys) * i], 0.99)  # DeepSpeed's OneCycle sets beta2 to 0.99
         out.append(h)
     return spec.with_per_group(out)
 
 
-def group_keys(kind: str) -> tuple[str, ...]:
-    """The hyper-parameters a param group (`model_parameters`) may set for optimizer `kind` ("adamw", "adam", "sgd",
-    ...), by DeepSpeed's names: Muon's groups take DeepSpeed 0.19.8's (`lr`, `weight_decay` for both halves,
-    `momentum` for the Muon half, `betas` and `eps` for the Adam half); see `group_hypers`."""
-    if kind == "muon":
-        return _MUON_GROUP
-    return tuple(getattr(optim, kind)().defaults)
-
-
-_MUON_GROUP = ("lr", "weight_decay", "momentum", "betas", "eps")
-
-
-def group_hypers(kind: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """A param group's values (DeepSpeed's names) as the optimizer's keywords: for Muon, `lr` and `weight_decay` go
-    to both halves, `betas` and `eps` to the Adam half (0.19.8's `_muon_param_groups`); others as they are."""
-    if kind != "muon":
-        return dict(overrides)
-    out: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if key in ("lr", "weight_decay"):
-            out[key] = out["adam_" + key] = value
-        elif key in ("betas", "eps"):
-            out["adam_" + key] = tuple(value) if key == "betas" else value
-        else:
-            out[key] = value
-    return out
-
-
-_NATIVE = ("adam", "adamw", "lion", "adagrad")  # the optimizers with a CPU kernel (`fzero.cpu_<kind>`)
-_KINDS = {"SGD": "sgd", "Lamb": "lamb", "Lion": "lion", "Adagrad": "adagrad", "Muon": "muon", "MuAdam": "adam",
-          "MuAdamW": "adamw", "MuSGD": "sgd"}  # fmt: skip
-MUP = ("MuAdam", "MuAdamW", "MuSGD")  # built by the `mup` package on the model's parameters (fzero.engine)
-_OPTIONS = {"lamb": ("bias_correction", "eps_inside_sqrt"), "muon": ("ns_method",)}  # keywords not a group's
-
-
 def optimizer_kind(cfg: Config) -> str | None:
-    """Which fzero optimizer the config's `optimizer` block is: "adamw", "adam", "sgd", "lamb", "lion" or "adagrad"
-    (None without one)."""
+    """Which fzero optimizer the config's `optimizer` block is: "adamw", "adam", "sgd", "lamb", "lion", "adagrad" or
+    "muon" (None without one)."""
     block = cfg["optimizer"]
     if block is None:
         return None
-    if block["type"] in _KINDS:
-        return _KINDS[block["type"]]
-    return "adamw" if block["type"] == "AdamW" or block["params"]["adam_w_mode"] else "adam"
+    return OPTIMIZERS[block["type"]].kind_for(block["params"].get("adam_w_mode", True))
 
 
 def optimizer_spec(
@@ -301,46 +264,26 @@ def optimizer_spec(
     kind = optimizer_kind(cfg)
     if kind is None:
         return None
-    if cfg["optimizer"]["type"] in MUP:
+    row = OPTIMIZERS[cfg["optimizer"]["type"]]
+    if row.mup:
         raise ConfigError("optimizer.type", f"{cfg['optimizer']['type']} scales each parameter's lr by its width "
                           "multiplier (mup.set_base_shapes on the model): build it with fzero.initialize")  # fmt: skip
     p = cfg["optimizer"]["params"]
-    if kind == "muon":  # DeepSpeed's two halves: `lr` shared unless `muon_lr` / `adam_lr` (0.19.8's engine)
-        muon_lr = p["muon_lr"] if p["muon_lr"] is not None else p["lr"] if p["lr"] is not None else 0.02
-        adam_lr = p["adam_lr"] if p["adam_lr"] is not None else p["lr"] if p["lr"] is not None else 3e-4
-        hypers = {"momentum": p["momentum"], "weight_decay": p["weight_decay"], "adam_lr": adam_lr,
-                  "adam_betas": tuple(p["betas"]), "adam_eps": p["eps"],
-                  "adam_weight_decay": p["weight_decay"]}  # fmt: skip
-        spec = OptimizerSpec(kind, muon_lr, hypers, muon_lr, options={"ns_method": p["ns_method"]})
-    elif kind not in ("adam", "adamw"):
-        keys = [k for k in group_keys(kind) if k != "lr"]
-        hypers = {k: tuple(p[k]) if k == "betas" else p[k] for k in keys}
-        spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], options={k: p[k] for k in _OPTIONS.get(kind, ())})
-    else:
-        torch_adam = p["torch_adam"]
-        # DeepSpeed passes the config's params to FusedAdam / DeepSpeedCPUAdam (default weight decay 0) or, with
-        # torch_adam, to torch.optim.AdamW (default 0.01) / Adam (default 0): the default follows the class
-        weight_decay = p["weight_decay"]
-        if weight_decay is None:
-            weight_decay = 0.01 if torch_adam and kind == "adamw" else 0.0
-        hypers = {"betas": (p["betas"][0], p["betas"][1]), "eps": p["eps"], "weight_decay": weight_decay}
-        options = {} if p["bias_correction"] else {"bias_correction": False}  # (torch_adam: always true)
-        if p["amsgrad"]:  # (only with torch_adam: the config's check)
-            options["amsgrad"] = True
-        spec = OptimizerSpec(kind, p["lr"], hypers, p["lr"], torch_adam=torch_adam, options=options)
+    lr, hypers, options = row.config_hypers(p, kind)
+    spec = OptimizerSpec(kind, lr, hypers, lr, torch_adam=p.get("torch_adam", False), options=options)
     if groups is not None and len(groups) > 1:
         base = spec.per_group()[0]
-        allowed = set(base)  # the optimizer's keywords (group_hypers translated DeepSpeed's names)
+        allowed = set(base)  # the optimizer's keywords (`group_hypers` translated DeepSpeed's names)
         specs = []
         for names, given in groups:
-            over = group_hypers(kind, given)
+            over = row.group_hypers(given)
             unknown = sorted(set(over) - allowed)
             if unknown:
                 raise KeyError(f"a param group sets {', '.join(unknown)}: not hyper-parameters of {kind}")
             specs.append(GroupSpec(tuple(names), {**base, **over}))
         spec = replace(spec, groups=tuple(specs))
     elif groups:
-        spec = spec.with_per_group([{**spec.per_group()[0], **group_hypers(kind, groups[0][1])}])
+        spec = spec.with_per_group([{**spec.per_group()[0], **row.group_hypers(groups[0][1])}])
     return scheduled(spec, cfg) if schedule else spec
 
 

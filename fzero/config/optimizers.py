@@ -1,11 +1,19 @@
-"""The DeepSpeed `optimizer` block: each `type` DeepSpeed 0.19.8 builds, its `params` with DeepSpeed's names and
-defaults, and the types fzero refuses (with the reason). Part of `fzero.config.deepspeed.SCHEMA`; the mapping onto
-fzero's optimizers is `fzero.config.build`.
+"""The DeepSpeed `optimizer` block, and everything fzero does differently by optimizer, in one table.
+
+`OPTIMIZERS` has a row for each `type` DeepSpeed 0.19.8 builds: its `params` with DeepSpeed's names and defaults, the
+fzero optimizer it runs (`fzero.optim.<kind>`, with its native CPU and torch fused variants), the hyper-parameters a
+param group may set, what `engine.get_mom()` reads, whether the `mup` package builds it, and the `torch.optim` class
+a client passes for it. The `OPTIMIZER` schema (part of `fzero.config.deepspeed.SCHEMA`) is read from it, with the
+types fzero refuses (and the reason); `fzero.config.build` and `fzero.engine` read the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from .schema import (
     REQUIRED,
@@ -22,7 +30,7 @@ from .schema import (
     off,
 )
 
-__all__ = ["BETA", "OPTIMIZER"]
+__all__ = ["BETA", "OPTIMIZER", "OPTIMIZERS", "OptimizerType", "optimizer_type"]
 
 BETA = Num(0, 1, high_open=True)
 _MAX_GRAD_NORM = Field(
@@ -168,20 +176,124 @@ def _mu_params(sgd: bool) -> Section:
     return Section(fields)
 
 
+# ---------------------------------------------------------------------------------------------------------- the table
+Read = Callable[["OptimizerType", Mapping[str, Any], str], "tuple[Any, dict[str, Any], dict[str, Any]]"]
+
+
+def _read(row: OptimizerType, p: Mapping[str, Any], kind: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The config's `params` as the optimizer's lr, its other per-group keywords and its options."""
+    hypers = {k: tuple(p[k]) if k == "betas" else p[k] for k in row.group_keys if k != "lr"}
+    return p["lr"], hypers, {k: p[k] for k in row.options}
+
+
+def _read_adam(row: OptimizerType, p: Mapping[str, Any], kind: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    # DeepSpeed passes the config's params to FusedAdam / DeepSpeedCPUAdam (default weight decay 0) or, with
+    # torch_adam, to torch.optim.AdamW (default 0.01) / Adam (default 0): the default follows the class
+    weight_decay = p["weight_decay"]
+    if weight_decay is None:
+        weight_decay = 0.01 if p["torch_adam"] and kind == "adamw" else 0.0
+    hypers = {"betas": (p["betas"][0], p["betas"][1]), "eps": p["eps"], "weight_decay": weight_decay}
+    options = {} if p["bias_correction"] else {"bias_correction": False}  # (torch_adam: always true)
+    if p["amsgrad"]:  # (only with torch_adam: the config's check)
+        options["amsgrad"] = True
+    return p["lr"], hypers, options
+
+
+def _read_muon(row: OptimizerType, p: Mapping[str, Any], kind: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    # DeepSpeed's two halves: `lr` shared unless `muon_lr` / `adam_lr` (0.19.8's engine)
+    muon_lr = p["muon_lr"] if p["muon_lr"] is not None else p["lr"] if p["lr"] is not None else 0.02
+    adam_lr = p["adam_lr"] if p["adam_lr"] is not None else p["lr"] if p["lr"] is not None else 3e-4
+    hypers = {"momentum": p["momentum"], "weight_decay": p["weight_decay"], "adam_lr": adam_lr,
+              "adam_betas": tuple(p["betas"]), "adam_eps": p["eps"],
+              "adam_weight_decay": p["weight_decay"]}  # fmt: skip
+    return muon_lr, hypers, {k: p[k] for k in row.options}
+
+
+@dataclass(frozen=True)
+class OptimizerType:
+    """One DeepSpeed `optimizer.type`, and everything fzero does differently for it.
+
+    Attributes:
+      params: its `params` block: DeepSpeed's names, defaults and checks.
+      kind: the fzero optimizer it runs, `fzero.optim.<kind>`.
+      group_keys: the hyper-parameters a param group may set, by DeepSpeed's names, `lr` first (but for Muon's,
+        the keywords of `fzero.optim.<kind>`).
+      l2_kind: the fzero optimizer where weight decay is not decoupled (Adam's `adam_w_mode: false`, a client
+        `torch.optim.Adam`); None: always `kind`.
+      momentum: the param-group key DeepSpeed's `engine.get_mom()` reads.
+      options: the optimizer's keywords, read from `params`, that hold for every group.
+      aliases: a param group's keys that set other keywords of the optimizer (Muon's `lr`: both halves').
+      lrs: the optimizer's keywords that are learning rates, each given the config's schedule.
+      native: a C kernel runs it where the master weights are on the CPU (`fzero.optim.cpu_<kind>`).
+      fused: torch's fused kernel runs it (`fused=True`), unless `torch_adam` asks for torch's operations.
+      mup: the `mup` package builds it on the model's parameters (a torch optimizer, then run as a client's).
+      client: the `torch.optim` class of a client optimizer that is translated to it, group by group.
+      read: the config's `params` as `(lr, the other per-group keywords, options)` of the fzero optimizer.
+    """
+
+    params: Section
+    kind: str
+    group_keys: tuple[str, ...] = ()
+    l2_kind: str | None = None
+    momentum: str = "betas"
+    options: tuple[str, ...] = ()
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    lrs: tuple[str, ...] = ("lr",)
+    native: bool = False
+    fused: bool = False
+    mup: bool = False
+    client: type[torch.optim.Optimizer] | None = None
+    read: Read = _read
+
+    def config_hypers(self, params: Mapping[str, Any], kind: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """The config's `params` as `(lr, the other per-group keywords, options)` of fzero optimizer `kind`."""
+        return self.read(self, params, kind)
+
+    def kind_for(self, decoupled: bool) -> str:
+        """The fzero optimizer, given whether the weight decay is decoupled (AdamW's)."""
+        return self.l2_kind if self.l2_kind is not None and not decoupled else self.kind
+
+    def group_hypers(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """A param group's values (DeepSpeed's names) as the optimizer's keywords: for Muon, `lr` and
+        `weight_decay` go to both halves, `betas` and `eps` to the Adam half (0.19.8's `_muon_param_groups`)."""
+        out: dict[str, Any] = {}
+        for key, value in overrides.items():
+            for name in self.aliases.get(key, (key,)):
+                out[name] = tuple(value) if key == "betas" else value
+        return out
+
+
+_ADAM = ("lr", "betas", "eps", "weight_decay")
+_SGD = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+OPTIMIZERS: dict[str, OptimizerType] = {
+    "Adam": OptimizerType(_adam_params(True), "adamw", _ADAM, l2_kind="adam", native=True, fused=True,
+                          client=torch.optim.Adam, read=_read_adam),
+    "AdamW": OptimizerType(_adam_params(True), "adamw", _ADAM, native=True, fused=True, client=torch.optim.AdamW,
+                           read=_read_adam),
+    "SGD": OptimizerType(SGD_PARAMS, "sgd", _SGD, momentum="momentum", client=torch.optim.SGD),
+    "Lamb": OptimizerType(LAMB_PARAMS, "lamb", ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff"),
+                          options=("bias_correction", "eps_inside_sqrt")),
+    "Lion": OptimizerType(LION_PARAMS, "lion", ("lr", "betas", "weight_decay"), native=True),
+    "Adagrad": OptimizerType(ADAGRAD_PARAMS, "adagrad", ("lr", "lr_decay", "weight_decay",
+                             "initial_accumulator_value", "eps"), native=True, client=torch.optim.Adagrad),
+    "Muon": OptimizerType(MUON_PARAMS, "muon", ("lr", "weight_decay", "momentum", "betas", "eps"),
+                          options=("ns_method",), lrs=("lr", "adam_lr"), read=_read_muon,
+                          aliases={"lr": ("lr", "adam_lr"), "weight_decay": ("weight_decay", "adam_weight_decay"),
+                                   "betas": ("adam_betas",), "eps": ("adam_eps",)}),
+    "MuAdam": OptimizerType(_mu_params(False), "adam", mup=True),
+    "MuAdamW": OptimizerType(_mu_params(False), "adamw", mup=True),
+    "MuSGD": OptimizerType(_mu_params(True), "sgd", momentum="momentum", mup=True),
+}  # fmt: skip
+
+
+def optimizer_type(kind: str) -> OptimizerType:
+    """The row of fzero optimizer `kind` ("adamw", "adam", "sgd", "lamb", "lion", "adagrad" or "muon")."""
+    return next(row for row in OPTIMIZERS.values() if kind in (row.kind, row.l2_kind))
+
+
 _NOT_OPTIMIZERS = "fzero implements Adam, AdamW, SGD, Lamb, Lion, Adagrad, Muon and MuAdam, MuAdamW, MuSGD"
 OPTIMIZER = Tagged(
-    {
-        "Adam": _adam_params(True),
-        "AdamW": _adam_params(True),
-        "SGD": SGD_PARAMS,
-        "Lamb": LAMB_PARAMS,
-        "Lion": LION_PARAMS,
-        "Adagrad": ADAGRAD_PARAMS,
-        "Muon": MUON_PARAMS,
-        "MuAdam": _mu_params(False),
-        "MuAdamW": _mu_params(False),
-        "MuSGD": _mu_params(True),
-    },
+    {name: row.params for name, row in OPTIMIZERS.items()},
     unsupported={
         name: _NOT_OPTIMIZERS
         for name in (

@@ -1,4 +1,5 @@
-"""DeepSpeed's `engine.save_checkpoint` / `engine.load_checkpoint`, on top of `fzero.save` / `fzero.load`.
+"""DeepSpeed's `engine.save_checkpoint` / `engine.load_checkpoint` (`CheckpointMethods`, the engine's), on top of
+`fzero.save` / `fzero.load`.
 
 There is one checkpoint format (see ``docs/checkpoints.md``); the engine adds what only it knows to the format's
 JSON fields:
@@ -23,7 +24,6 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from ..checkpoint import save as fzero_save
 from ..checkpoint.coord import Coordinator
 from .counters import Checkpointable, EngineCounters
 
-__all__ = ["ENGINE_FORMAT", "check_json", "load_checkpoint", "optimizer_prefix", "save_checkpoint"]
+__all__ = ["ENGINE_FORMAT", "CheckpointMethods", "check_json", "optimizer_prefix"]
 
 ENGINE_FORMAT = "fzero-engine"
 ENGINE_VERSION = 1
@@ -112,7 +112,7 @@ def _record(engine: Checkpointable) -> dict[str, Any]:
 
 def _agree_on_tag(engine: Checkpointable, tag: str) -> None:
     """DeepSpeed validates the tag across ranks; different tags would make the ranks write different directories."""
-    if engine.mesh.stacked or engine.mesh.world == 1:
+    if len(engine.mesh.local_ranks) == engine.mesh.world:  # (this process holds every rank: one tag)
         return
     coord = Coordinator(engine.mesh, distributed=True, world=engine.mesh.world, device=engine.state.params.device)
     tags = coord.exchange(tag)
@@ -121,44 +121,6 @@ def _agree_on_tag(engine: Checkpointable, tag: str) -> None:
             f"save_checkpoint: the ranks passed different tags ({', '.join(map(repr, tags))}, by rank); every rank "
             "must save under the same tag"
         )
-
-
-def save_checkpoint(
-    engine: Checkpointable,
-    save_dir: str | os.PathLike[str],
-    tag: Any = None,
-    client_state: Mapping[str, Any] | None = None,
-    save_latest: bool = True,
-    exclude_frozen_parameters: bool = False,
-    *,
-    overwrite: bool = True,
-) -> Path:
-    """See `Engine.save_checkpoint`."""
-    if exclude_frozen_parameters:
-        raise NotImplementedError(
-            "save_checkpoint(exclude_frozen_parameters=True) is not supported: fzero checkpoints hold the whole "
-            "training state (frozen parameters are small leaves; consolidate() gives a state_dict to filter)"
-        )
-    engine.check_between_steps("save_checkpoint")
-    client_state = {} if client_state is None else client_state
-    if not isinstance(client_state, Mapping):
-        raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
-    check_json(client_state, "client_state")
-    tag = f"global_step{engine.counters.global_steps}" if tag is None else str(tag)  # DeepSpeed's default, and str(tag)
-    _agree_on_tag(engine, tag)
-    user_state = {"client_state": dict(client_state), "engine": _record(engine)}
-    check_json(engine.config.values, "config")
-    return fzero_save(
-        engine.state,
-        save_dir,
-        mesh=None if engine.mesh.stacked else engine.mesh,
-        tag=tag,
-        data_position=engine.counters.micro_steps,
-        user_state=user_state,
-        config=engine.config.values,
-        latest=save_latest,
-        overwrite=overwrite,
-    )
 
 
 # ------------------------------------------------------------------------------------------------------------ load
@@ -226,86 +188,167 @@ def _engine_record(user_state: Any, where: str) -> tuple[dict[str, Any] | None, 
     return None, user_state
 
 
-def load_checkpoint(
-    engine: Checkpointable,
-    load_dir: str | os.PathLike[str],
-    tag: Any = None,
-    load_module_strict: bool = True,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-    custom_load_fn: Any = None,
-    *,
-    restore_rng: bool | None = None,
-    verify: bool = True,
-) -> tuple[str | None, Any]:
-    """See `Engine.load_checkpoint`."""
-    if custom_load_fn is not None:
-        raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: fzero loads the state itself")
-    if not load_module_strict:
-        raise NotImplementedError(
-            "load_checkpoint(load_module_strict=False) is not supported: the checkpoint must be of the same model "
-            "(fzero.load(..., strict=False, select=...) loads parts of a state)"
-        )
-    engine.check_between_steps("load_checkpoint")
-    configured = engine.client_scheduler is None and engine.config["scheduler"] is not None
-    if configured and not load_module_only and load_optimizer_states and not load_lr_scheduler_states:
-        raise ValueError(
-            "load_checkpoint(load_lr_scheduler_states=False) with the config's scheduler: the learning rate is a "
-            "function of the optimizer's applied-update count, which is part of the optimizer state; it restarts only "
-            "with the optimizer (load_optimizer_states=False) or load_module_only=True"
-        )
-    if configured and not load_module_only and not load_optimizer_states and load_lr_scheduler_states:
-        warnings.warn(
-            "load_checkpoint(load_optimizer_states=False): the optimizer's applied-update count starts again at 0, "
-            "and with it the config's LR schedule (a function of that count): the schedule cannot be kept without "
-            "the optimizer state",
-            UserWarning,
-            stacklevel=3,
-        )
-    if load_module_only:
-        select = _is_module
-    elif not load_optimizer_states:
-        optimizer = _optimizer_keys(engine.state)
-        select = lambda key: not optimizer(key)  # noqa: E731
-    else:
-        select = None
-    tag = None if tag is None else str(tag)
-    try:
-        state, extra = fzero_load(
-            load_dir, engine.state, None if engine.mesh.stacked else engine.mesh,
-            tag=tag, select=select, verify=verify,
-        )  # fmt: skip
-    except CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None) when there is nothing to load
-        warnings.warn(f"load_checkpoint: nothing loaded, {e}", UserWarning, stacklevel=3)
-        return None, None
-    where = extra["path"]
-    record, client_state = _engine_record(extra["user_state"], where)
-    if record is None and not load_module_only:
-        warnings.warn(
-            f"{where} was not saved by engine.save_checkpoint: the counters are derived from its micro-step count "
-            f"({extra['step']}), assuming no skipped steps",
-            UserWarning,
-            stacklevel=3,
-        )
-    counters = None if load_module_only else _counters(engine, record, extra["step"], extra["tag"])
-    if counters is not None:
-        held = _accumulated(state)
-        if held is not None and held != counters["micro_steps"] % engine.config.gas:
-            raise IncompatibleCheckpointError(
-                f"{where}: its accumulator holds {held} micro-steps, but micro_steps {counters['micro_steps']} puts "
-                f"the engine at micro-step {counters['micro_steps'] % engine.config.gas} of {engine.config.gas}"
+# --------------------------------------------------------------------------------------------------- the methods
+class CheckpointMethods:
+    """DeepSpeed's `save_checkpoint` and `load_checkpoint`, for an engine (`Checkpointable`: `fzero.Engine`)."""
+
+    def save_checkpoint(
+        self: Checkpointable,
+        save_dir: str | os.PathLike[str],
+        tag: Any = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        *,
+        overwrite: bool = True,
+    ) -> bool:
+        """DeepSpeed's `save_checkpoint`: the training state, the counters, the config and `client_state`, written
+        with `fzero.save` to ``save_dir/tag`` (every rank calls it; see ``docs/checkpoints.md``).
+
+        Allowed after any `step()`, inside an accumulation window too (the window's partial sums are part of the
+        state); not between a `backward` and its `step` (those gradients are not).
+
+        Args:
+          save_dir: the root of tagged checkpoints.
+          tag: the checkpoint's name (`str(tag)`); default ``global_step{global_steps}``, as DeepSpeed's.
+          client_state: a JSON-serialisable dict, returned by `load_checkpoint` (rank 0's is kept; tuples come
+            back as lists).
+          save_latest: point ``save_dir/latest`` at this checkpoint.
+          exclude_frozen_parameters: not supported (must be False).
+          overwrite: fzero only: replace an existing checkpoint of the same tag (atomically), as DeepSpeed writes
+            over it; False makes that an error.
+
+        Returns:
+          True, as DeepSpeed's (the checkpoint is ``save_dir/tag``; errors raise).
+        """
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True) is not supported: fzero checkpoints hold the whole "
+                "training state (frozen parameters are small leaves; consolidate() gives a state_dict to filter)"
             )
-    # everything checked: apply
-    if counters is not None and record is not None:
-        engine.optimizer.overflow = bool(record["overflow"])
-    client_scheduled = engine.client_scheduler is not None and not load_module_only and load_lr_scheduler_states
-    if record is not None and (client_scheduled or (load_optimizer_states and not load_module_only)):
-        for group, saved in zip(engine.optimizer.param_groups, record["param_groups"], strict=False):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    if client_scheduled and record is not None and record.get("lr_scheduler") is not None:
-        engine.client_scheduler.load_state_dict(record["lr_scheduler"])
-    engine.restore(state, None if counters is None else EngineCounters.from_json(counters, record))
-    if restore_rng if restore_rng is not None else not load_module_only:
-        rng.restore(extra["rng"])
-    return where, client_state
+        self.check_between_steps("save_checkpoint")
+        client_state = {} if client_state is None else client_state
+        if not isinstance(client_state, Mapping):
+            raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+        check_json(client_state, "client_state")
+        # DeepSpeed's default, and str(tag)
+        tag = f"global_step{self.counters.global_steps}" if tag is None else str(tag)
+        _agree_on_tag(self, tag)
+        user_state = {"client_state": dict(client_state), "engine": _record(self)}
+        check_json(self.config.values, "config")
+        fzero_save(
+            self.state,
+            save_dir,
+            mesh=self.mesh,  # (read only where the ranks run in processes of their own: `fzero.save`)
+            tag=tag,
+            data_position=self.counters.micro_steps,
+            user_state=user_state,
+            config=self.config.values,
+            latest=save_latest,
+            overwrite=overwrite,
+        )
+        return True
+
+    def load_checkpoint(
+        self: Checkpointable,
+        load_dir: str | os.PathLike[str],
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+        *,
+        restore_rng: bool | None = None,
+        verify: bool = True,
+    ) -> tuple[str | None, Any]:
+        """DeepSpeed's `load_checkpoint`, from any world size and stage (the format reshards).
+
+        Args:
+          load_dir: the root of tagged checkpoints (or one checkpoint directory).
+          tag: which checkpoint; None: the one ``load_dir/latest`` names.
+          load_module_strict: must be True (the checkpoint must be of the same model).
+          load_optimizer_states: False keeps the engine's optimizer state (moments and applied-update count, so a
+            config LR schedule restarts with it; a warning says so) and loads the rest.
+          load_lr_scheduler_states: a client scheduler's `state_dict` is loaded with it. The config's schedules are
+            functions of the optimizer's applied-update count: False with the optimizer state loaded raises (the
+            two cannot be separated).
+          load_module_only: load the parameters, frozen parameters and buffers only; the optimizer state, loss
+            scale, accumulation window, counters and schedule stay the engine's.
+          custom_load_fn: not supported (must be None).
+          restore_rng: fzero only: restore this process's random generators (default: unless `load_module_only`),
+            so that a resumed run draws what the uninterrupted one would.
+          verify: fzero only: check every file's sha256 first.
+
+        Returns:
+          `(path, client_state)`: the checkpoint's directory and the saved `client_state`; `(None, None)` with a
+          warning when there is no checkpoint (no ``latest``, or no such tag), as DeepSpeed does.
+        """
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...) is not supported: fzero loads the state itself"
+            )
+        if not load_module_strict:
+            raise NotImplementedError(
+                "load_checkpoint(load_module_strict=False) is not supported: the checkpoint must be of the same model "
+                "(fzero.load(..., strict=False, select=...) loads parts of a state)"
+            )
+        self.check_between_steps("load_checkpoint")
+        configured = self.client_scheduler is None and self.config["scheduler"] is not None
+        if configured and not load_module_only and load_optimizer_states and not load_lr_scheduler_states:
+            raise ValueError(
+                "load_checkpoint(load_lr_scheduler_states=False) with the config's scheduler: the learning rate is "
+                "a function of the optimizer's applied-update count, which is part of the optimizer state; it "
+                "restarts only with the optimizer (load_optimizer_states=False) or load_module_only=True"
+            )
+        if configured and not load_module_only and not load_optimizer_states and load_lr_scheduler_states:
+            warnings.warn(
+                "load_checkpoint(load_optimizer_states=False): the optimizer's applied-update count starts again at 0, "
+                "and with it the config's LR schedule (a function of that count): the schedule cannot be kept without "
+                "the optimizer state",
+                UserWarning,
+                stacklevel=2,
+            )
+        if load_module_only:
+            select = _is_module
+        elif not load_optimizer_states:
+            optimizer = _optimizer_keys(self.state)
+            select = lambda key: not optimizer(key)  # noqa: E731
+        else:
+            select = None
+        tag = None if tag is None else str(tag)
+        try:
+            state, extra = fzero_load(load_dir, self.state, self.mesh, tag=tag, select=select, verify=verify)
+        except CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None) when there is nothing to load
+            warnings.warn(f"load_checkpoint: nothing loaded, {e}", UserWarning, stacklevel=2)
+            return None, None
+        where = extra["path"]
+        record, client_state = _engine_record(extra["user_state"], where)
+        if record is None and not load_module_only:
+            warnings.warn(
+                f"{where} was not saved by engine.save_checkpoint: the counters are derived from its micro-step count "
+                f"({extra['step']}), assuming no skipped steps",
+                UserWarning,
+                stacklevel=2,
+            )
+        counters = None if load_module_only else _counters(self, record, extra["step"], extra["tag"])
+        if counters is not None:
+            held = _accumulated(state)
+            if held is not None and held != counters["micro_steps"] % self.config.gas:
+                raise IncompatibleCheckpointError(
+                    f"{where}: its accumulator holds {held} micro-steps, but micro_steps {counters['micro_steps']} "
+                    f"puts the engine at micro-step {counters['micro_steps'] % self.config.gas} of {self.config.gas}"
+                )
+        # everything checked: apply
+        if counters is not None and record is not None:
+            self.optimizer.overflow = bool(record["overflow"])
+        client_scheduled = self.client_scheduler is not None and not load_module_only and load_lr_scheduler_states
+        if record is not None and (client_scheduled or (load_optimizer_states and not load_module_only)):
+            for group, saved in zip(self.optimizer.param_groups, record["param_groups"], strict=False):
+                group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        if client_scheduled and record is not None and record.get("lr_scheduler") is not None:
+            self.client_scheduler.load_state_dict(record["lr_scheduler"])
+        self.restore(state, None if counters is None else EngineCounters.from_json(counters, record))
+        if restore_rng if restore_rng is not None else not load_module_only:
+            rng.restore(extra["rng"])
+        return where, client_state

@@ -1,27 +1,29 @@
-"""The optimizer object `initialize` returns, and client optimizers and schedulers translated to fzero's.
+"""The optimizer and scheduler objects `initialize` returns, and client optimizers translated to fzero's.
 
 fzero's optimizers are functions on flat shards, but DeepSpeed scripts read `optimizer.param_groups[0]["lr"]`, and
 hand the optimizer to LR schedulers (torch's or their own). `OptimizerView` is a real `torch.optim.Optimizer` over the
 module's parameters that never steps: it shows the hyper-parameters of the next update, group by group, and, when a
 client scheduler drives it, it is where fzero's optimizer reads each group's learning rate (and Adam's betas) from at
-each update. A client `torch.optim` optimizer is translated group by group the same way (`client_spec`).
+each update. A client `torch.optim` optimizer is translated group by group the same way (`client_spec`). A config
+`scheduler` is stepped by the engine; `SchedulerView` reports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..config.build import GroupSpec, OptimizerSpec
+from ..config.optimizers import OPTIMIZERS, OptimizerType
 from ..config.schema import UnsupportedConfigError
 from ..optim import Hyper
-from .groups import ParamGroup, parse_groups
+from .groups import ParamGroup
 
-__all__ = ["OptimizerView", "client_spec", "live", "trainable_params"]
+__all__ = ["WHAT", "OptimizerView", "SchedulerView", "client_spec", "client_type", "live", "trainable_params"]
 
 
 class OptimizerView(torch.optim.Optimizer):
@@ -77,6 +79,47 @@ class OptimizerView(torch.optim.Optimizer):
         return f"fzero.OptimizerView({self.kind}: {hypers})"
 
 
+class Scheduled(Protocol):
+    """What a `SchedulerView` reads of the engine."""
+
+    def applied_updates(self) -> int: ...
+
+    def get_lr(self) -> list[float]: ...
+
+
+class SchedulerView:
+    """The `lr_scheduler` `initialize` returns for a config `scheduler` block. The engine steps the schedule
+    (after applied updates only); this object reports it."""
+
+    def __init__(self, engine: Scheduled, kind: str) -> None:
+        self.engine = engine
+        self.kind = kind
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self.engine.applied_updates() - 1
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of the next update."""
+        return self.engine.get_lr()
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rate the engine's optimizer holds now (DeepSpeed's: the last one the scheduler set)."""
+        return self.engine.get_lr()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"the engine steps the configured {self.kind} schedule after every applied update: do not call "
+            "lr_scheduler.step() (in DeepSpeed that would advance it twice)"
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def __repr__(self) -> str:
+        return f"fzero.SchedulerView({self.kind}, last_batch_iteration={self.last_batch_iteration})"
+
+
 def live(group: dict[str, Any], key: str, index: int | None = None) -> Hyper:
     """A hyper-parameter read from a param group at each update (a client scheduler may change it in between)."""
     if index is None:
@@ -89,7 +132,6 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
 _OFF = ("maximize", "differentiable", "capturable")
 WHAT = "the client optimizer's param_groups"
 
@@ -111,25 +153,39 @@ def _check_group(opt: torch.optim.Optimizer, group: ParamGroup, first: ParamGrou
             )
 
 
-def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[OptimizerSpec, list[dict[str, Any]]]:
-    """The fzero optimizer equivalent to a client `torch.optim.Adam` / `AdamW` / `SGD` / `Adagrad` (group by group,
-    `amsgrad` too), reading each
-    group's learning rate (and betas) live from the client's param group, so a client scheduler, or the user, can
-    change them; and the param-group dicts that map to fzero's groups (those with parameters, in order).
+def client_type(opt: torch.optim.Optimizer) -> OptimizerType:
+    """The row of `fzero.config.optimizers.OPTIMIZERS` a client `torch.optim` optimizer is translated by.
 
     Raises:
-      UnsupportedConfigError: another optimizer class, or an option fzero does not implement.
-      ValueError: the groups do not hold exactly the model's trainable parameters, once each (see
-        `fzero.engine.groups`).
+      UnsupportedConfigError: a class no row translates.
     """
-    kind = next((cls for cls in _CLASSES if type(opt) is cls), None)
-    if kind is None:
+    row = next((row for row in OPTIMIZERS.values() if row.client is type(opt)), None)
+    if row is None:
         raise UnsupportedConfigError(
             "optimizer",
             f"client optimizer {type(opt).__module__}.{type(opt).__name__} is not supported: pass torch.optim.Adam, "
             "AdamW, SGD or Adagrad (translated to fzero's), or configure the optimizer in the config",
         )
-    groups = parse_groups(model, opt.param_groups, WHAT)
+    return row
+
+
+def _number(value: Any) -> Any:
+    return value if isinstance(value, bool) else float(value)
+
+
+def client_spec(opt: torch.optim.Optimizer, row: OptimizerType, groups: list[ParamGroup]) -> OptimizerSpec:
+    """The fzero optimizer equivalent to a client `torch.optim.Adam` / `AdamW` / `SGD` / `Adagrad`, group by group
+    (`amsgrad` too), reading each group's learning rate (and betas) live from the client's param group, so that a
+    client scheduler, or the user, can change them.
+
+    Args:
+      opt: the client optimizer.
+      row: its row of the optimizer table (`client_type`).
+      groups: its param groups, as `fzero.engine.groups.parse_groups` checked them against the model.
+
+    Raises:
+      UnsupportedConfigError: an option fzero does not implement.
+    """
     for group in groups:
         _check_group(opt, group, groups[0])
     dicts: list[dict[str, Any]] = []
@@ -138,27 +194,16 @@ def client_spec(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Optimizer
         dicts.append(group.source)
     per_group = []
     for g in dicts:
-        if kind is torch.optim.SGD:
-            per_group.append({"lr": live(g, "lr"), **{k: g[k] for k in ("momentum", "dampening", "weight_decay",
-                                                                        "nesterov")}})  # fmt: skip
-        elif kind is torch.optim.Adagrad:
-            keys = ("lr_decay", "weight_decay", "initial_accumulator_value", "eps")
-            per_group.append({"lr": live(g, "lr"), **{k: float(g[k]) for k in keys}})
-        else:
-            per_group.append({"lr": live(g, "lr"), "betas": (live(g, "betas", 0), live(g, "betas", 1)),
-                              "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})  # fmt: skip
-    options = {}
-    if kind is torch.optim.SGD:
-        name = "sgd"
-    elif kind is torch.optim.Adagrad:
-        name = "adagrad"
-    else:
-        decoupled = kind is torch.optim.AdamW or bool(dicts[0].get("decoupled_weight_decay", False))
-        name = "adamw" if decoupled else "adam"
-        options = {"amsgrad": True} if dicts[0].get("amsgrad") else {}
-    first = dict(per_group[0])
+        h: dict[str, Any] = {"lr": live(g, "lr")}
+        for key in row.group_keys[1:]:  # (after "lr")
+            h[key] = (live(g, key, 0), live(g, key, 1)) if key == "betas" else _number(g[key])
+        per_group.append(h)
+    first = dicts[0]
+    options = {"amsgrad": True} if first.get("amsgrad") else {}
+    kind = row.kind_for(decoupled=bool(first.get("decoupled_weight_decay", False)))
+    hypers = dict(per_group[0])
     # a client torch optimizer keeps torch's own arithmetic (torch_adam): bitwise what it would compute alone
-    spec = OptimizerSpec(name, first.pop("lr"), first, float(dicts[0]["lr"]), torch_adam=True, options=options)
+    spec = OptimizerSpec(kind, hypers.pop("lr"), hypers, float(first["lr"]), torch_adam=True, options=options)
     if len(groups) > 1:
         spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
-    return spec, dicts
+    return spec

@@ -1,0 +1,63 @@
+"""A `fzero.engine.resolve.Setup` built: what `fzero.initialize` returns.
+
+In order: the model on its device (its initial master weights rounded where the setup says), the optimizer and the
+ZeRO transform chain around it, the engine (which initialises the training state from the model), then the
+scheduler object and the data loader. Everything here reads the `Setup`; nothing goes back to the arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import Config
+from ..config.build import build_transform
+from ..mesh import Mesh
+from ..state.precision import round_params
+from .client import SchedulerView
+from .engine import Engine
+from .resolve import Setup
+
+__all__ = ["build"]
+
+
+def build(setup: Setup) -> tuple[Engine, Any, Any, Any]:
+    """The engine of `setup`, and the objects `initialize` returns with it.
+
+    Returns:
+      `(engine, optimizer, dataloader, lr_scheduler)`, as `fzero.initialize` describes them.
+    """
+    model, cfg, mesh = setup.model, setup.config, setup.mesh
+    model.to(setup.device)
+    if setup.round_to is not None:
+        round_params(model, setup.round_to)  # DeepSpeed's master starts from the cast module
+    tx = build_transform(cfg, setup.spec.build(offload=setup.offload, cpu=setup.device.type == "cpu"))
+    hypers = setup.spec.per_group()
+    engine = Engine(
+        model, cfg, mesh, tx, setup.optimizer, lr=[h["lr"] for h in hypers],
+        betas=[h["betas"] for h in hypers] if "betas" in hypers[0] else None, param_groups=setup.param_groups,
+        momentum=setup.momentum, client_scheduler=setup.client_scheduler, device=setup.device, policy=setup.policy,
+        printer=setup.printer,
+    )  # fmt: skip
+    scheduler = setup.client_scheduler
+    if scheduler is None and cfg["scheduler"] is not None:
+        scheduler = SchedulerView(engine, cfg["scheduler"]["type"])
+    return engine, setup.optimizer, _dataloader(setup.training_data, cfg, mesh, setup.collate_fn), scheduler
+
+
+def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:
+    """Micro-batches of `data`: each rank its share (a `DistributedSampler`), or, where this process runs every
+    rank and no process group, all of it, shuffled."""
+    if data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+
+    sampler: Sampler[int]
+    if len(mesh.local_ranks) == mesh.world and not (dist.is_available() and dist.is_initialized()):
+        sampler = RandomSampler(data)
+    else:
+        sampler = DistributedSampler(data, num_replicas=mesh.world, rank=mesh.local_ranks[0])
+    return DataLoader(
+        data, batch_size=cfg.micro_batch, sampler=sampler, collate_fn=collate_fn, drop_last=cfg["dataloader_drop_last"]
+    )
