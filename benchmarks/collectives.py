@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import fzero
 from fzero import native
 from fzero.host import process_group
-from fzero.transforms.base import _own_part
+from fzero.transforms.stats import _own_sumsq
 
 fzero.hostmem.enable_huge_pages()  # before the first tensor: fzero's steps and DDP's alike
 
@@ -62,7 +62,7 @@ def _stats_times(mesh: fzero.DistMesh, n: int, rounds: int) -> tuple[float, floa
     g = torch.randn(n)
     return (
         _median(lambda: native.sumsq(g), rounds),
-        _median(lambda: mesh.all_reduce(native.sumsq(_own_part(mesh, g)), "sum"), rounds),
+        _median(lambda: mesh.all_reduce(_own_sumsq(mesh, g), "sum"), rounds),
     )
 
 

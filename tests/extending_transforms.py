@@ -1,6 +1,6 @@
-"""The three transforms of docs/extending.md: a gradient mask, a top-k reduction with error feedback and per-unit
-gradient norms. The page shows this file's code; tests/test_extending.py checks that the two are the same, and
-trains each at stages 0-3 on a `SimMesh` and on 2 gloo processes.
+"""The five transforms of docs/extending.md: gradient noise, clipping by value, a gradient mask, a top-k reduction
+with error feedback and per-unit gradient norms. The page shows this file's code; tests/test_extending.py checks that
+the two are the same, and trains each at stages 0-3 on a `SimMesh` and on 2 gloo processes.
 
 Each uses only the public transform API (`fzero.Transform`, `fzero.stateless`, `Flow`, `StepInfo`, `Context`), the
 layout and the mesh's collectives, and knows no other transform's fields or state.
@@ -15,7 +15,34 @@ import torch
 import fzero
 from fzero.layout import to_rank_major
 
-__all__ = ["grad_mask", "topk_reduce", "unit_norms"]
+__all__ = ["clip_by_value", "grad_mask", "gradient_noise", "topk_reduce", "unit_norms"]
+
+
+def gradient_noise(std):
+    """Add Gaussian noise of standard deviation `std` to the gradient at its true scale, drawn with `ctx.key`: the
+    same on every rank that holds the same values (replicas stay equal) and on every mesh. Padding stays zero."""
+
+    def update(flow, ctx):
+        flow = flow.unscaled()  # the noise is relative to the true gradient, not to a loss-scaled one
+        grads, real = flow.gradients("gradient_noise"), ~ctx.layout.padding_mask()  # real: not padding
+        if flow.sharded:  # this rank's shard of the mask, as reduce_scatter() cut the gradient
+            real = ctx.mesh.local_shard(to_rank_major(ctx.layout, real), axis=ctx.layout.axis)
+        g = torch.Generator(grads.device).manual_seed(ctx.key)
+        noise = torch.randn(grads.shape, generator=g, dtype=grads.dtype, device=grads.device) * std
+        return flow._replace(grads=grads + noise * real.to(grads.device))
+
+    return fzero.stateless(update, "gradient_noise")
+
+
+def clip_by_value(limit):
+    """Clamp every gradient element to `[-limit, limit]` at its true scale (the factor the gradients still owe is
+    folded into the bound, not paid: no extra pass)."""
+
+    def update(flow, ctx):
+        bound = limit / flow.info.grad_factor  # under a loss scale s the gradients are s times their true values
+        return flow._replace(grads=flow.gradients("clip_by_value").clamp(-bound, bound))
+
+    return fzero.stateless(update, "clip_by_value")
 
 
 def grad_mask(keep):

@@ -11,7 +11,7 @@ from torch import nn
 
 import fzero
 from fzero.host import process_group
-from tests.extending_transforms import grad_mask, topk_reduce, unit_norms
+from tests.extending_transforms import clip_by_value, grad_mask, gradient_noise, topk_reduce, unit_norms
 from tests.spawn import init_worker, report
 from tests.support import differing
 
@@ -82,6 +82,10 @@ def element_keep(seed=0, density=0.5, model=None):
 
 # the runs the gloo half repeats, by name: (chain of a stage, micro-steps)
 CASES = {
+    "noise_after": (lambda s: stage_chain(s, after=[gradient_noise(1e-2)]), 1),
+    "noise_before": (lambda s: stage_chain(s, before=[gradient_noise(1e-2)], micro=2), 2),
+    "clip_after": (lambda s: stage_chain(s, after=[clip_by_value(2e-2)], scale=64.0), 1),
+    "clip_before": (lambda s: stage_chain(s, before=[clip_by_value(2e-2)]), 1),
     "mask_before": (lambda s: stage_chain(s, before=[grad_mask(element_keep())], micro=2), 2),
     "mask_after": (lambda s: stage_chain(s, after=[grad_mask(element_keep())]), 1),
     "topk": (lambda s: stage_chain(s, reduce=topk_reduce(20, fzero.all_reduce() if s == 0 else None)), 1),
@@ -90,7 +94,15 @@ CASES = {
 
 
 def stages(case):
-    return (0, 1, 2) if case == "topk" else (0, 1, 2, 3)  # topk_reduce has no unit form: stage 3 refuses it
+    # topk_reduce, and noise and clipping before the reduction, have no unit form: stage 3 refuses them there
+    return (0, 1, 2) if case in ("topk", "noise_before", "clip_before") else (0, 1, 2, 3)
+
+
+def synced(params, mesh):
+    """Whether every process holds the same parameters (stage 0's replicas)."""
+    flat = torch.cat([v.flatten().float() for v in params.values()])
+    every = mesh.all_gather(flat).view(mesh.world, -1)
+    return all(torch.equal(every[0], row) for row in every)
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
@@ -105,6 +117,8 @@ def run(rank: int, world: int, out_dir: str) -> None:
                 dist, dist_metrics = train(make(stage), data, mesh, rank=rank)
                 sim, sim_metrics = train(make(stage), data)
                 results[f"{case}/{stage}"] = {"params": differing(dist, sim), "metrics": dist_metrics == sim_metrics}
+                if stage == 0:
+                    results[f"{case}/{stage}"]["synced"] = synced(dist, mesh)
         report(rank, out_dir, results)
     finally:
         process_group.shutdown()

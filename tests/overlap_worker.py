@@ -48,5 +48,5 @@ def run(rank: int, world: int, out_dir: str) -> None:
 
 
 def decisions(mesh: fzero.DistMesh) -> dict[str, bool]:
-    """`GatherPolicy(overlap_reduce=None).on(mesh)` on this gloo mesh (`fzero.sharding.units.overlap_pays`)."""
+    """`GatherPolicy(overlap_reduce=None).on(mesh)` on this gloo mesh (`fzero.sharding.policy.overlap_pays`)."""
     return {"undecided": bool(fzero.GatherPolicy().on(mesh).overlap_reduce)}

@@ -36,7 +36,7 @@ import fzero
 from fzero.layout import to_rank_major
 from tests import extending_transforms, extending_worker
 from tests.bounds import U32, U64, assert_adam_close
-from tests.extending_transforms import grad_mask, topk_reduce, unit_norms
+from tests.extending_transforms import clip_by_value, grad_mask, gradient_noise, topk_reduce, unit_norms
 from tests.extending_worker import LR, STEPS, WORLD, Net, batches, element_keep, stage_chain, stages, train
 from tests.spawn import spawn
 from tests.support import differing
@@ -63,7 +63,9 @@ def test_the_page_shows_this_modules_code():
         n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom) and getattr(n, "module", "") != "__future__"
     ]
     imports = "\n".join(source.splitlines()[nodes[0].lineno - 1 : nodes[-1].end_lineno])
-    functions = {name: inspect.getsource(getattr(extending_transforms, name)) for name in extending_transforms.__all__}
+    defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]  # (in the module's order)
+    assert sorted(defined) == sorted(extending_transforms.__all__)
+    functions = {name: inspect.getsource(getattr(extending_transforms, name)) for name in defined}
     shown = _blocks("python")
     assert shown[0].strip() == imports, "the first ```python block must be the module's imports"
     assert shown[1:] == list(functions.values()), "the ```python blocks must be the module's functions, in order"
@@ -333,16 +335,93 @@ def test_unit_norms_needs_the_reduced_gradient():
         train(stage_chain(2, before=[unit_norms()]), batches(steps=1))
 
 
+# ------------------------------------------------------------------------------------- gradient noise, clipping
+def _probe() -> fzero.Transform:
+    """A per-rank transform that reports the gradient it sees (a tensor: kept per rank) and its factor."""
+
+    def report(flow, ctx):
+        return flow.with_metrics(g=flow.gradients("probe").clone(), factor=flow.info.grad_factor)
+
+    return fzero.stateless(report, "probe")
+
+
+def _seen(tx: fzero.Transform, batch: dict, mesh=None) -> dict:
+    """The probe's metrics after one step of `tx` (the probe last before the optimizer) from `Net()`."""
+    mesh = mesh if mesh is not None else fzero.SimMesh(WORLD)
+    model = Net()
+    state = fzero.init(model, tx, mesh)
+    return fzero.train_step(model, extending_worker.loss_of(model), tx, mesh)(state, batch)[1]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradient_noise_is_drawn_alike_on_replicas_and_per_shard(stage):
+    """What each rank adds is noise on the values it holds: at stage 0 (the whole average on every rank) the same
+    on both ranks, so the replicas stay equal step after step; at stages 1-3 (a shard each) different on each; and
+    the same again for the same seed and step."""
+    batch = batches(steps=1)[0]
+    plain = _seen(stage_chain(stage, after=[_probe()]), batch)["g"]
+    noisy = _seen(stage_chain(stage, after=[gradient_noise(1e-2), _probe()]), batch)["g"]
+    again = _seen(stage_chain(stage, after=[gradient_noise(1e-2), _probe()]), batch)["g"]
+    added = noisy - plain
+    assert torch.equal(noisy, again) and bool((added != 0).any())
+    if stage == 0:
+        assert torch.equal(added[0], added[1])
+        model, mesh, tx = Net(), fzero.SimMesh(WORLD), stage_chain(0, after=[gradient_noise(1e-2)])
+        state, step = fzero.init(model, tx, mesh), fzero.train_step(model, extending_worker.loss_of(model), tx, mesh)
+        for b in batches():
+            state, _ = step(state, b)
+            assert torch.equal(state.params[0], state.params[1])
+    else:
+        assert not torch.equal(added[0], added[1])
+
+
+def test_gradient_noise_has_the_stated_distribution():
+    """On the true gradient (a loss scale of 2^10 paid first), the noise of 2^16 elements has mean 0 and standard
+    deviation `std` within 5 standard errors of the sample statistics (`std / sqrt(n)` for the mean, `std /
+    sqrt(2n)` for the deviation), and padding elements get none."""
+    std, mesh = 0.5, fzero.SimMesh(1)
+    model = torch.nn.Linear(255, 257)  # 65,792 elements: the layout pads the bias
+    zero = fzero.stateless(lambda flow, ctx: flow._replace(grads=torch.zeros_like(flow.gradients("zero"))), "zero")
+    tx = fzero.chain(zero, fzero.all_reduce(), fzero.scale_loss(1024.0), gradient_noise(std), _probe(),
+                     fzero.shard_update(fzero.sgd(0.0)), fzero.gather())  # fmt: skip
+    state = fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lambda p, b: fzero.call(model, p, b).sum(), tx, mesh)
+    metrics = step(state, torch.ones(1, 2, 255))[1]
+    g, pad = metrics["g"][0], state.layout.padding_mask()
+    assert metrics["factor"] == 1.0 and bool((g[pad] == 0).all()) and int(pad.sum()) > 0
+    real = g[~pad].double()
+    n = real.numel()
+    assert abs(float(real.mean())) <= 5 * std / math.sqrt(n)
+    assert abs(float(real.std()) - std) <= 5 * std / math.sqrt(2 * n)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("scale", ["none", 64.0])
+def test_clip_by_value_clamps_the_true_gradient(stage, scale):
+    """After the reduction every element of the gradient this rank holds is the plain chain's, clamped to
+    `limit` times the loss scale the gradients still carry (so the true gradient to `limit`): bitwise, and the
+    factor they owe is unchanged."""
+    batch, limit = batches(steps=1)[0], 1e-2
+    plain = _seen(stage_chain(stage, after=[_probe()], scale=scale), batch)
+    clipped = _seen(stage_chain(stage, after=[clip_by_value(limit), _probe()], scale=scale), batch)
+    bound = limit / plain["factor"]
+    assert clipped["factor"] == plain["factor"]
+    assert torch.equal(clipped["g"], plain["g"].clamp(-bound, bound))
+    assert bool((plain["g"].abs() > bound).any())  # the bound bites
+
+
 # -------------------------------------------------------------------------------------------------- 2 processes
 @pytest.mark.timeout(300)
 def test_two_gloo_processes_equal_the_simulation(tmp_path):
     """On 2 gloo processes (`DistMesh`) each transform at each stage gives bitwise the parameters and metrics of
-    `SimMesh(2)` (2 ranks: gloo's sum is `a + b`, the simulation's)."""
+    `SimMesh(2)` (2 ranks: gloo's sum is `a + b`, the simulation's); at stage 0 both processes hold the same
+    parameters (gradient noise drawn alike on the replicas)."""
     spawn(extending_worker.run, (WORLD, str(tmp_path)), WORLD)
     results = json.loads((tmp_path / "results.json").read_text())
     want = [f"{case}/{s}" for case in extending_worker.CASES for s in stages(case)]
     assert sorted(results) == sorted(want)
-    assert all(r == {"params": [], "metrics": True} for r in results.values()), results
+    assert all(r["params"] == [] and r["metrics"] for r in results.values()), results
+    assert all(r["synced"] for k, r in results.items() if k.endswith("/0")), results
 
 
 def test_the_gloo_cases_exercise_the_transforms():

@@ -140,7 +140,7 @@ def test_deepspeed_timeout_variable(monkeypatch):
 SHUTDOWN = """
 import sys, types
 import torch, torch.distributed as dist
-from fzero import process_group
+from fzero.host import process_group
 
 def holders():
     return [f"{n}.{f.__name__}" for n, m in list(sys.modules.items()) if n.startswith("torch.distributed")

@@ -20,7 +20,7 @@ def test_overlap_changes_nothing_on_two_gloo_processes(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results.pop("decided") == {
         "undecided": True
-    }  # several processes: overlap (fzero.sharding.units.overlap_pays)
+    }  # several processes: overlap (fzero.sharding.policy.overlap_pays)
     assert len(results) == len(overlap_worker.CASES)
     for case, runs in results.items():
         for budget, r in runs.items():

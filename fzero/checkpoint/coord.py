@@ -43,11 +43,11 @@ class Coordinator:
         self.device = torch.device(device)
         self.distributed = distributed and world > 1
         if self.distributed:
-            if mesh is None or isinstance(getattr(mesh, "rank", None), Tensor):
+            if mesh is None or len(mesh.local_ranks) != 1:
                 raise TypeError(f"a DistMesh state of world {world} needs its mesh: pass mesh=fzero.DistMesh()")
             if mesh.world != world:
                 raise ValueError(f"the mesh has world {mesh.world}, the state world {world}")
-            self.rank = int(mesh.rank)
+            self.rank = mesh.local_ranks[0]
         else:
             self.rank = 0
         self.world = world

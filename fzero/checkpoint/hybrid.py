@@ -43,7 +43,7 @@ __all__ = ["GroupCoordinator", "expand_hybrid", "hybrid_mesh", "shard_group"]
 def _check_mesh(state: Any, mesh: Any) -> None:
     """That `mesh` is the `DistMesh` the hybrid `state` was built on (its sharding axis innermost, of its size)."""
     layout = state.layout
-    if mesh is None or getattr(mesh, "stacked", True):
+    if mesh is None or len(mesh.local_ranks) != 1:
         raise TypeError(f"a hybrid-sharded DistMesh state (sharded over mesh axis {layout.axis!r}) is checkpointed "
                         f"by fzero.save and fzero.load with its mesh: pass mesh=fzero.DistMesh(shape=...), got "
                         f"{mesh!r}")  # fmt: skip

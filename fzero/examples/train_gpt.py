@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ
-    mesh = fzero.DistMesh() if distributed else fzero.SimMesh(world=1)
-    rank, world = (mesh.rank, mesh.world) if distributed else (0, 1)
+    mesh: fzero.Mesh = fzero.DistMesh() if distributed else fzero.SimMesh(world=1)
+    rank, world = mesh.local_ranks[0], mesh.world
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(args.seed)  # the same initial model on every rank (rank 0's is broadcast anyway)
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)

@@ -2,7 +2,9 @@
 
 Pure and static: names, shapes and dtypes to offsets (`flat`), a unit's gradient arriving in pieces (`pieces`), and
 the blockwise int8 code the quantized collectives send (`int8`). It knows no tensor's values beyond what it is handed,
-no rank and no collective. May import: nothing of fzero.
+no rank and no collective.
+
+May import: nothing of fzero.
 """
 
 from .flat import (

@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from .meshes import Mesh
+from .protocol import Mesh
 
 __all__ = ["DesyncError", "agree"]
 
@@ -45,6 +45,9 @@ class DesyncError(RuntimeError):
         self.in_step = len({f[:2] for f in fingerprints}) == 1
 
 
+DesyncError.__module__ = "fzero.mesh"  # (its public name, in tracebacks: `fzero.mesh.DesyncError`)
+
+
 def _pack(step: int, calls: int, failure: BaseException | None) -> torch.Tensor:
     text = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()[: _SIZE - _HEADER.size]
     raw = _HEADER.pack(step, calls, failure is not None) + text
@@ -53,7 +56,7 @@ def _pack(step: int, calls: int, failure: BaseException | None) -> torch.Tensor:
 
 def agree(mesh: Mesh, step: int, calls: int, failure: BaseException | None) -> None:
     """Exchange this rank's fingerprint; raise `DesyncError` (from `failure`, if this rank's) on every rank unless
-    all ran the same step without failure. A no-op on a mesh other than a `DistMesh`, and on one rank.
+    all ran the same step without failure. A no-op where this process runs every rank (a `SimMesh`, one rank).
 
     Args:
       mesh: the step's mesh.
@@ -61,7 +64,7 @@ def agree(mesh: Mesh, step: int, calls: int, failure: BaseException | None) -> N
       calls: the collectives this rank issued in this step so far.
       failure: the exception this rank's forward or backward raised (the step's collectives were completed).
     """
-    if mesh.stacked or mesh.world == 1:  # ranks in one process run every step together
+    if len(mesh.local_ranks) == mesh.world:  # one process runs every rank: they run every step together
         if failure is not None:
             raise failure
         return
@@ -73,7 +76,7 @@ def agree(mesh: Mesh, step: int, calls: int, failure: BaseException | None) -> N
     }  # fmt: skip
     if not failures and len(set(prints)) == 1:
         return
-    me = int(mesh.rank)
+    me = mesh.local_ranks[0]
     if failures and len({p[:2] for p in prints}) == 1:
         who = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
         message = (

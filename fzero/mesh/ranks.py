@@ -39,9 +39,12 @@ from ..host import scratch
 from ..layout import Layout
 from ..layout.int8 import dequantize, quantize
 from ..layout.pieces import Pieces, takes_pieces, whole
-from .meshes import AllOf, DistMesh, Mesh, Pending, SimMesh, Work, completed, done, progress
+from .dist import DistMesh
+from .handles import AllOf, Pending, Work, completed, done, progress
+from .protocol import Mesh, RankMesh
+from .sim import SimMesh
 
-__all__ = ["Ranks", "Reduction", "ranks_of"]
+__all__ = ["Ranks", "Reduction", "check_batch", "one_rank", "ranks_of", "regroup", "stacks"]
 
 ReduceFn = Callable[..., "Tensor | Work"]
 """`fn(grads, unit, place=None)`: a unit's reduction; `place(shape, dtype)`, where given, is its result's place in
@@ -258,31 +261,27 @@ class _SimReduction:
         return out
 
 
-class SimRanks:
-    """Every simulated rank, in turn (values carry a leading world axis)."""
+class _Ranks:
+    """What every strategy shares: the mesh's own ranks and its per-rank representation."""
 
-    def __init__(self, mesh: SimMesh) -> None:
+    def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
-        self.indices = tuple(range(mesh.world))
+        self.indices = mesh.local_ranks
 
     def pick(self, x: Any, rank: int) -> Any:
-        return None if x is None else optree.tree_map(lambda t: t[rank], x)
+        return None if x is None else self.mesh.pick(x, rank)
 
     def stack(self, values: Sequence[Any]) -> Any:
-        if values[0] is None:
-            return None
-        return optree.tree_map(lambda *xs: torch.stack(xs), *values)
+        return None if values[0] is None else self.mesh.stack(values)
 
-    def gather_into(
-        self,
-        out: Tensor,
-        shards: Tensor,
-        piece: slice,
-        rank: int,
-        async_op: bool,
-        axis: str | None = None,
-        block: int | None = None,
-    ) -> Work:
+
+class SimRanks(_Ranks):
+    """Every simulated rank, in turn (values carry a leading world axis)."""
+
+    mesh: SimMesh
+
+    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool,
+                    axis: str | None = None, block: int | None = None) -> Work:  # fmt: skip
         # from the ranks of this rank's group along the axis, or from every rank
         rows = shards[self.mesh.group(rank, axis), piece] if axis is not None else shards[:, piece]
         if block is None:
@@ -299,49 +298,28 @@ class SimRanks:
 
     def secondary(self, full: Tensor, axis: str) -> Tensor:
         """Every rank's hpZ secondary chunk of a gathered unit (`full`, the same on every rank), `[world, n / S]`:
-        rank r's is chunk `index(axis)[r]` of the `S = size(axis)` chunks."""
-        return full.view(self.mesh.size(axis), -1)[cast(Tensor, self.mesh.index(axis))]
+        rank r's is chunk `coords(axis)[r]` of the `S = size(axis)` chunks."""
+        return full.view(self.mesh.size(axis), -1)[self.mesh.coords(axis)]
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None, reuse: bool = False) -> Reduction:
         return _SimReduction(fn, layout, self.mesh.world)
 
 
-class _OwnRank:
-    """A strategy running one rank whose values are unstacked: picking and stacking are identities."""
+class DistRanks(_Ranks):
+    """This process's own rank (of a `DistMesh`, or a `SimMesh`'s rank in `SimMesh.run`: any `RankMesh`)."""
 
-    def pick(self, x: Any, rank: int) -> Any:
-        return x
+    mesh: RankMesh
 
-    def stack(self, values: Sequence[Any]) -> Any:
-        return values[0]
-
-
-class DistRanks(_OwnRank):
-    """This process's own rank."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
-        self.indices = (int(mesh.rank),)
-
-    def gather_into(
-        self,
-        out: Tensor,
-        shards: Tensor,
-        piece: slice,
-        rank: int,
-        async_op: bool,
-        axis: str | None = None,
-        block: int | None = None,
-    ) -> Work:
-        mesh = cast(DistMesh, self.mesh)  # (`axis` only ever names an axis of a mesh that has it)
-        kw = {} if axis is None else {"axis": axis}
+    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool,
+                    axis: str | None = None, block: int | None = None) -> Work:  # fmt: skip
+        mesh = self.mesh
         if block is None:
-            return mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, **kw)
-        n = mesh.world if axis is None else mesh.size(axis)
+            return mesh.all_gather_into(out, shards[piece].detach(), async_op=async_op, axis=axis)
+        n = mesh.size(axis)
         q, scales = quantize(shards[piece].detach(), block)
         gq, gs = q.new_empty(n * q.numel()), scales.new_empty(n * scales.numel())
-        works = [mesh.all_gather_into(gq, q, async_op=async_op, **kw),
-                 mesh.all_gather_into(gs, scales, async_op=async_op, **kw)]  # fmt: skip
+        works = [mesh.all_gather_into(gq, q, async_op=async_op, axis=axis),
+                 mesh.all_gather_into(gs, scales, async_op=async_op, axis=axis)]  # fmt: skip
         m = shards[piece].shape[-1]
 
         def finish() -> Tensor:
@@ -352,34 +330,27 @@ class DistRanks(_OwnRank):
 
     def secondary(self, full: Tensor, axis: str) -> Tensor:
         """This rank's hpZ secondary chunk of a gathered unit: chunk `index(axis)` of `size(axis)` (a copy)."""
-        mesh = cast(DistMesh, self.mesh)
-        return full.view(mesh.size(axis), -1)[mesh.index(axis)].clone()
+        return full.view(self.mesh.size(axis), -1)[self.mesh.index(axis)].clone()
 
     def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None, reuse: bool = False) -> Reduction:
         return _DistReduction(fn, layout, budget, reuse)
 
 
-class OneRank(_OwnRank):
-    """The one rank of a one-rank `SimMesh`, run imperatively, one unit at a time (the shell at world 1, whose
+class OneRank(_Ranks):
+    """The one rank of a one-rank `SimMesh`, run imperatively, one unit at a time (the engine at world 1, whose
     state may keep the compute copy on disk): this rank's values unstacked, as a `DistRanks`'s; a gather is the
     unit's own piece (copied), and the chain's reduction runs on the unit's gradient as one stacked row."""
 
-    def __init__(self, mesh: SimMesh) -> None:
-        if mesh.world != 1:
-            raise ValueError(f"OneRank runs the rank of a one-rank SimMesh, got {mesh!r}")
-        self.mesh = mesh
-        self.indices = (0,)
+    mesh: SimMesh
 
-    def gather_into(
-        self,
-        out: Tensor,
-        shards: Tensor,
-        piece: slice,
-        rank: int,
-        async_op: bool,
-        axis: str | None = None,
-        block: int | None = None,
-    ) -> Work:
+    def pick(self, x: Any, rank: int) -> Any:
+        return x
+
+    def stack(self, values: Sequence[Any]) -> Any:
+        return values[0]
+
+    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool,
+                    axis: str | None = None, block: int | None = None) -> Work:  # fmt: skip
         # (a `block` is ignored: nothing travels at world 1, as a one-rank SimMesh's units are never gathered)
         out.copy_(shards[..., piece].reshape(-1))
         self.mesh.account("all_gather", out.numel(), None, out.element_size())
@@ -404,4 +375,51 @@ class _Row:
 
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:
     """The strategy for `mesh` (see the module docstring)."""
-    return SimRanks(cast(SimMesh, mesh)) if mesh.stacked else DistRanks(mesh)  # (only a SimMesh is stacked)
+    return SimRanks(mesh) if isinstance(mesh, SimMesh) else DistRanks(mesh)
+
+
+def one_rank(mesh: Mesh) -> OneRank | DistRanks:
+    """The strategy for a process that runs one rank imperatively, unit by unit (the engine): its values unstacked.
+
+    Raises:
+      ValueError: `mesh` holds several ranks in this process.
+    """
+    if len(mesh.local_ranks) != 1:
+        raise ValueError(f"one rank runs unit by unit here, but {mesh!r} holds {len(mesh.local_ranks)} ranks")
+    return OneRank(mesh) if isinstance(mesh, SimMesh) else DistRanks(mesh)
+
+
+def check_batch(mesh: Mesh, batch: Any) -> None:
+    """Check that `batch` is a per-rank value of `mesh`: on a `SimMesh` every leaf a tensor with a leading world
+    axis (each rank's batch stacked); on a process's own rank anything goes.
+
+    Raises:
+      TypeError, ValueError: naming the leaf's path and what was expected.
+    """
+    if not isinstance(mesh, SimMesh):
+        return
+    for path, leaf in zip(*optree.tree_flatten_with_path(batch)[:2], strict=False):
+        where = "batch" + "".join(f"[{p!r}]" for p in path)
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; on a SimMesh every batch leaf must be a tensor")
+        if leaf.ndim == 0 or leaf.shape[0] != mesh.world:
+            raise ValueError(
+                f"{where} has shape {tuple(leaf.shape)}, but {mesh!r} needs a leading world axis of "
+                f"{mesh.world}: shape [{mesh.world}, per-rank batch, ...]"
+            )
+
+
+def stacks(mesh: Mesh) -> bool:
+    """Whether `mesh` keeps per-rank values on a leading world axis (a `SimMesh`, all ranks in one process): what a
+    state built on it looks like, which the state records (`fzero.Plan.stacked`) to be read without a mesh."""
+    return isinstance(mesh, SimMesh)
+
+
+def regroup(mesh: Mesh, shape: dict[str, int]) -> Mesh:
+    """The ranks of `mesh` arranged on the named axes `shape` (row-major, `prod(shape) == mesh.world`): a `DistMesh`
+    over the same process group (its sub-groups made on every rank alike), or a `SimMesh` of that shape."""
+    if isinstance(mesh, DistMesh):
+        return DistMesh(mesh.group, shape=shape)
+    if isinstance(mesh, SimMesh):
+        return SimMesh(shape=shape)
+    raise TypeError(f"regroup: {mesh!r} is one rank's view of a mesh; regroup the mesh itself")

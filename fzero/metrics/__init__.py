@@ -1,5 +1,7 @@
 """What a run reports: throughput and TFLOPS, the console line, JSONL records, the loss curve (`log`), and
-DeepSpeed's monitors: TensorBoard, Weights & Biases, CSV, Comet (`monitors`). May import: nothing of fzero.
+DeepSpeed's monitors: TensorBoard, Weights & Biases, CSV, Comet (`monitors`).
+
+May import: nothing of fzero.
 """
 
 from .log import (

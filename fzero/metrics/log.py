@@ -34,14 +34,6 @@ import torch
 if TYPE_CHECKING:
     from .monitors import Event, MonitorMaster
 
-__all__ = [
-    "Monitor",
-    "Throughput",
-    "format_line",
-    "plot_loss_curve",
-    "read_jsonl",
-    "transformer_flops",
-]
 
 _UNREAD = 100  # records whose losses may wait on the device: a bound on what they hold there
 

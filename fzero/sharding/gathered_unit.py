@@ -2,9 +2,10 @@
 
 A `GatheredUnit` knows how to gather itself (`start`, asynchronously ahead of its use, or `unshard`, ready to read),
 free itself (`reshard`), hand out named views of its full buffers (`views`) and put them into its modules and take
-them out again (`swap`, `unswap`). When each verb runs is the schedule's business (`fzero.sharding.units.Gatherer`: the
-hooks, the prefetch order, the catch-up of units a rank did not run); what the verbs of a rank's units share (the
-ranks, the two flat spaces' layouts, modes and buffers, the count of gathered elements) is one `Spaces`.
+them out again (`swap`, `unswap`). When each verb runs is the schedule's business
+(`fzero.sharding.schedule.Gatherer`: the hooks, the prefetch order, the catch-up of units a rank did not run); what
+the verbs of a rank's units share (the ranks, the two flat spaces' layouts, modes and buffers, the count of gathered
+elements) is one `Spaces`.
 
 How a unit's buffers live: the unit's parameters are the outputs of an autograd Function (`_Unit`), views of its
 full trainable buffer, whose backward receives the unit's complete gradient exactly once, after its last use, and
@@ -16,6 +17,7 @@ untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,15 +31,33 @@ from ..layout import ROOT_UNIT, Layout, unit_pieces, unit_views
 from ..layout.pieces import Pieces
 from ..mesh import Work
 from ..mesh.ranks import Ranks
-from ..state.plan import EXACT, GatherSpec
 from .bind import carry_attributes, submodules
 
-__all__ = ["FROZEN", "TRAIN", "GatheredUnit", "Phase", "Spaces", "build_units"]
+__all__ = ["EXACT", "FROZEN", "TRAIN", "GatherSpec", "GatheredUnit", "Phase", "Spaces", "build_units"]
 
 # the two flat spaces a unit has: trainable parameters, frozen parameters
 TRAIN: Final = 0
 FROZEN: Final = 1
 FULL, KEEP, RESHARD = "full", "keep", "reshard"  # a space's buffers: given whole; gathered and kept; gathered, freed
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+    """How a lazily gathered unit travels (ZeRO++'s qwZ and hpZ at stage 3; `fzero.gather`).
+
+    Attributes:
+      blocks: for the trainable and the frozen space, int8 with one fp32 scale per that many elements (qwZ), or
+        None: exact.
+      secondary: a mesh axis: after its forward, each rank keeps its `1/size(secondary)` of the gathered unit (a
+        secondary copy sharded over the axis's group), and the backward gathers the unit again from those, within
+        the group only (hpZ). None: the backward gathers from the shards, as the forward.
+    """
+
+    blocks: tuple[int | None, int | None] = (None, None)
+    secondary: str | None = None
+
+
+EXACT = GatherSpec()  # units gathered exactly, from the shards, forward and backward
 
 
 class Phase(enum.Enum):
@@ -99,7 +119,7 @@ class Spaces:
       source: where the trainable units' shard pieces come from when the shard is not in memory (offloaded to
         disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values;
         `shards` then holds an empty placeholder of the compute dtype (the autograd leaf).
-      gather_spec: how `RESHARD` units travel (`fzero.state.plan.GatherSpec`: int8 gathers, hpZ's secondary copies).
+      gather_spec: how `RESHARD` units travel (`GatherSpec`: int8 gathers, hpZ's secondary copies).
       kept_elements, kept_peak: the elements of hpZ secondary copies this rank holds now / at most so far.
     """
 

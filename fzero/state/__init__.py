@@ -2,8 +2,9 @@
 
 `TrainState` (an immutable pytree of sharded flat buffers), the `Plan` a chain makes of a step (`plan`), loss scales
 as immutable values (`loss_scale`), mixed-precision policies (`precision`), the state's random stream (`rng`) and the
-model-state bytes per rank (`memory`). It knows nothing of how the state is updated. May import: `fzero.host`,
-`fzero.storage`, `fzero.layout`, `fzero.sharding`.
+model-state bytes per rank (`memory`). It knows nothing of how the state is updated.
+
+May import: `fzero.storage`, `fzero.layout`, `fzero.sharding`.
 """
 
 from .train_state import (

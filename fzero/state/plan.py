@@ -33,29 +33,12 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["EXACT", "GatherMode", "GatherSpec", "Plan", "Role"]
+from ..sharding.gathered_unit import EXACT, GatherSpec
+
+__all__ = ["EXACT", "GatherMode", "GatherSpec", "Plan", "Role"]  # (GatherSpec, EXACT: fzero.sharding's)
 
 GatherMode = Literal["now", "lazy", "keep"]
 Role = Literal["accumulate", "scale_loss", "update", "gather"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GatherSpec:
-    """How a lazily gathered unit travels (ZeRO++'s qwZ and hpZ at stage 3; `fzero.gather`).
-
-    Attributes:
-      blocks: for the trainable and the frozen space, int8 with one fp32 scale per that many elements (qwZ), or
-        None: exact.
-      secondary: a mesh axis: after its forward, each rank keeps its `1/size(secondary)` of the gathered unit (a
-        secondary copy sharded over the axis's group), and the backward gathers the unit again from those, within
-        the group only (hpZ). None: the backward gathers from the shards, as the forward.
-    """
-
-    blocks: tuple[int | None, int | None] = (None, None)
-    secondary: str | None = None
-
-
-EXACT = GatherSpec()  # units gathered exactly, from the shards, forward and backward
 
 
 @dataclasses.dataclass(frozen=True)

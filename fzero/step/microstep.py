@@ -30,11 +30,12 @@ from ..layout import Layout, unflatten
 from ..layout.pieces import Pieces, takes_pieces
 from ..mesh import CollectiveError, Mesh
 from ..mesh.agreement import agree
+from ..mesh.ranks import stacks
 from ..sharding.bind import bound
 from ..sharding.units import GatherPolicy, UnitGathering
 from ..state import TrainState
 from ..storage import Offloaded, in_memory
-from ..transforms import Context, Flow, StepInfo, Transform, gather_params, unit_reducer
+from ..transforms import Context, Flow, StepInfo, Transform, apply_update, gather_params, unit_reducer
 from ..transforms.planning import transform_at
 from ..transforms.scaling import current_loss_scale
 from ..transforms.speculate import Speculation
@@ -79,7 +80,7 @@ def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffer
 def read_unit_by_unit(state: TrainState, mesh: Mesh) -> bool:
     """Whether the shell on a one-rank `SimMesh` computes unit by unit (its compute copy is on disk, read one unit
     at a time: stage 3's memory bound at world 1) rather than with the whole buffer."""
-    return mesh.stacked and mesh.world == 1 and isinstance(state.compute, Offloaded)
+    return stacks(mesh) and mesh.world == 1 and isinstance(state.compute, Offloaded)
 
 
 def reduce_per_unit(state: TrainState, mesh: Mesh) -> bool:
@@ -150,7 +151,8 @@ def apply_gradients(
     sharded = reduced and state.plan.sharded and layout.world > 1
     flow = Flow(grads, state.params, state.compute, sharded=sharded, info=info)
     with record_function("fzero.update"):
-        flow, tx_state = tx.update(flow, state.tx_state, Context(mesh, layout, donate))
+        ctx = Context(mesh, layout, donate, step=int(state.step), seed=int(state.seed))
+        flow, tx_state = apply_update(tx, flow, state.tx_state, ctx)
     loss = mesh.all_reduce(loss.detach().float(), "mean")
     new = state.replace(step=state.step + 1, params=flow.params, compute=flow.compute, tx_state=tx_state)
     metrics: dict[str, Any] = {
@@ -218,7 +220,9 @@ class MicroStep:
         this opens the micro-step's speculation, which it tells as each unit lands (`reducer.landed`)."""
         if self.speculation is None:
             self.speculation = self._speculate()
-        ctx = Context(self.mesh, self.state.layout, overlap=bool(self.policy.overlap_reduce))  # (decided: `on`)
+        state = self.state
+        ctx = Context(self.mesh, state.layout, overlap=bool(self.policy.overlap_reduce),  # (decided: `on`)
+                      step=int(state.step), seed=int(state.seed))  # fmt: skip
         return _Reducer(unit_reducer(self.tx), ctx, self.speculation)
 
     # ------------------------------------------------------------------------------- the shell's half (one rank)
@@ -236,7 +240,7 @@ class MicroStep:
         state = self.state
         self.buffers = {k: local(v).clone() for k, v in state.buffers.items()}
         one = self.per_unit and compute is None and read_unit_by_unit(state, self.mesh)
-        if self.per_unit and (not self.mesh.stacked or one):  # unit by unit, each unit's gradient reduced when complete
+        if self.per_unit and (not stacks(self.mesh) or one):  # unit by unit, each unit's gradient reduced when complete
             shard = compute if compute is not None else state.compute if state.compute is not None else state.params
             frozen = state.frozen if not one or state.frozen is None else local(state.frozen)
             self._gathering = UnitGathering(
@@ -311,7 +315,7 @@ class MicroStep:
         in this step, before any update. On a mesh that needs no agreement (one process) nothing is issued and
         `error` propagates as it is (the caller re-raises it), as after a failed collective."""
         try:
-            if self.mesh.stacked or self.mesh.world == 1 or isinstance(error, CollectiveError):
+            if len(self.mesh.local_ranks) == self.mesh.world or isinstance(error, CollectiveError):
                 return  # one process: nothing to pair; a collective failed: issuing more cannot help
             if self._gathering is not None:
                 self._gathering.complete(abandoned=True)

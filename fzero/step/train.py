@@ -35,33 +35,21 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
 from ..layout import Layout, from_module, unflatten, unshard
 from ..mesh import Mesh
-from ..mesh.ranks import ranks_of
+from ..mesh.ranks import check_batch, ranks_of, stacks
 from ..sharding.bind import bound
 from ..sharding.construct import replicated_parameters, sharded_parameters
 from ..sharding.units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from ..state import TrainState, count, rng
 from ..storage import in_memory
-from ..transforms import Context, Flow, Transform, gather_params, plan_of, shard_params, unit_reducer
+from ..transforms import Context, Flow, Transform, apply_init, gather_params, plan_of, shard_params, unit_reducer
 from ..transforms.collective import sharding_world
-from .microstep import MicroStep, apply_gradients, compute_params, frozen_params, named_tensors, scaled
-
-__all__ = [
-    "StepFn",
-    "apply_gradients",
-    "compute_params",
-    "eval_step",
-    "init",
-    "named_tensors",
-    "state_dict",
-    "train_step",
-]
+from .microstep import MicroStep, compute_params, frozen_params, named_tensors, scaled
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
 
@@ -118,13 +106,14 @@ def init(
         params, frozen, buffers = replicated_parameters(model, layout, mesh)
     start = [Flow(None, params, None)]
     del params  # the chain holds the only reference: a sharding chain frees the full buffer before its state is made
+    stream = _seed(mesh, seed)
     with torch.no_grad():
-        flow, tx_state = tx.init(start.pop(), Context(mesh, layout, presharded=meta))
+        flow, tx_state = apply_init(tx, start.pop(), Context(mesh, layout, presharded=meta, seed=int(stream)))
     if meta and not flow.sharded:
         raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
                          "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
     compute_dtype = flow.compute.dtype if flow.compute is not None else flow.params.dtype
-    plan = plan_of(tx, sharded=flow.sharded, world=layout.world, stacked=mesh.stacked, compute_dtype=compute_dtype)
+    plan = plan_of(tx, sharded=flow.sharded, world=layout.world, stacked=stacks(mesh), compute_dtype=compute_dtype)
     if frozen is not None:
         assert frozen_layout is not None  # (frozen parameters have one)
         frozen = _frozen_at_rest(mesh, frozen_layout, frozen, plan.sharded_at_rest, meta)
@@ -135,7 +124,7 @@ def init(
     cast = cdtype is not None and cdtype != layout.torch_dtype
     frozen_dtype = cdtype if cast and frozen_layout is not None and frozen_layout.torch_dtype != cdtype else None
     return TrainState(
-        count(0), flow.params, flow.compute, tx_state, frozen, buffers, _seed(mesh, seed), layout, frozen_dtype, plan
+        count(0), flow.params, flow.compute, tx_state, frozen, buffers, stream, layout, frozen_dtype, plan
     )
 
 
@@ -176,20 +165,6 @@ def _warn_single_unit(layout: Layout) -> None:
             "fzero.init(..., units=fzero.layout.BySize(n)) for a model without an nn.ModuleList",
             stacklevel=3,
         )
-
-
-def _check_batch(batch: Any, mesh: Mesh) -> None:
-    if not mesh.stacked:
-        return
-    for path, leaf in zip(*optree.tree_flatten_with_path(batch)[:2], strict=False):
-        where = "batch" + "".join(f"[{p!r}]" for p in path)
-        if not isinstance(leaf, Tensor):
-            raise TypeError(f"{where} is a {type(leaf).__name__}; on a SimMesh every batch leaf must be a tensor")
-        if leaf.ndim == 0 or leaf.shape[0] != mesh.world:
-            raise ValueError(
-                f"{where} has shape {tuple(leaf.shape)}, but {mesh!r} needs a leading world axis of "
-                f"{mesh.world}: shape [{mesh.world}, per-rank batch, ...]"
-            )
 
 
 def _check_loss(loss: Any) -> None:
@@ -264,7 +239,7 @@ def train_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, mesh)
-        _check_batch(batch, mesh)
+        check_batch(mesh, batch)
         micro = MicroStep(state, tx, mesh, policy, autodiff)
         out: tuple[Any, ...]  # (grads, loss, aux, buffers, info)
         failure, out = None, (None, None, None, None, {})
@@ -352,7 +327,7 @@ def _whole_gradients(run: _Forward, state: TrainState, batch: Any, mesh: Mesh, a
     try:
         grads, loss, aux, buffers = mesh.map(local, compute, frozen, state.buffers, batch, rank_seeds(state, mesh))
     except Exception as e:
-        if mesh.stacked:  # every rank failed together: nothing to complete
+        if len(mesh.local_ranks) == mesh.world:  # one process runs every rank: nothing to complete
             raise
         raise Abandoned(e) from e  # a local forward and backward: no collective of the step is left to pair
     frozen_layout = layout.frozen_layout
@@ -424,7 +399,7 @@ def eval_step(model: nn.Module, fn: Callable[..., Any], mesh: Mesh, *, gather: G
 
     def evaluate(state: TrainState, batch: Any) -> Any:
         _check_state(state, mesh)
-        _check_batch(batch, mesh)
+        check_batch(mesh, batch)
         seeds = rank_seeds(state, mesh, 1)
 
         def rank_run(params: dict[str, Tensor], rank: int) -> Any:

@@ -1,4 +1,13 @@
-"""Composable pieces of a training step, and the ZeRO presets built from them."""
+"""Composable pieces of a training step, and the ZeRO presets built from them.
+
+The algebra (`base`: `Flow`, `StepInfo`, `Context`, `Transform`; `chain`; `per_rank`, which runs a transform written
+for one rank on every rank), the pieces (`accumulate`, `collective`: reductions and gathers, `quantize`, `scaling`,
+`clipping`, `update` with its `offload` and `speculate` forms), the plan a chain makes of a step (`planning`) and the
+ZeRO presets (`presets`).
+
+May import: `fzero.native`, `fzero.storage`, `fzero.layout`, `fzero.mesh`, `fzero.sharding`, `fzero.state`,
+`fzero.optim`.
+"""
 
 from .accumulate import AccumulateState, accumulate
 from .base import (
@@ -12,15 +21,10 @@ from .base import (
     Transform,
     UnitFn,
     UpdateFn,
-    chain,
-    find,
-    grad_stats,
     identity,
-    lookup,
-    named_chain,
     stateless,
-    unit_reducer,
 )
+from .chain import apply_init, apply_update, chain, find, lookup, named_chain, unit_reducer
 from .clipping import clip_by_global_norm
 from .collective import Average, GatherState, all_reduce, gather, gather_params, reduce_scatter, shard_params
 from .offload import Offload
@@ -28,6 +32,7 @@ from .planning import plan_of
 from .presets import zero0, zero1, zero2, zero3
 from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import current_loss_scale, scale_loss
+from .stats import grad_stats
 from .update import shard_update
 
 __all__ = [
@@ -47,6 +52,8 @@ __all__ = [
     "UpdateFn",
     "accumulate",
     "all_reduce",
+    "apply_init",
+    "apply_update",
     "chain",
     "clip_by_global_norm",
     "current_loss_scale",

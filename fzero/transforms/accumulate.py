@@ -69,7 +69,7 @@ def accumulate(k: int, dtype: torch.dtype | None = None) -> Transform:
             acc = torch.add(state.acc, g, out=state.acc if ctx.donate else None)
         return flow.with_info(deferred=True), AccumulateState(count(n), acc)
 
-    return Transform(init, update, "accumulate", does=Does(accumulates=k))
+    return Transform(init, update, "accumulate", does=Does(accumulates=k), per_rank=False)
 
 
 def window_mean(acc: Tensor, grads: Tensor, k: int, *, into: Tensor | None = None,

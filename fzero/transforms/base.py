@@ -1,4 +1,4 @@
-"""The transform algebra: `Flow`, `StepInfo`, `Context`, `Transform`, `chain`.
+"""The transform algebra's values: `Flow`, `StepInfo`, `Context`, `Transform` (`chain` composes them: `.chain`).
 
 A step's gradient flows through a chain of transforms and changes form on the way: the full per-rank gradient
 (`[numel]`) may be accumulated, reduced, scattered to this rank's shard (`[shard_numel]`), consumed by the optimizer
@@ -17,7 +17,9 @@ Three kinds of things travel, kept apart:
 - `Context`: what is static: the mesh, the layout, donation, and (at init only) whether the parameters arrive
   already sharded.
 
-A transform's state is its own: a chain's state is `{name: state}`, so no transform reads another's fields.
+A transform's state is its own: a chain's state is `{name: state}`, so no transform reads another's fields. A
+transform is written for one rank (shard_map-style): its functions see this rank's values, and the chain runs them on
+every rank (`Transform.per_rank`; `fzero.transforms.per_rank`).
 
 **The reduction belongs to the chain at every stage.** A transform that averages gradients over ranks is marked
 `reduces=True` and has a `unit` function: its work on one unit's full gradient. Stage 3 reduces each unit as soon
@@ -29,19 +31,16 @@ therefore honoured identically at every stage. Example: docs/transforms.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from .. import native
 from ..layout import Layout
-from ..layout.pieces import takes_pieces
 from ..mesh import Mesh, Work
-from ..state.plan import EXACT, GatherSpec
+from ..sharding.gathered_unit import EXACT, GatherSpec
 
 __all__ = [
     "Context",
@@ -54,14 +53,8 @@ __all__ = [
     "Transform",
     "UnitFn",
     "UpdateFn",
-    "chain",
-    "find",
-    "grad_stats",
     "identity",
-    "lookup",
-    "named_chain",
     "stateless",
-    "unit_reducer",
 ]
 
 
@@ -147,11 +140,28 @@ class Flow(NamedTuple):
 
 
 class Context(NamedTuple):
-    """Static facts every transform may read: the mesh, the layout, whether buffers may be donated, at init whether
-    `flow.params` arrive already sharded (sharded construction from a `meta` model), whether a `unit` reduction
-    may return a handle rather than wait for its result (`overlap`: see `UnitFn`), and where a `unit` reduction may
-    put its result: `place(shape, dtype)` is the result's place in the step's gradient, or None where it has none
-    of that shape and dtype (a reduction that puts it elsewhere returns its own buffer)."""
+    """What a transform may read besides the flow.
+
+    Attributes:
+      mesh: the mesh. A per-rank transform (`Transform.per_rank`, the default) sees its rank's `RankMesh`: `rank`
+        is an int and the collectives take and return this rank's own values.
+      layout: the flat buffer's layout.
+      donate: buffers may be overwritten in place.
+      presharded: at init, `flow.params` arrive already sharded (sharded construction from a `meta` model).
+      overlap: a `unit` reduction may return a handle rather than wait for its result (see `UnitFn`).
+      place: where a `unit` reduction may put its result: `place(shape, dtype)` is the result's place in the step's
+        gradient, or None where it has none of that shape and dtype (a reduction that puts it elsewhere returns its
+        own buffer).
+      step: the micro-step being taken (`TrainState.step`; 0 at init).
+      seed: the state's random stream (`TrainState.seed`).
+      key: a random seed for what this rank holds, for `torch.Generator().manual_seed(key)`: equal on every rank
+        that holds the same values (the whole reduced gradient at stage 0; the same shard on the replicas of a
+        hybrid mesh), different where they differ (each rank's own gradient before the reduction; each shard after
+        it), different per step, per transform (its place in the chain) and per unit, so that noise drawn with it
+        keeps replicas equal and is the same on every mesh (set per rank by the chain: `fzero.transforms.per_rank`).
+      rank_key: a random seed different on every rank (draws that may make replicas differ).
+      path: the names of the chains and the transform this context was made for, outermost first.
+    """
 
     mesh: Mesh
     layout: Layout
@@ -159,6 +169,11 @@ class Context(NamedTuple):
     presharded: bool = False
     overlap: bool = False
     place: Callable[[tuple[int, ...], torch.dtype], Tensor | None] | None = None
+    step: int = 0
+    seed: int = 0
+    key: int = 0
+    rank_key: int = 0
+    path: tuple[str, ...] = ()
 
 
 class InitFn(Protocol):
@@ -192,8 +207,8 @@ class Does(NamedTuple):
       updates: it applies the optimizer (its state is the optimizer's: what the engine counts updates with).
       gathers: how it makes the compute parameters from the master ones: `"now"`, `"lazy"` or `"keep"` (see
         `fzero.gather`); None: it does not.
-      gather_spec: how its lazily gathered units travel (`fzero.state.plan.GatherSpec`: quantized, re-gathered
-        from a secondary copy).
+      gather_spec: how its lazily gathered units travel (`fzero.sharding.gathered_unit.GatherSpec`: quantized,
+        re-gathered from a secondary copy).
     """
 
     accumulates: int = 0
@@ -220,6 +235,11 @@ class Transform(NamedTuple):
       speculate: for the updating transform, its update's speculative form (SuperOffload): `speculate(params,
         state, ctx, factor)` starts a `fzero.transforms.speculate.Speculation` that updates unit by unit as the
         backward reduces each unit's gradient; None: it cannot.
+      per_rank: its functions are written for one rank (the default): they see this rank's values (its gradient,
+        its shard; its own state) and its `RankMesh` in `ctx.mesh`, and the chain runs them once per rank
+        (`fzero.Mesh.run`), so they give the same result on every mesh. False: they see the mesh's per-rank values
+        at once (a `[world, ...]` stack on a `SimMesh`) and must treat the leading axis as the mesh does: the
+        library's own reductions, update, gather, accumulation and loss scale are written so, for speed.
     """
 
     init: InitFn
@@ -231,10 +251,13 @@ class Transform(NamedTuple):
     axis: str | None = None
     does: Does = Does()
     speculate: Callable[..., Any] | None = None
+    per_rank: bool = True
 
 
-def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | None = None) -> Transform:
-    """A transform without state from `fn(flow, ctx) -> flow` (and its per-unit form, if any).
+def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | None = None,
+              per_rank: bool = True) -> Transform:  # fmt: skip
+    """A transform without state from `fn(flow, ctx) -> flow` (and its per-unit form, if any), written for one rank
+    unless `per_rank=False` (see `Transform.per_rank`).
 
     Example:
       >>> import torch
@@ -243,7 +266,7 @@ def stateless(fn: Callable[[Flow, Context], Flow], name: str, unit: UnitFn | Non
       EmptyState()
     """
     return Transform(lambda flow, ctx: (flow, EmptyState()), lambda flow, state, ctx: (fn(flow, ctx), state), name,
-                     unit)  # fmt: skip
+                     unit, per_rank=per_rank)  # fmt: skip
 
 
 def identity() -> Transform:
@@ -253,224 +276,4 @@ def identity() -> Transform:
         return grads
 
     unit.takes_pieces = True  # type: ignore[attr-defined]  # (passed on as they came: `fzero.layout.pieces`)
-    return stateless(lambda flow, ctx: flow, "identity", unit=unit)
-
-
-def _unique(names: list[str]) -> list[str]:
-    """Names made unique in order: a repeated name gets `#1`, `#2`, ..."""
-    seen: dict[str, int] = {}
-    out = []
-    for name in names:
-        n = seen.get(name, 0)
-        seen[name] = n + 1
-        out.append(name if n == 0 else f"{name}#{n}")
-    return out
-
-
-def _compose_units(pairs: tuple[tuple[str, Transform], ...]) -> tuple[UnitFn | None, bool]:
-    """The chain's `unit` (the per-unit forms up to and including the first reduction) and whether it reduces."""
-    upto = next((i for i, (_, t) in enumerate(pairs) if t.reduces), None)
-    if upto is None:
-        return None, False
-    maybe = [t.unit for _, t in pairs[: upto + 1]]
-    prefix = [u for u in maybe if u is not None]
-    if len(prefix) < len(maybe):
-        return None, True
-
-    def unit(grads: Tensor, index: int, ctx: Context) -> Tensor | Work:
-        for fn in prefix[:-1]:  # before the reduction: no handle, a tensor
-            grads = cast(Tensor, fn(grads, index, ctx))
-        return prefix[-1](grads, index, ctx)
-
-    unit.takes_pieces = all(takes_pieces(fn) for fn in prefix)  # type: ignore[attr-defined]  # (`fzero.layout.pieces`)
-    return unit, True
-
-
-def named_chain(*pairs: tuple[str, Transform], name: str = "chain") -> Transform:
-    """Compose transforms left to right; the state is `{name: state}`, in order.
-
-    A transform that defers the micro-step (`accumulate` before its boundary) stops the chain there: the
-    transforms after it do no work and keep their state. Gradients that arrive reduced (stage 3 reduced them unit
-    by unit with this chain's `unit`) skip the transforms up to and including the reduction.
-
-    Example:
-      >>> import fzero
-      >>> tx = fzero.named_chain(("reduce", fzero.reduce_scatter()), ("adam", fzero.shard_update(fzero.adamw())))
-      >>> tx.reduces, tx.unit is not None
-      (True, True)
-    """
-    names = [n for n, _ in pairs]
-    for i, (n, t) in enumerate(pairs):
-        if not isinstance(t, Transform):
-            raise TypeError(f"chain: argument {i} ({n!r}) is a {type(t).__name__}, not a Transform")
-    if len(set(names)) != len(names):
-        raise ValueError(f"named_chain: names must be unique, got {names}")
-    unit, reduces = _compose_units(pairs)
-    # where gradients that arrive reduced resume: after the reducing transform, or at it when it is a chain itself
-    # (it skips to after its own reduction, and runs what follows the reduction inside it)
-    first_after = next((i + (not t.children) for i, (_, t) in enumerate(pairs) if t.reduces), 0)
-
-    def init(flow: Flow, ctx: Context) -> tuple[Flow, dict[str, Any]]:
-        states = {}
-        for n, t in pairs:
-            flow, states[n] = t.init(flow, ctx)
-        return flow, states
-
-    def update(flow: Flow, state: dict[str, Any], ctx: Context) -> tuple[Flow, dict[str, Any]]:
-        if not isinstance(state, dict) or list(state) != names:
-            got = list(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"chain of transforms {names} got a state for {got}; was the chain changed after init?")
-        new = dict(state)
-        for n, t in pairs[first_after if flow.info.reduced else 0 :]:
-            flow, new[n] = t.update(flow, state[n], ctx)
-            if flow.info.deferred:
-                break
-        return flow, new
-
-    axis = next((t.axis for _, t in pairs if t.axis is not None), None)
-    return Transform(init, update, name, unit, reduces, tuple(pairs), axis)
-
-
-def chain(*transforms: Transform) -> Transform:
-    """Compose transforms left to right; the state is `{name: state}` under each transform's name (`#1`, `#2` for
-    repeats), see `named_chain`.
-
-    Example:
-      >>> import fzero
-      >>> tx = fzero.chain(fzero.reduce_scatter(), fzero.shard_update(fzero.adamw(1e-3)), fzero.gather())
-      >>> [name for name, _ in tx.children]
-      ['reduce_scatter', 'shard_update', 'gather']
-    """
-    for i, t in enumerate(transforms):
-        if not isinstance(t, Transform):
-            raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a Transform")
-    return named_chain(*zip(_unique([t.name for t in transforms]), transforms, strict=True))
-
-
-def unit_reducer(tx: Transform) -> UnitFn:
-    """The per-unit reduction of a chain (what stage 3 calls for each unit as its gradient completes).
-
-    Raises:
-      ValueError: the chain does not reduce, or a transform before its reduction cannot run per unit (it names it).
-    """
-    if tx.unit is not None and tx.reduces:
-        return tx.unit
-    if not tx.reduces:
-        raise ValueError(
-            f"{tx.name}: stage 3 reduces each unit's gradient in the backward with the chain's reduction, but the "
-            "chain has none: put reduce_scatter() (or a transform wrapping it) in it"
-        )
-    where, reduction = _blocker(tx)
-    if reduction:
-        raise ValueError(f"stage 3 reduces each unit's gradient in the backward, but {where} is the chain's "
-                         "reduction and has no unit form: give it one (fzero.Transform(..., unit=...)), or use it at "
-                         "stages 0-2, which reduce the whole gradient after the backward")  # fmt: skip
-    raise ValueError(f"stage 3 reduces each unit's gradient in the backward, but {where} comes before the "
-                     "reduction and cannot run per unit: put it after reduce_scatter(), or give it a unit function "
-                     "(fzero.Transform(..., unit=...))")  # fmt: skip
-
-
-def _blocker(tx: Transform) -> tuple[str, bool]:
-    """The first transform up to the reduction without a per-unit form, named along its chains, and whether it is
-    the reduction itself."""
-    for name, t in tx.children:
-        if t.children and t.reduces and t.unit is None:
-            where, reduction = _blocker(t)
-            return f"{name}/{where}", reduction
-        if t.unit is None:
-            return repr(name), t.reduces
-        if t.reduces:
-            break
-    return repr(tx.name), tx.reduces and not tx.children
-
-
-def lookup(tx_state: Any, name: str) -> Any:
-    """The state of the first transform called `name` (searching nested chains in order), or None.
-
-    Example:
-      >>> import torch, fzero
-      >>> state = fzero.init(torch.nn.Linear(2, 2), fzero.zero2(fzero.adamw()), fzero.SimMesh(1))
-      >>> int(lookup(state.tx_state, "shard_update").count)
-      0
-    """
-    if not isinstance(tx_state, dict):
-        return None
-    if name in tx_state:
-        return tx_state[name]
-    for sub in tx_state.values():
-        found = lookup(sub, name)
-        if found is not None:
-            return found
-    return None
-
-
-def find(tx_state: Any, kind: type | tuple[type, ...]) -> Any:
-    """The first state of type `kind` in a chain's state (searching nested chains in order), or None.
-
-    What a transform *is* shows in the type of the state it keeps (`GatherState`, `AccumulateState`), which a
-    user's name for it in `named_chain` does not change; use this, not `lookup`, to ask what a chain does.
-
-    Example:
-      >>> import torch, fzero
-      >>> from fzero.transforms.collective import GatherState
-      >>> tx = fzero.named_chain(("r", fzero.reduce_scatter()), ("u", fzero.shard_update(fzero.adamw())),
-      ...                        ("g", fzero.gather(lazy=True, keep=True)))
-      >>> find(fzero.init(torch.nn.Linear(2, 2), tx, fzero.SimMesh(2)).tx_state, GatherState).keep
-      True
-    """
-    if isinstance(tx_state, kind):
-        return tx_state
-    if isinstance(tx_state, dict):
-        for sub in tx_state.values():
-            found = find(sub, kind)
-            if found is not None:
-                return found
-    return None
-
-
-def grad_stats(flow: Flow, ctx: Context, what: str) -> tuple[Flow, GradStats]:
-    """The step's global gradient statistics: computed on first use (one pass over this rank's gradients and a
-    one-element all-reduce when they are sharded; where every rank holds them whole, from `SPLIT_STATS_ELEMENTS` on
-    the CPU, each rank's pass over its 1/world of them and the all-reduce), then carried in the flow's info for the
-    transforms after."""
-    if flow.info.stats is not None:
-        return flow, flow.info.stats
-    if not flow.info.reduced:
-        raise ValueError(f"{what}() needs reduced gradients: put it after reduce_scatter() or all_reduce()")
-    # float64; one pass, the native kernel on CPU (torch's vector norm elsewhere)
-    grads, mesh = flow.gradients(what), ctx.mesh
-    if flow.sharded:
-        local = native.sumsq(grads)
-        # (a hybrid layout: every replica holds the same reduced shards, summed over one copy of them)
-        total = mesh.all_reduce(local, "sum", axis=ctx.layout.axis)
-    elif _split(mesh, grads):
-        # reduced, every rank holds the whole gradient alike (stage 0): each reads its 1/world of it, a one-element
-        # all-reduce sums the parts
-        total = mesh.all_reduce(native.sumsq(_own_part(mesh, grads)), "sum")
-    else:
-        total = native.sumsq(grads)
-    sumsq = float(mesh.unreplicate(total))
-    stats = GradStats(sumsq, math.isfinite(sumsq))
-    return flow.with_info(stats=stats), stats
-
-
-# From this many elements of a whole gradient on the CPU, each rank sums the squares of its 1/world of it: below,
-# the one-element all-reduce adding the parts costs more than the pass saves (benchmarks/collectives.py, two gloo
-# ranks on a Zen 4: the split at 0.38x the whole pass's speed at 1.6M elements, 0.89x at 3.4M, 1.25x at 8.4M,
-# 1.24x at 27.4M). On an accelerator a pass over the gradient is faster than any collective: never split there.
-SPLIT_STATS_ELEMENTS = 1 << 22
-
-
-def _split(mesh: Mesh, grads: Tensor) -> bool:
-    n = grads.shape[-1]
-    return mesh.world > 1 and n % mesh.world == 0 and n >= SPLIT_STATS_ELEMENTS and grads.device.type == "cpu"
-
-
-def _own_part(mesh: Mesh, x: Tensor) -> Tensor:
-    """Rank r's r-th part of the last dimension of `x`: `mesh.local_shard(x)`, but a view on a `DistMesh` (read
-    once, so not worth `local_shard`'s copy)."""
-    rank = mesh.rank
-    if isinstance(rank, int):
-        s = x.shape[-1] // mesh.world
-        return x[..., rank * s : (rank + 1) * s]
-    return mesh.local_shard(x)
+    return stateless(lambda flow, ctx: flow, "identity", unit=unit, per_rank=False)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from .base import Context, EmptyState, Flow, Transform, grad_stats
+from .base import Context, EmptyState, Flow, Transform
+from .stats import grad_stats
 
 __all__ = ["clip_by_global_norm"]
 
@@ -36,4 +37,4 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         coef = min(1.0, max_norm / (norm + 1e-6)) if stats.finite else 1.0
         return flow.with_info(grad_factor=flow.info.grad_factor * coef), state
 
-    return Transform(lambda flow, ctx: (flow, EmptyState()), update, "clip_by_global_norm")
+    return Transform(lambda flow, ctx: (flow, EmptyState()), update, "clip_by_global_norm", per_rank=False)

@@ -34,12 +34,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ..layout import Layout, to_rank_major, to_unit_major
+from ..layout import Layout, to_rank_major
 from ..layout.int8 import dequantize, quantize
 from ..layout.pieces import Pieces, exact_division, into, whole
 from ..mesh import AllOf, Mesh, ReduceOp, Work, completed, progress
+from ..sharding.gathered_unit import EXACT, GatherSpec
 from ..state import pytree, register_torch_pytree, static_field
-from ..state.plan import EXACT, GatherSpec
 from .base import Context, Does, EmptyState, Flow, Transform
 
 __all__ = [
@@ -219,7 +219,7 @@ def all_reduce(dtype: torch.dtype | None = None, average: Average | None = None)
         return reduce(grads, ctx)
 
     unit.takes_pieces = True  # type: ignore[attr-defined]  # (written into their place in one pass: `fzero.layout.pieces`)
-    return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True)
+    return Transform(lambda flow, ctx: (flow, EmptyState()), update, "all_reduce", unit, reduces=True, per_rank=False)
 
 
 def reduce_scatter(
@@ -314,7 +314,7 @@ def reduce_scatter(
         return reduce(x, ctx)
 
     unit.takes_pieces = True  # type: ignore[attr-defined]  # (`fzero.layout.pieces`)
-    return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis)
+    return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis, per_rank=False)
 
 
 def sharding_world(mesh: Mesh, axis: str | None) -> int:
@@ -384,15 +384,14 @@ def gather_params(
     if block is not None:  # the values a unit-by-unit int8 gather gives (sent here as they are read back)
         pieces = [params[..., layout.unit_shard_slice(u)] for u in range(len(layout.units))]
         params = torch.cat([dequantize(*quantize(p, block), block, p.shape[-1]).to(p.dtype) for p in pieces], -1)
-    kw = {} if layout.axis is None else {"axis": layout.axis}
-    if not mesh.stacked:  # each unit's pieces gathered straight into its place: no rank-major copy to reorder
-        full = out if out is not None else params.new_empty(layout.numel)
-        units = [u for u, unit in enumerate(layout.units) if unit.size]  # (a unit of frozen parameters: none here)
-        works = [mesh.all_gather_into(full[layout.unit_slice(u)], params[layout.unit_shard_slice(u)], True, **kw)
-                 for u in units]  # fmt: skip
-        AllOf(works).wait()
-        return full
-    return to_unit_major(layout, mesh.all_gather(params, **kw))
+    # each unit's pieces gathered straight into its place in the full buffer (no rank-major copy to reorder), every
+    # unit's gather in flight at once
+    full = out if out is not None else params.new_empty(*params.shape[:-1], layout.numel)
+    units = [u for u, unit in enumerate(layout.units) if unit.size]  # (a unit of frozen parameters: none here)
+    works = [mesh.all_gather_into(full[..., layout.unit_slice(u)], params[..., layout.unit_shard_slice(u)], True,
+                                  axis=layout.axis) for u in units]  # fmt: skip
+    AllOf(works).wait()
+    return full
 
 
 @pytree.dataclasses.dataclass(frozen=True)
@@ -474,7 +473,7 @@ def gather(
 
     mode = ("keep" if keep else "lazy") if lazy else "now"
     return Transform(init, lambda flow, state, ctx: (apply(flow, ctx), state), "gather",
-                     does=Does(gathers=mode, gather_spec=gather_spec))  # fmt: skip
+                     does=Does(gathers=mode, gather_spec=gather_spec), per_rank=False)  # fmt: skip
 
 
 def _secondary_size(ctx: Context, axis: str) -> int:

@@ -40,7 +40,8 @@ from typing import Any
 from ..optim import Optimizer
 from ..state.precision import Policy, get_policy
 from .accumulate import accumulate as accumulate_
-from .base import Transform, chain, identity
+from .base import Transform, identity
+from .chain import chain
 from .clipping import clip_by_global_norm
 from .collective import Average, all_reduce, gather, reduce_scatter
 from .quantize import quantized_gather, quantized_reduce_scatter

@@ -144,7 +144,7 @@ def quantized_reduce_scatter(
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
         return reduce(grads, ctx)
 
-    return Transform(init, update, "quantized_reduce_scatter", unit, reduces=True, axis=axis)
+    return Transform(init, update, "quantized_reduce_scatter", unit, reduces=True, axis=axis, per_rank=False)
 
 
 def _reduce_scatter(axis: str | None, replicate: str | None) -> Transform:
@@ -184,4 +184,4 @@ def quantized_gather(block: int | None = None, dtype: torch.dtype | None = None)
 
     return Transform(lambda flow, ctx: (apply(flow, ctx), EmptyState()),
                      lambda flow, state, ctx: (apply(flow, ctx), state), "quantized_gather",
-                     does=Does(gathers="now"))  # fmt: skip
+                     does=Does(gathers="now"), per_rank=False)  # fmt: skip

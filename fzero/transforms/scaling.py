@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..state.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, make_loss_scale
-from .base import Context, Does, Flow, Transform, find, grad_stats
+from .base import Context, Does, Flow, Transform
+from .chain import find
+from .stats import grad_stats
 
 __all__ = ["current_loss_scale", "scale_loss"]
 
@@ -46,7 +48,9 @@ def scale_loss(loss_scale: Any = "dynamic", *, skip_nonfinite: bool = True, **dy
         flow = flow.with_metrics(loss_scale=state.loss_scale, skipped=skipped)
         return (flow.with_info(deferred=True) if skipped else flow), state.adjust(stats.finite)
 
-    return Transform(lambda flow, ctx: (flow, initial), update, "scale_loss", does=Does(scales_loss=True))
+    return Transform(
+        lambda flow, ctx: (flow, initial), update, "scale_loss", does=Does(scales_loss=True), per_rank=False
+    )
 
 
 def current_loss_scale(state: Any) -> Any:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..layout import Layout
+from ..mesh.base import coordinate
 from ..optim import Optimizer
 from ..optim.groups import ParamGroups, Resolved, Segments, segments
 from ..optim.tensors import Tensors, rank_ordered_total, tensors_of
@@ -94,7 +95,7 @@ def shard_update(
                          "optimizer that needs whole parameter tensors (Lamb, Muon) cannot")  # fmt: skip
     u = _ShardUpdate(optimizer, dtype, policy, compute_dtype, chunk)
     return Transform(u.init, u.update, "shard_update", does=Does(updates=True),
-                     speculate=u.speculate if policy.speculate else None)  # fmt: skip
+                     speculate=u.speculate if policy.speculate else None, per_rank=False)  # fmt: skip
 
 
 def _check(optimizer: Any, compute_dtype: Any, chunk: Any) -> None:
@@ -230,8 +231,8 @@ class _ShardUpdate:
 
 
 def _files(ctx: Context, params: Tensor) -> tuple[int, ...]:
-    """The numbers naming the swap files of the rows of `params`: a `SimMesh`'s rows, or this process's rank."""
-    return tuple(range(params.shape[0])) if params.ndim == 2 else (int(ctx.mesh.rank),)
+    """The numbers naming the swap files of the ranks whose rows `params` holds (this process's ranks)."""
+    return ctx.mesh.local_ranks
 
 
 def _pieces_of(ctx: Context, params: Tensor, sharded: bool) -> tuple[int, ...]:
@@ -269,11 +270,9 @@ def tensor_table(ctx: Context, params: Tensor, sharded: bool) -> Tensors:
 
 
 def _rows(ctx: Context, params: Tensor) -> Sequence[int]:
-    """The ranks whose buffers `params` holds, end to end: each rank's coordinate along the sharding axis."""
-    if ctx.layout.axis is not None:
-        index = ctx.mesh.index(ctx.layout.axis)  # every rank's, as a Tensor, on a SimMesh (buffers `[world, n]`)
-        return tuple(int(i) for i in cast(Tensor, index)) if params.ndim == 2 else (int(index),)
-    return range(ctx.mesh.world) if params.ndim == 2 else (int(ctx.mesh.rank),)
+    """The ranks whose buffers `params` holds, end to end (this process's ranks): each rank's coordinate along the
+    sharding axis."""
+    return tuple(coordinate(ctx.mesh.shape, r, ctx.layout.axis) for r in ctx.mesh.local_ranks)
 
 
 @functools.lru_cache(maxsize=64)
