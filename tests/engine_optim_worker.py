@@ -48,10 +48,10 @@ CASES: dict[str, tuple[int, dict, dict, bool, str, tuple[str, ...]]] = {
     "lion-2": (2, _LION, {}, True, "cpu_lion", ("exp_avg",)),
     "lion-3": (3, _LION, {}, True, "cpu_lion", ("exp_avg",)),
     "adagrad-2": (2, _ADAGRAD, {}, True, "cpu_adagrad", ("sum",)),
-    "adam-no-bias-correction-2": (2, _ADAM_NO_BC, {}, True, "cpu_adam", _MOMENTS),
-    "adamw-torch-amsgrad-2": (2, _AMSGRAD, {}, True, "adam", (*_MOMENTS, "max_exp_avg_sq")),
-    "adamw-prescale-2": (2, _ADAMW, {"prescale_gradients": True}, True, "cpu_adam", _MOMENTS),
-    "adamw-predivide-2": (2, _ADAMW, {"gradient_predivide_factor": 3.0}, False, "cpu_adam", _MOMENTS),
+    "adam-no-bias-correction-2": (2, _ADAM_NO_BC, {}, True, "cpu_adamw", _MOMENTS),  # (DeepSpeed: adam_w_mode)
+    "adamw-torch-amsgrad-2": (2, _AMSGRAD, {}, True, "adamw", (*_MOMENTS, "max_exp_avg_sq")),
+    "adamw-prescale-2": (2, _ADAMW, {"prescale_gradients": True}, True, "cpu_adamw", _MOMENTS),
+    "adamw-predivide-2": (2, _ADAMW, {"gradient_predivide_factor": 3.0}, False, "cpu_adamw", _MOMENTS),
     "muon-2": (2, _MUON, {}, True, "muon", ("exp_avg",)),  # (exp_avg_sq: zero on the Muon tensors)
     "muon-3": (3, _MUON, {}, True, "muon", ("exp_avg",)),
 }
@@ -104,13 +104,13 @@ def engine(case: str, seed: int = 0, average: bool = True):
 
 
 def optimizer_name(eng) -> str:
-    """Which fzero optimizer module the engine's chain runs: `cpu_lion`, `cpu_adagrad`, `cpu_adam` (the native
-    kernels), `lamb`, `adam` (torch's arithmetic), ...; for `adam(w)(fused=True)`, the one its master weights'
-    device runs."""
+    """Which fzero optimizer the engine's chain runs (`Optimizer.name`): `cpu_lion`, `cpu_adagrad`, `cpu_adamw` (the
+    native kernels), `lamb`, `adamw` (torch's arithmetic), ...; for `adam(w)(fused=True)`, the one its master
+    weights' device runs."""
     opt = dict(eng.tx.children)["shard_update"].update.__self__.optimizer
     if hasattr(opt.update, "choose"):
         opt = opt.update.choose(eng.state.params)
-    return opt.update.__module__.rsplit(".", 1)[-1]
+    return opt.name
 
 
 def batches(world: int, micro_steps: int) -> list[Tensor]:

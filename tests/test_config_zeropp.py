@@ -187,7 +187,7 @@ def test_one_process_runs_the_tutorial_config_on_one_rank():
     """Without torchrun the engine's mesh is a one-rank SimMesh: DeepSpeed's min(N, W) makes hpZ's group 1."""
     config = {**BASE, "train_batch_size": 2, "zero_optimization": dict(zeropp_worker.ZEROPP)}
     engine, *_ = fzero.initialize(model=tiny_gpt(0), config=config)
-    assert repr(engine.mesh) == "SimMesh(world=1)"
+    assert repr(engine.mesh) == "SimRank(rank=0 of SimMesh(world=1))"
     x = torch.zeros(2, 8, dtype=torch.long)
     engine.backward(engine(x).float().mean())
     engine.step()

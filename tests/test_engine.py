@@ -31,7 +31,7 @@ def _params(engine) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ the seed example
 def test_seed_example_single_process():
     engine, returned = engine_worker.seed_example(fzero, steps=12)
-    assert repr(engine.mesh) == "SimMesh(world=1)"
+    assert repr(engine.mesh) == "SimRank(rank=0 of SimMesh(world=1))"
     assert engine.train_micro_batch_size_per_gpu() == 8  # 32 / (4 * 1)
     assert (engine.micro_steps, engine.global_steps, engine.global_samples) == (12, 3, 96)
     # fp16 starts at 2**16: the first boundary overflows (hysteresis 2 keeps the scale), the second halves it

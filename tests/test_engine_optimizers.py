@@ -39,7 +39,7 @@ def test_resume_on_two_processes_is_bitwise(runs, case):
     loads the checkpoint and trains the same micro-steps with per-rank dropout: the same losses, consolidated
     parameters and every leaf of the state (moments, Adagrad's sum, AMSGrad's max_exp_avg_sq, counts), bitwise on
     both ranks, and the same counters. The engine runs the optimizer the config maps to on a CPU run (the native
-    `cpu_lion`, `cpu_adagrad`, `cpu_adam`; `lamb`; torch's arithmetic with torch_adam)."""
+    `cpu_lion`, `cpu_adagrad`, `cpu_adamw`; `lamb`; torch's arithmetic with torch_adam: `adamw`)."""
     _, results = runs
     optimizer = w.CASES[case][4]
     for rank, res in enumerate(results):

@@ -171,19 +171,24 @@ def test_config_super_offload(tmp_path):
 
 
 def test_engine_reports_speculation(tmp_path):
-    """The shell on one process (a one-rank `SimMesh` reduces after the backward: nothing to speculate, the
-    metrics say so by their absence) trains as without `super_offload`."""
+    """The engine on one process (its rank of a one-rank `SimMesh`) speculates as the core does on one rank: each
+    unit's update runs as its gradient lands; without clipping every step's speculation holds (fp32: nothing
+    overflows), with DeepSpeed's clipping at 1.0 it misses where the norm is above it and is redone; the metrics
+    say so, and it trains bitwise as without `super_offload` either way."""
     torch.manual_seed(0)
     runs = []
-    for speculate in (False, True):
+    for speculate, clip in ((False, 0.0), (True, 0.0), (False, 1.0), (True, 1.0)):
         model = tiny_gpt(0)
         config = _cfg(3, device="cpu", super_offload=speculate)
-        config["train_batch_size"] = 2
+        config["train_batch_size"], config["gradient_clipping"] = 2, clip
         engine, *_ = fzero.initialize(model=model, config=config, model_parameters=model.parameters())
         for batch in lm_batches(tiny_gpt(0), 1, 1, 2, 2, 7):
             logits = engine(batch["x"][0])
             engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"][0].flatten()))
             engine.step()
-        assert "speculation" not in engine.step_metrics
+        if speculate:
+            assert engine.step_metrics["speculation"] == {"hit": clip == 0.0, "units": 3}, engine.step_metrics
+        else:
+            assert "speculation" not in engine.step_metrics
         runs.append({k: v.clone() for k, v in engine.module.state_dict().items()})
-    assert differing(*runs) == []
+    assert differing(*runs[:2]) == [] and differing(*runs[2:]) == [] and differing(runs[0], runs[2])

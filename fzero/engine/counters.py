@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..config import Config
-from ..mesh import Mesh
+from ..mesh import RankMesh
 from ..state import TrainState
 
 __all__ = ["Checkpointable", "EngineCounters"]
@@ -70,7 +70,7 @@ class Checkpointable(Protocol):
     """What the engine's checkpoints read and restore (`fzero.Engine` is one)."""
 
     state: TrainState
-    mesh: Mesh
+    mesh: RankMesh
     config: Config
     optimizer: Any
     client_scheduler: Any

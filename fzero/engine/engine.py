@@ -8,7 +8,7 @@ the monitor (`Reporting`), the model's parameters as views of the state (`Module
 The engine holds a `TrainState` and rebinds it; a micro-step is the core's own `fzero.step.microstep.MicroStep`, driven
 in two halves:
 
-    engine(*args)          the first forward opens the micro-step (MicroStep.open_shell): functional_call(model,
+    engine(*args)          the first forward opens the micro-step (MicroStep.open_engine): functional_call(model,
                            views of leaf, ...), leaf = the full compute parameters, or the unit gathering's shard
                            (each unit's gradient reduced in the backward, where the plan says so)
     engine.backward(loss)  g += gradient of loss * S at leaf        S: the state's loss scale (1 unless fp16)
@@ -50,6 +50,7 @@ from torch.profiler import record_function
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
 from ..mesh import CollectiveError, Mesh
+from ..mesh.ranks import rank_view
 from ..optim import Hyper
 from ..sharding.bind import bound
 from ..sharding.units import UnitGathering
@@ -106,7 +107,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
         super().__init__()
         self._modules["module"] = model  # a submodule, as in DeepSpeed: train()/eval() and "module." keys
         self.config = config
-        self.mesh = mesh
+        self.mesh = mesh = rank_view(mesh)  # (its per-rank values are this rank's own, whatever mesh it was given)
         self.tx = tx
         self.optimizer = optimizer
         self.client_scheduler = client_scheduler
@@ -115,9 +116,6 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
         self._device = device or next(model.parameters()).device
         self._policy = policy if policy is not None else build_policy(config)
         self._gather_policy = build_gather_policy(config).on(mesh)
-        if len(mesh.local_ranks) != 1:
-            raise ValueError(f"the engine runs one rank per process: {mesh!r} is not one")
-        self._rank = mesh.local_ranks[0]
         self.state: TrainState = init(model, tx, mesh)
         self.counters = EngineCounters()
         self._micro: MicroStep | None = None
@@ -161,7 +159,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
 
     @property
     def global_rank(self) -> int:
-        return self._rank
+        return self.mesh.rank
 
     def was_step_applied(self) -> bool:
         """Whether the last `step()` updated the parameters (a boundary step that was not skipped)."""
@@ -183,9 +181,9 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
             self._t_step = t0
         if self._micro is None:
             self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
-            self._micro.open_shell(self.module, self._compute(), self._local)
+            self._micro.open_engine(self.module, self._compute())
         with record_function("fzero.forward"):
-            try:  # (the micro-step's tensors are bound into the module: `MicroStep.open_shell`)
+            try:  # (the micro-step's tensors are bound into the module: `MicroStep.open_engine`)
                 out = self.module(*args, **kwargs)
             except Exception as e:
                 self._fail(self._micro, e)
@@ -205,11 +203,11 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
         """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
         updates them (a train-mode BatchNorm), nothing else changed."""
         state, module = self.state, self.module
-        buffers = {k: self._local(v).clone() for k, v in state.buffers.items()}
+        buffers = {k: v.clone() for k, v in state.buffers.items()}
         gathering, compute = None, self._compute()
         if compute is None:
             assert state.compute is not None  # (stage 3 keeps a compute shard; a chain without gather() is not handled)
-            frozen = None if state.frozen is None else self._local(state.frozen)
+            frozen = state.frozen
             gathering = UnitGathering(
                 self.mesh, state.layout, module, state.compute, frozen, self._gather_policy, None,
                 state.frozen_dtype, gather_spec=state.plan.gather_spec,
@@ -217,7 +215,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
             named = {**gathering.params(), **buffers}
         else:
             frozen = frozen_params(state, self.mesh)
-            named = named_tensors(state.layout, compute, None if frozen is None else self._local(frozen), buffers)
+            named = named_tensors(state.layout, compute, frozen, buffers)
         try:
             try:
                 with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
@@ -232,7 +230,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
             if gathering is not None:
                 gathering.close()
         if buffers:
-            self.state = state.replace(buffers={k: self._per_rank(v) for k, v in buffers.items()})
+            self.state = state.replace(buffers=buffers)
         return out
 
     def scale(self, loss: Tensor) -> Tensor:
@@ -314,8 +312,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
         loss = self._loss if self._loss is not None else torch.tensor(math.nan)
         self._grad = self._loss = None
         new, metrics = micro.close(  # the engine owns its state: donated, updated in place
-            self._per_rank(grads), self._per_rank(loss), reduced=micro.per_unit, donate=True,
-            buffers={k: self._per_rank(v) for k, v in micro.buffers.items()},
+            grads, loss, reduced=micro.per_unit, donate=True, buffers=micro.buffers,
         )  # fmt: skip
         self.state, self.step_metrics = new, metrics
         self.counters.step_losses.append(metrics["loss"])

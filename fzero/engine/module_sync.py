@@ -14,11 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import unflatten
-from ..mesh import Mesh
+from ..mesh import RankMesh
 from ..state import TrainState
 from ..step import state_dict as consolidated
-from ..step.microstep import compute_params, read_unit_by_unit
-from ..storage import in_memory
+from ..step.microstep import compute_params
+from ..storage import Offloaded
 
 __all__ = ["ModuleSync"]
 
@@ -26,13 +26,12 @@ __all__ = ["ModuleSync"]
 class ModuleSync:
     """The module's parameters and buffers as views of the engine's state, for `fzero.Engine`.
 
-    Per-rank values: the engine runs one rank per process (`_rank`), whose values `_local` picks from the mesh's
-    per-rank representation and `_per_rank` puts back.
+    The engine runs one rank per process, on that rank's view of the mesh (`fzero.mesh.ranks.rank_view`): its
+    per-rank values are its own.
     """
 
     state: TrainState
-    mesh: Mesh
-    _rank: int
+    mesh: RankMesh
     # stages 1-2: (the state's compute shard, its all-gather), valid until the next update (a donated update changes
     # the shard in place: then the shard is None, and the buffer is refilled in place)
     _gathered: tuple[Tensor | None, Tensor] | None
@@ -42,31 +41,23 @@ class ModuleSync:
         @property
         def module(self) -> nn.Module: ...
 
-    def _local(self, x: Tensor) -> Tensor:
-        """This rank's value of a per-rank tensor."""
-        return self.mesh.pick(x, self._rank)
-
-    def _per_rank(self, x: Tensor) -> Tensor:
-        """The per-rank tensor whose value on this rank is `x`."""
-        return self.mesh.stack([x])
-
     def _compute(self) -> Tensor | None:
         """This rank's full compute parameters for the next forward, or None at stage 3 (gathered unit by unit).
         At stages 1-2 the state keeps them sharded: they are all-gathered once per update (what DeepSpeed does after
         its step), so that `engine.module` holds them, and kept for the micro-steps of the accumulation window."""
         state = self.state
         compute = state.compute if state.compute is not None else state.params
-        if read_unit_by_unit(state, self.mesh):  # one rank, the copy on disk: read unit by unit
+        if isinstance(compute, Offloaded):  # the copy on disk: read unit by unit
             return None
         if not state.plan.sharded_at_rest:
-            return self._local(in_memory(compute))
+            return compute
         if not state.plan.keep_gathered:
             return None
         if self._gathered is None or self._gathered[0] is not compute:  # stale after every update (see step)
             # refilled in place: the module's parameters are views of it, so a new buffer would hold the model
             # twice while they still point at the old one
             old = None if self._gathered is None else self._gathered[1]
-            self._gathered = (compute, self._local(compute_params(state, self.mesh, out=old)))
+            self._gathered = (compute, compute_params(state, self.mesh, out=old))
         return self._gathered[1]
 
     def _sync_module(self) -> None:
@@ -76,7 +67,7 @@ class ModuleSync:
         named = dict(self.module.named_parameters())
         with torch.no_grad():
             # the frozen parameters show where they are whole (not sharded at rest)
-            frozen = None if state.frozen is None or state.plan.sharded_at_rest else self._local(state.frozen)
+            frozen = None if state.plan.sharded_at_rest else state.frozen
             for lay, flat in ((state.layout, self._compute()), (state.layout.frozen_layout, frozen)):
                 if lay is None:
                     continue
@@ -88,7 +79,7 @@ class ModuleSync:
             module_buffers = dict(self.module.named_buffers())
             for name, value in self.state.buffers.items():
                 if name in module_buffers:
-                    module_buffers[name].data = self._local(value)
+                    module_buffers[name].data = value
 
     def module_state_dict(self) -> dict[str, Tensor]:
         """The consolidated parameters (fp32 master), frozen parameters and buffers: what the model's

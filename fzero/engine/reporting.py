@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import Config
-from ..mesh import Mesh
+from ..mesh import RankMesh
 from ..metrics import Monitor, transformer_flops
 from ..metrics.monitors import MonitorMaster, boundary_events
 from ..state import TrainState
@@ -27,7 +27,7 @@ class Reporting:
 
     config: Config
     state: TrainState
-    mesh: Mesh
+    mesh: RankMesh
     counters: EngineCounters
     monitor: Monitor
     global_steps: int

@@ -41,10 +41,11 @@ from ..layout.int8 import dequantize, quantize
 from ..layout.pieces import Pieces, takes_pieces, whole
 from .dist import DistMesh
 from .handles import AllOf, Pending, Work, completed, done, progress
+from .lockstep import SimRank
 from .protocol import Mesh, RankMesh
 from .sim import SimMesh
 
-__all__ = ["Ranks", "Reduction", "check_batch", "one_rank", "ranks_of", "regroup", "stacks"]
+__all__ = ["Ranks", "Reduction", "check_batch", "one_rank", "rank_view", "ranks_of", "regroup", "stacks"]
 
 ReduceFn = Callable[..., "Tensor | Work"]
 """`fn(grads, unit, place=None)`: a unit's reduction; `place(shape, dtype)`, where given, is its result's place in
@@ -336,57 +337,31 @@ class DistRanks(_Ranks):
         return _DistReduction(fn, layout, budget, reuse)
 
 
-class OneRank(_Ranks):
-    """The one rank of a one-rank `SimMesh`, run imperatively, one unit at a time (the engine at world 1, whose
-    state may keep the compute copy on disk): this rank's values unstacked, as a `DistRanks`'s; a gather is the
-    unit's own piece (copied), and the chain's reduction runs on the unit's gradient as one stacked row."""
-
-    mesh: SimMesh
-
-    def pick(self, x: Any, rank: int) -> Any:
-        return x
-
-    def stack(self, values: Sequence[Any]) -> Any:
-        return values[0]
-
-    def gather_into(self, out: Tensor, shards: Tensor, piece: slice, rank: int, async_op: bool,
-                    axis: str | None = None, block: int | None = None) -> Work:  # fmt: skip
-        # (a `block` is ignored: nothing travels at world 1, as a one-rank SimMesh's units are never gathered)
-        out.copy_(shards[..., piece].reshape(-1))
-        self.mesh.account("all_gather", out.numel(), None, out.element_size())
-        return done
-
-    def secondary(self, full: Tensor, axis: str) -> Tensor:
-        raise ValueError(f"a one-rank mesh has no axis {axis!r} to keep a secondary copy over")
-
-    def reduction(self, fn: ReduceFn, layout: Layout, budget: int | None = None, reuse: bool = False) -> Reduction:
-        return _DistReduction(_Row(fn), layout, None, reuse)
-
-
-class _Row:
-    """A stacked mesh's per-unit reduction on one rank's unstacked gradients (and its `landed`, if any)."""
-
-    def __init__(self, fn: ReduceFn) -> None:
-        self.fn, self.landed = fn, _landed(fn)
-
-    def __call__(self, grads: Tensor, unit: int, place: Any = None) -> Tensor:
-        return _value(self.fn(grads.unsqueeze(0), unit))[0]  # (`place`: stacked results keep their own buffers)
-
-
 def ranks_of(mesh: Mesh) -> SimRanks | DistRanks:
     """The strategy for `mesh` (see the module docstring)."""
     return SimRanks(mesh) if isinstance(mesh, SimMesh) else DistRanks(mesh)
 
 
-def one_rank(mesh: Mesh) -> OneRank | DistRanks:
-    """The strategy for a process that runs one rank imperatively, unit by unit (the engine): its values unstacked.
+def one_rank(mesh: RankMesh) -> DistRanks:
+    """The strategy for a process that runs one rank imperatively, unit by unit (the engine): its own values."""
+    return DistRanks(mesh)
+
+
+def rank_view(mesh: Mesh) -> RankMesh:
+    """`mesh` as the one rank this process runs sees it: a `DistMesh` itself; a one-rank `SimMesh` its rank 0 (a
+    `RankMesh` of world 1: values unstacked, every collective the identity, no process group).
 
     Raises:
-      ValueError: `mesh` holds several ranks in this process.
+      ValueError: `mesh` holds several ranks in this process (a `SimMesh` of world above 1).
     """
-    if len(mesh.local_ranks) != 1:
-        raise ValueError(f"one rank runs unit by unit here, but {mesh!r} holds {len(mesh.local_ranks)} ranks")
-    return OneRank(mesh) if isinstance(mesh, SimMesh) else DistRanks(mesh)
+    if isinstance(mesh, SimMesh):
+        if mesh.world != 1:
+            raise ValueError(f"one rank per process, but {mesh!r} holds {mesh.world}: use a DistMesh under torchrun, "
+                             "or SimMesh(1)")  # fmt: skip
+        return SimRank(mesh, 0, None)
+    if not isinstance(mesh, RankMesh):
+        raise TypeError(f"expected a mesh (fzero.SimMesh(1) or fzero.DistMesh), got {type(mesh).__name__}")
+    return mesh
 
 
 def check_batch(mesh: Mesh, batch: Any) -> None:

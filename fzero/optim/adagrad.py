@@ -82,7 +82,7 @@ def adagrad(
     def init(params: Tensor) -> AdagradState:
         return AdagradState(torch.tensor(0, dtype=torch.int64), torch.full_like(params, initial_accumulator_value))
 
-    return elementwise(init, _update, defaults, check, groups)
+    return elementwise("adagrad", init, _update, defaults, check, groups)
 
 
 def _update(h: Mapping[str, Any], applied: int, ops: Ops, ps: list[Tensor], gs: list[Tensor], ss: list[Tensor]) -> None:

@@ -38,7 +38,7 @@ def _adam(
     def step(h: Mapping[str, Any], applied: int, ops: Ops, *pieces: list[Tensor]) -> None:
         adam_core.update(ops, adam_core.step_values(h, applied), applied + 1, decoupled, bias_correction, *pieces)
 
-    return elementwise(init, step, defaults, adam_core.check, groups)
+    return elementwise("adamw" if decoupled else "adam", init, step, defaults, adam_core.check, groups)
 
 
 def _choose(

@@ -42,6 +42,8 @@ class Optimizer(NamedTuple):
         `new_params.to(t.dtype)`;
         `"tensors"`: `update(..., tensors=t)` takes `fzero.optim.tensors.Tensors`, where each parameter tensor lies
         in the buffer and how its pieces' sums meet across ranks (per-tensor norms: Lamb).
+      name: what it is, by the name of the fzero function that makes it (`"adamw"`, `"cpu_adamw"`, `"lamb"`, ...;
+        `"cpu_adamw|fused_adamw"` for one that picks by the master weights' device): for reports and tests.
     """
 
     init: InitFn
@@ -50,6 +52,7 @@ class Optimizer(NamedTuple):
     defaults: Mapping[str, Any] = {}
     groups: Any = None
     check: Callable[[Mapping[str, Any]], None] | None = None
+    name: str = ""
 
     def group_hypers(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """A group's hyper-parameters: the optimizer's defaults with the group's overrides."""

@@ -74,7 +74,14 @@ def torch_fused_adam(
                    weight_decay=h.weight_decay, eps=h.eps, maximize=False, grad_scale=None, found_inf=None)  # fmt: skip
         return p, adam_core.next_state(t, m, v)
 
-    return Optimizer(adam_core.init_state, update, defaults=defaults, groups=groups, check=adam_core.check)
+    return Optimizer(
+        adam_core.init_state,
+        update,
+        defaults=defaults,
+        groups=groups,
+        check=adam_core.check,
+        name="fused_adamw" if decoupled else "fused_adam",
+    )
 
 
 def with_fused_keywords(opt: Optimizer) -> Optimizer:
@@ -112,4 +119,4 @@ def on_device(host: Optimizer, device: Optimizer) -> Optimizer:
         return choose(params).update(grads, state, params, **kw)
 
     update.choose = choose  # type: ignore[attr-defined]
-    return host._replace(init=init, update=update)
+    return host._replace(init=init, update=update, name=f"{host.name}|{device.name}")

@@ -103,18 +103,19 @@ def update_by_group(
 
 
 def elementwise(
+    name: str,
     init: InitFn,
     step: Callable[..., None],
     defaults: Mapping[str, Any],
     check: Callable[[Mapping[str, Any]], None],
     groups: ParamGroups | None,
 ) -> Optimizer:
-    """The optimizer whose update runs `step` by `update_by_group` (see there); `init`, `defaults`, `check` and
-    `groups` are the `Optimizer`'s."""
+    """The optimizer whose update runs `step` by `update_by_group` (see there); `name`, `init`, `defaults`, `check`
+    and `groups` are the `Optimizer`'s."""
 
     def update(
         grads: Tensor, state: Any, params: Tensor, *, donate: bool = False, segments: Segments | None = None
     ) -> tuple[Tensor, Any]:
         return update_by_group(step, grads, state, params, donate, segments, defaults)
 
-    return Optimizer(init, update, defaults=defaults, groups=groups, check=check)
+    return Optimizer(init, update, defaults=defaults, groups=groups, check=check, name=name)

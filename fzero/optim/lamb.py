@@ -121,7 +121,7 @@ def lamb(
         return p, adam_core.next_state(applied + 1, m, v)
 
     return Optimizer(adam_core.init_state, update, frozenset({"tensors"}), defaults=defaults, groups=groups,
-                     check=_check)  # fmt: skip
+                     check=_check, name="lamb")  # fmt: skip
 
 
 def _check(h: Mapping[str, Any]) -> None:

@@ -139,7 +139,7 @@ def lion(
     def init(params: Tensor) -> LionState:
         return LionState(torch.tensor(0, dtype=torch.int64), torch.zeros_like(params))
 
-    return elementwise(init, _update, defaults, check, groups)
+    return elementwise("lion", init, _update, defaults, check, groups)
 
 
 def _update(h: Mapping[str, Any], applied: int, ops: Ops, ps: list[Tensor], gs: list[Tensor], ms: list[Tensor]) -> None:

@@ -178,7 +178,7 @@ def muon(
         return p, adam_core.next_state(t, m, v)
 
     return Optimizer(adam_core.init_state, update, frozenset({"tensors"}), defaults=defaults, groups=groups,
-                     check=_check)  # fmt: skip
+                     check=_check, name="muon")  # fmt: skip
 
 
 def _adam_half(h: Mapping[str, Any], applied: int, t: int, runs: list[tuple[int, int]], *flat: Tensor) -> None:

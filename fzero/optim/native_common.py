@@ -100,4 +100,4 @@ def native_optimizer(
                segments=table)  # fmt: skip
         return new[0], type(state)(torch.tensor(applied + 1, dtype=torch.int64), *new[1:])
 
-    return Optimizer(init_state, update, FEATURES, defaults=defaults, groups=groups, check=check)
+    return Optimizer(init_state, update, FEATURES, defaults=defaults, groups=groups, check=check, name=name)

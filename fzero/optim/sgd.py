@@ -67,7 +67,7 @@ def sgd(
         buf = torch.zeros_like(params) if momentum != 0 or groups is not None else params.new_empty(0)
         return SGDState(torch.tensor(0, dtype=torch.int64), buf)
 
-    return elementwise(init, _update, defaults, check, groups)
+    return elementwise("sgd", init, _update, defaults, check, groups)
 
 
 def _update(h: Mapping[str, Any], applied: int, ops: Ops, ps: list[Tensor], gs: list[Tensor], bs: list[Tensor]) -> None:

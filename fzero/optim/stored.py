@@ -73,7 +73,7 @@ def stored_in(optimizer: Optimizer, dtype: torch.dtype, state_dtype: torch.dtype
 
     features = optimizer.features & {"tensors"}
     return Optimizer(init, update, features, defaults=optimizer.defaults, groups=optimizer.groups,
-                     check=optimizer.check)  # fmt: skip
+                     check=optimizer.check, name=optimizer.name)  # fmt: skip
 
 
 def _stateful(x: Any, like: Tensor) -> bool:

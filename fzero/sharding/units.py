@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layout import Layout
-from ..mesh import CollectiveError, Mesh
+from ..mesh import CollectiveError, Mesh, RankMesh
 from ..mesh.ranks import one_rank, ranks_of
 from ..storage import Offloaded, UnitReader
 from .gathered_unit import EXACT, GatherSpec, Phase
@@ -71,7 +71,7 @@ class UnitGathering:
 
     def __init__(
         self,
-        mesh: Mesh,
+        mesh: RankMesh,
         layout: Layout,
         model: nn.Module,
         compute: Tensor,
@@ -82,9 +82,6 @@ class UnitGathering:
         keep: bool = False,
         gather_spec: GatherSpec = EXACT,
     ) -> None:
-        if len(mesh.local_ranks) != 1:
-            raise TypeError(f"UnitGathering runs one rank, but {mesh!r} holds {len(mesh.local_ranks)}: use "
-                            "sharded_backward")  # fmt: skip
         ranks = one_rank(mesh)
         compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True)
         self.shard = compute.detach().requires_grad_(reducer is not None)

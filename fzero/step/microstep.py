@@ -4,7 +4,7 @@ A micro-step is two halves around the forwards and backwards, and `MicroStep` is
 
     open    MicroStep(state, tx, mesh)        start counting the step's collectives; decide, from the plan, whether
                                               gradients are reduced unit by unit in the backward (`per_unit`)
-    (the core: every rank's forward and backward, `fzero.step`; the shell: `open_shell` for this rank, then the
+    (the core: every rank's forward and backward, `fzero.step`; the engine: `open_engine` for this rank, then the
      user's `engine(...)` and `engine.backward(loss)`, each backward's loss times `scaled`)
     close   micro.close(grads, loss, ...)     the ranks agree they ran the same step (`fzero.mesh.agreement`: else
                                               `DesyncError` on every rank, before any update), then the chain runs
@@ -30,7 +30,7 @@ from ..layout import Layout, unflatten
 from ..layout.pieces import Pieces, takes_pieces
 from ..mesh import CollectiveError, Mesh
 from ..mesh.agreement import agree
-from ..mesh.ranks import stacks
+from ..mesh.ranks import rank_view
 from ..sharding.bind import bound
 from ..sharding.units import GatherPolicy, UnitGathering
 from ..state import TrainState
@@ -47,7 +47,6 @@ __all__ = [
     "frozen_params",
     "loss_scale",
     "named_tensors",
-    "read_unit_by_unit",
     "scaled",
 ]
 
@@ -75,12 +74,6 @@ def named_tensors(layout: Layout, compute: Tensor, frozen: Tensor | None, buffer
         out[alias] = out[name]
     out.update(buffers)
     return out
-
-
-def read_unit_by_unit(state: TrainState, mesh: Mesh) -> bool:
-    """Whether the shell on a one-rank `SimMesh` computes unit by unit (its compute copy is on disk, read one unit
-    at a time: stage 3's memory bound at world 1) rather than with the whole buffer."""
-    return stacks(mesh) and mesh.world == 1 and isinstance(state.compute, Offloaded)
 
 
 def reduce_per_unit(state: TrainState, mesh: Mesh) -> bool:
@@ -197,7 +190,7 @@ class MicroStep:
         self._stack = contextlib.ExitStack()
         self.ledger = self._stack.enter_context(mesh.record())
         self._gathering: UnitGathering | None = None
-        self.gathered_peak: int | None = None  # (the shell's unit-by-unit path: as the core reports it)
+        self.gathered_peak: int | None = None  # (the engine's unit-by-unit path: as the core reports it)
         self.speculation: Speculation | None = None  # (opened with the per-unit reduction: `reducer`)
 
     def _speculate(self) -> Speculation | None:
@@ -225,46 +218,42 @@ class MicroStep:
                       step=int(state.step), seed=int(state.seed))  # fmt: skip
         return _Reducer(unit_reducer(self.tx), ctx, self.speculation)
 
-    # ------------------------------------------------------------------------------- the shell's half (one rank)
-    def open_shell(self, module: nn.Module, compute: Tensor | None, local: Any) -> None:
-        """Prepare this rank's forwards (the shell's): `leaf` (what gradients are taken at: the full compute
-        parameters, or the gathering's shard), `buffers` (copies the forwards may update in place) and `named` (the
-        tensors the forwards compute with), bound into `module` until `close` or `abandon`.
+    # ------------------------------------------------------------------------------ the engine's half (one rank)
+    def open_engine(self, module: nn.Module, compute: Tensor | None) -> None:
+        """Prepare this rank's forwards (the engine's, on its rank's view of the mesh: values unstacked): `leaf`
+        (what gradients are taken at: the full compute parameters, or the gathering's shard), `buffers` (copies the
+        forwards may update in place) and `named` (the tensors the forwards compute with), bound into `module` until
+        `close` or `abandon`.
 
         Args:
           module: the user's model.
           compute: this rank's full compute parameters where the engine has them (kept through an accumulation
             window), else None (gathered here: at once, or unit by unit).
-          local: this rank's value of a per-rank tensor (the single row of a one-rank `SimMesh`).
         """
         state = self.state
-        self.buffers = {k: local(v).clone() for k, v in state.buffers.items()}
-        one = self.per_unit and compute is None and read_unit_by_unit(state, self.mesh)
-        if self.per_unit and (not stacks(self.mesh) or one):  # unit by unit, each unit's gradient reduced when complete
+        self.buffers = {k: v.clone() for k, v in state.buffers.items()}
+        if self.per_unit:  # unit by unit, each unit's gradient reduced when complete
             shard = compute if compute is not None else state.compute if state.compute is not None else state.params
-            frozen = state.frozen if not one or state.frozen is None else local(state.frozen)
             self._gathering = UnitGathering(
-                self.mesh, state.layout, module, shard, frozen, self.policy, self.reducer(),
+                rank_view(self.mesh), state.layout, module, shard, state.frozen, self.policy, self.reducer(),
                 state.frozen_dtype, state.plan.keep_gathered, state.plan.gather_spec,
             )  # fmt: skip
             leaf, named = self._gathering.shard, self._gathering.params()
         else:
-            self.per_unit = False
-            leaf = (compute if compute is not None else local(compute_params(state, self.mesh))).detach()
+            leaf = (compute if compute is not None else compute_params(state, self.mesh)).detach()
             leaf.requires_grad_()
-            frozen = frozen_params(state, self.mesh)
-            named = named_tensors(state.layout, leaf, None if frozen is None else local(frozen), {})
+            named = named_tensors(state.layout, leaf, frozen_params(state, self.mesh), {})
         self.leaf, self.named = leaf, {**named, **self.buffers}
         # bound until the micro-step ends: an activation-checkpoint recompute in the backward computes with them
         self._stack.enter_context(bound(module, self.named))
 
     @property
     def received(self) -> bool:
-        """Whether a backward reached the gathering (the shell's per-unit path)."""
+        """Whether a backward reached the gathering (the engine's per-unit path)."""
         return self._gathering is not None and self._gathering.received
 
     def reduced_gradients(self) -> Tensor:
-        """The shell's per-unit path: this rank's reduced gradients (units no backward reached reduced as zeros)."""
+        """The engine's per-unit path: this rank's reduced gradients (units no backward reached reduced as zeros)."""
         assert self._gathering is not None
         self.gathered_peak = self._gathering.peak
         with record_function("fzero.reduce"):
@@ -310,7 +299,7 @@ class MicroStep:
         return new, metrics
 
     def fail(self, error: BaseException) -> None:
-        """This rank's forward or backward raised `error` (the shell's): complete the step's collectives (zero
+        """This rank's forward or backward raised `error` (the engine's): complete the step's collectives (zero
         gradients for what it did not reach), then agree with the others, which raises `DesyncError` on every rank,
         in this step, before any update. On a mesh that needs no agreement (one process) nothing is issued and
         `error` propagates as it is (the caller re-raises it), as after a failed collective."""
