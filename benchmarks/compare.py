@@ -18,7 +18,7 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   unit's reduction overlapped with the backward on a mesh of several processes; the model moved to `meta` after
   `fzero.init`, which copies its parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
   `GatherPolicy(overlap_reduce=False)`), `fzero-zeroN-fresh` (stages 0-2: the same, every step-sized buffer fresh:
-  `fzero.scratch.disabled()`) and `fzero-shell-zeroN` (`fzero.initialize`, the config's defaults);
+  `fzero.scratch.disabled()`) and `fzero-engine-zeroN` (`fzero.initialize`, the config's defaults);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
   of 2 consecutive ranks standing for a node): `fzero-hybrid3` (`zero3(hybrid=True)`: sharded over `shard`,
   averaged over `replicate`), and sharded over all ranks `fzero-hpz3` (`hpz=True`), `fzero-qwz3` (`qwz=True`),
@@ -38,7 +38,7 @@ run alone in a fresh pair of processes (the table: over the process's life; a li
 building the model and the trainer, `fzero.init` for fzero's, and its steps). `--profile` prints instead rank 0's
 per-phase split of a step (compute, waiting on communication, optimizer, copies; the profiler's self CPU time, the
 rest of the wall time unaccounted), and for fzero's steps the time inside each of its `record_function` phases
-(`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`, `fzero.update`, `fzero.agree`; the shell's
+(`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`, `fzero.update`, `fzero.agree`; the engine's
 `fzero.forward`, `fzero.backward`), its ten costliest aten ops (self time and calls a step), and the count and total
 size of one step's allocations of 2 MiB or more (`torch.profiler`'s `profile_memory`, in a step of their own). On a
 machine the ranks' threads fill, an op's self time includes the time its thread waited for a core (gloo's threads
@@ -53,7 +53,7 @@ shard group (`fzero.mesh.Ledger.crossing(shape, "shard")`: the slow, cross-node 
 with `fzero-zero3`'s cross-node bytes over the row's.
 
 `--sweep 6,12,24` repeats the run for each layer count (the model otherwise the same; `--only` then defaults to
-`ddp fsdp2-zero3 deepspeed-zero3 fzero-zero3 fzero-shell-zero3`): each size is timed in its own processes, every
+`ddp fsdp2-zero3 deepspeed-zero3 fzero-zero3 fzero-engine-zero3`): each size is timed in its own processes, every
 row as a ratio to DDP's in the same run, and with `--memory` each trainer alone per size. It prints one table per
 metric, a row per trainer and a column per size, with each row's ratio-to-DDP trend from the smallest to the largest
 size (flat: within 5%) and, for the fzero rows, whether their peak RSS is at most FSDP2's and DeepSpeed's at stage 3
@@ -253,7 +253,7 @@ def fresh_buffers(build: Callable[..., Step]) -> Callable[..., Step]:
     return wrapped
 
 
-def fzero_shell(stage: int, micro: int = MICRO) -> Callable[[nn.Module, str], Step]:
+def fzero_engine(stage: int, micro: int = MICRO) -> Callable[[nn.Module, str], Step]:
     def build(model: nn.Module, precision: str) -> Step:
         engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision, micro), mesh=fzero.DistMesh(),
                                       printer=lambda line: None)  # fmt: skip
@@ -295,7 +295,7 @@ def floor_update(model: nn.Module, precision: str) -> Step:
 
 
 FLOOR = ("floor-fwdbwd", "floor-update")
-SWEEP = ("ddp", "fsdp2-zero3", "deepspeed-zero3", "fzero-zero3", "fzero-shell-zero3")  # --sweep's default --only
+SWEEP = ("ddp", "fsdp2-zero3", "deepspeed-zero3", "fzero-zero3", "fzero-engine-zero3")  # --sweep's default --only
 PEERS3 = ("fsdp2-zero3", "deepspeed-zero3")  # --sweep: the stage-3 peak RSS that fzero's rows should stay within
 ZEROPP3 = {  # on the 2-D mesh; named in --only to run
     "fzero-hybrid3": {"hybrid": True},
@@ -306,12 +306,12 @@ ZEROPP3 = {  # on the 2-D mesh; named in --only to run
 }
 
 
-def ddp_core_shell(micro: int = MICRO) -> dict[str, Callable[[nn.Module, str], Step]]:
-    """DDP, the core and the shell at stages 0-3 (what `benchmarks/gpu.py` and `host_overhead.py` time), the shell
+def ddp_core_engine(micro: int = MICRO) -> dict[str, Callable[[nn.Module, str], Step]]:
+    """DDP, the core and the engine at stages 0-3 (what `benchmarks/gpu.py` and `host_overhead.py` time), the engine
     with `micro` sequences per micro-batch."""
     out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp": ddp}
     out.update({f"fzero-zero{s}": fzero_core(s) for s in range(4)})
-    out.update({f"fzero-shell-zero{s}": fzero_shell(s, micro) for s in range(4)})
+    out.update({f"fzero-engine-zero{s}": fzero_engine(s, micro) for s in range(4)})
     return out
 
 
@@ -328,7 +328,7 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     for stage in (0, 1, 2):
         out[f"fzero-zero{stage}-fresh"] = fresh_buffers(fzero_core(stage))
     for stage in (0, 1, 2, 3):
-        out[f"fzero-shell-zero{stage}"] = fzero_shell(stage)
+        out[f"fzero-engine-zero{stage}"] = fzero_engine(stage)
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
     for name, options in ZEROPP3.items():
         out[name] = fzero_core(3, two_d=True, **options)
@@ -337,7 +337,7 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
 
 def has_ledger(name: str) -> bool:
     """Whether the `--comm` table measures trainer `name` (fzero's functional core: its builder takes `mesh=`)."""
-    return name in ZEROPP3 or (name.startswith("fzero-zero") and not name.startswith("fzero-shell"))
+    return name in ZEROPP3 or (name.startswith("fzero-zero") and not name.startswith("fzero-engine"))
 
 
 def step_ledger(

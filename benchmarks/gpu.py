@@ -1,4 +1,4 @@
-"""Step time on one CUDA GPU: fzero's core and shell (ZeRO stages 0-3, NCCL group of one) against DDP.
+"""Step time on one CUDA GPU: fzero's core and engine (ZeRO stages 0-3, NCCL group of one) against DDP.
 
 One process, one GPU, so this measures what fzero adds around the model's own kernels on a GPU (host work, syncs,
 copies), not the collectives' speed: with one rank they move nothing. Trainers run in rotation, `--rounds` rounds of
@@ -11,7 +11,7 @@ copies), not the collectives' speed: with one rank they move nothing. Trainers r
 counting the host synchronizations it makes (each one empties the launch queue: the GPU idles while the host
 catches up), then profiles two steps and prints the five largest CUDA kernels and host operations by their own time.
 
-The trainers are `benchmarks/compare.py`'s (`ddp`, `fzero_core`, `fzero_shell`: the same optimizer and settings, on
+The trainers are `benchmarks/compare.py`'s (`ddp`, `fzero_core`, `fzero_engine`: the same optimizer and settings, on
 the model's device), so importing it brings its process settings too (huge pages, freed memory kept: host memory).
 Needs CUDA (`DS_ACCELERATOR` is set to `cuda` here); CI has none, docs/performance.md has the figures.
 """
@@ -48,7 +48,7 @@ def model_and_data(steps: int) -> tuple[GPT, list[dict[str, torch.Tensor]]]:
 
 def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
     template, data = model_and_data(steps)
-    built = {name: make(copy.deepcopy(template), precision) for name, make in compare.ddp_core_shell(MICRO).items()}
+    built = {name: make(copy.deepcopy(template), precision) for name, make in compare.ddp_core_engine(MICRO).items()}
     for step in built.values():
         step(data[0])
         step(data[1 % steps])
@@ -71,7 +71,7 @@ def diagnose(precision: str, steps: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     template, data = model_and_data(max(steps, 2))
-    for name, make in compare.ddp_core_shell(MICRO).items():
+    for name, make in compare.ddp_core_engine(MICRO).items():
         step = make(copy.deepcopy(template), precision)
         step(data[0])
         step(data[1])

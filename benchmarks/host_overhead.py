@@ -1,11 +1,11 @@
-"""Host time per step: fzero's core and shell at stages 0-3 against DDP, where the model's arithmetic is negligible.
+"""Host time per step: fzero's core and engine at stages 0-3 against DDP, where the model's arithmetic is negligible.
 
     .venv/bin/python benchmarks/host_overhead.py [--precision fp32 bf16] [--rounds 11] [--steps 8] [--nproc 1]
 
 A 12-layer GPT of width 32 (vocabulary 64, 2 x 8 tokens a step), on `--nproc` gloo processes of one thread each:
 what is left of a step is each trainer's own Python and small operations, the host time that on a GPU the device
 waits for whenever the host is behind it (`benchmarks/gpu.py` times the same trainers there). The trainers are
-`benchmarks/compare.py`'s (`ddp`, `fzero-zeroN`: the functional core, `fzero-shell-zeroN`: `fzero.initialize`),
+`benchmarks/compare.py`'s (`ddp`, `fzero-zeroN`: the functional core, `fzero-engine-zeroN`: `fzero.initialize`),
 run in rotation, `--rounds` rounds of `--steps` steps after three warm-up steps; each figure is rank 0's process CPU
 time per step (`time.process_time`: what this process computed, less sensitive than wall time to the other jobs of a
 shared machine), the median over rounds, and its ratio to DDP's.
@@ -40,7 +40,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
         data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in toks]
         for precision in args.precision:
             built = {
-                name: make(copy.deepcopy(template), precision) for name, make in compare.ddp_core_shell(MICRO).items()
+                name: make(copy.deepcopy(template), precision) for name, make in compare.ddp_core_engine(MICRO).items()
             }
             for step in built.values():
                 for batch in data[:3]:

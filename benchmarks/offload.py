@@ -1,7 +1,7 @@
 """ZeRO-Infinity's NVMe tier on this machine: the disk's own bandwidth, training with the tier, its memory.
 
     .venv/bin/python benchmarks/offload.py [--dir DIR] [--disk-mib 512] [--rounds 3] [--io-threads 1 4]
-        [--layers 6] [--d-model 256] [--seq-len 128] [--steps 6] [--nproc 1 [2]] [--memory] [--memory-shell]
+        [--layers 6] [--d-model 256] [--seq-len 128] [--steps 6] [--nproc 1 [2]] [--memory] [--memory-engine]
         [--sweep 6,12,24]
         [--deepspeed] [--speculate] [--quick]
 
@@ -30,7 +30,7 @@ the repository's `runs/`, i.e. on the repository's filesystem, not on a tmpfs /t
    5 ms by a thread and after each step, and `fzero.state_bytes` (resident total, offloaded, staging).
    `--speculate` adds `Offload(..., speculate=True)` twins of the cpu and nvme configurations (SuperOffload), and
    one whose every step is clipped (`clip=1e-9`: every speculation misses and is redone), with their hit counts.
-   `--memory-shell`: the same sweep through the shell (`fzero.initialize` on one process) with `offload_param` and
+   `--memory-engine`: the same sweep through the engine (`fzero.initialize` on one process) with `offload_param` and
    `offload_optimizer` on `nvme` against in memory, peak `RssAnon` and whether the last loss is equal.
 4. `--deepspeed`: DeepSpeed's ZeRO-Infinity (`offload_optimizer: nvme`) on the same model, config and directory,
    with `DS_ACCELERATOR=cpu`, in a process of its own; it needs DeepSpeed's `async_io` op (libaio) built at run
@@ -421,8 +421,8 @@ def print_training(res: dict[str, Any], other: dict[str, Any] | None, world: int
 # -------------------------------------------------------------------------------------------------- 3. memory
 def memory_worker(rank: int, out: str, args: argparse.Namespace, layers: int, mode: str) -> None:
     torch.set_num_threads(args.torch_threads or len(os.sched_getaffinity(0)))
-    if mode.startswith("shell"):
-        return shell_memory_worker(out, args, layers, mode)
+    if mode.startswith("engine"):
+        return engine_memory_worker(out, args, layers, mode)
     peak = PeakRss()
     model = build_model(args, layers)
     baseline = rss_anon()
@@ -442,10 +442,10 @@ def memory_worker(rank: int, out: str, args: argparse.Namespace, layers: int, mo
         json.dump(result, f)
 
 
-def shell_memory_worker(out: str, args: argparse.Namespace, layers: int, mode: str) -> None:
-    """`--memory-shell`: the DeepSpeed-style shell on one process (`fzero.initialize`: a one-rank SimMesh), stage 3
+def engine_memory_worker(out: str, args: argparse.Namespace, layers: int, mode: str) -> None:
+    """`--memory-engine`: the DeepSpeed-style engine on one process (`fzero.initialize`: a one-rank SimMesh), stage 3
     bf16, in memory or with `offload_optimizer` and `offload_param` on `nvme` (the compute copy read unit by unit)."""
-    off = {"device": "nvme", "nvme_path": args.dir} if mode == "shell-nvme" else {"device": "none"}
+    off = {"device": "nvme", "nvme_path": args.dir} if mode == "engine-nvme" else {"device": "none"}
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
               "bf16": {"enabled": True}, "aio": {"block_size": args.block_size},
               "zero_optimization": {"stage": 3, "offload_optimizer": off, "offload_param": off}}  # fmt: skip
@@ -469,13 +469,13 @@ def shell_memory_worker(out: str, args: argparse.Namespace, layers: int, mode: s
         json.dump(result, f)
 
 
-def print_shell_memory(results: dict[int, dict[str, Any]]) -> None:
-    print("\n## 3b. Memory, the shell on 1 process (fzero.initialize, a one-rank SimMesh), stage 3 bf16, offload_param "
-          "and offload_optimizer none or nvme, each run in a fresh process, 3 steps\n")  # fmt: skip
+def print_engine_memory(results: dict[int, dict[str, Any]]) -> None:
+    print("\n## 3b. Memory, the engine on 1 process (fzero.initialize, a one-rank SimMesh), stage 3 bf16, "
+          "offload_param and offload_optimizer none or nvme, each run in a fresh process, 3 steps\n")  # fmt: skip
     print("| layers | params | peak RssAnon in memory MiB (init) | peak RssAnon nvme MiB (init) | last loss equal |")
     print("|---|---|---|---|---|")
     for layers, r in results.items():
-        mem, nvme = r["shell-memory"], r["shell-nvme"]
+        mem, nvme = r["engine-memory"], r["engine-nvme"]
         print(f"| {layers} | {mem['params'] / 1e6:.2f}M | {mem['peak'] / MIB:.0f} ({mem['init'] / MIB:.0f}) | "
               f"{nvme['peak'] / MIB:.0f} ({nvme['init'] / MIB:.0f}) | {mem['loss'] == nvme['loss']} |")  # fmt: skip
 
@@ -562,9 +562,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
     p.add_argument("--memory", action="store_true", help="also the peak-memory sweep")
     p.add_argument(
-        "--memory-shell",
+        "--memory-engine",
         action="store_true",
-        help="also the sweep through the shell on 1 process, with offload_param nvme",
+        help="also the sweep through the engine on 1 process, with offload_param nvme",
     )
     p.add_argument("--sweep", default="6,12,24", help="layer counts of the memory sweep")
     p.add_argument("--deepspeed", action="store_true", help="also try DeepSpeed's ZeRO-Infinity")
@@ -635,8 +635,8 @@ def main() -> None:
                     print_training(res, other, world, rates, args)
             if args.memory:
                 print_memory(memory_sweep(out, args, ("memory", "nvme")))
-            if args.memory_shell:
-                print_shell_memory(memory_sweep(out, args, ("shell-memory", "shell-nvme")))
+            if args.memory_engine:
+                print_engine_memory(memory_sweep(out, args, ("engine-memory", "engine-nvme")))
             if args.deepspeed:
                 spawn(deepspeed_worker, (os.path.join(out, "store-ds"), out, args), 1)
                 with open(os.path.join(out, "deepspeed.json")) as f:

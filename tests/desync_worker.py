@@ -130,7 +130,7 @@ class Failing(Drop):
         return self.out(h)
 
 
-def shell_config(stage: int, world: int, gas: int = 1) -> dict:
+def engine_config(stage: int, world: int, gas: int = 1) -> dict:
     """Each block its own unit, gathered when the forward reaches it (no unit is small enough to persist)."""
     return {
         "train_batch_size": 3 * world * gas,
@@ -140,12 +140,12 @@ def shell_config(stage: int, world: int, gas: int = 1) -> dict:
     }
 
 
-def shell_train(stage: int, rank: int, world: int, data: list[dict], fail_at: int | None, how: str = "forward",
+def engine_train(stage: int, rank: int, world: int, data: list[dict], fail_at: int | None, how: str = "forward",
                 gas: int = 1) -> tuple[dict, list]:  # fmt: skip
     """An engine over `data` (rank `rank`'s rows) whose forward or backward (`how`) raises on the last rank at
     micro-step `fail_at`; the consolidated parameters and, per micro-step, the DesyncError's (type of its cause,
     in_step, text) or None."""
-    engine, *_ = fzero.initialize(model=Failing(), config=shell_config(stage, world, gas), printer=lambda _: None)
+    engine, *_ = fzero.initialize(model=Failing(), config=engine_config(stage, world, gas), printer=lambda _: None)
     errors = []
     for s, batch in enumerate(data):
         try:
@@ -158,10 +158,10 @@ def shell_train(stage: int, rank: int, world: int, data: list[dict], fail_at: in
     return {k: v.tolist() for k, v in engine.module_state_dict().items()}, errors
 
 
-def shell_eval(stage: int, rank: int, world: int, data: list[dict]) -> dict:
+def engine_eval(stage: int, rank: int, world: int, data: list[dict]) -> dict:
     """Evaluation forwards (no_grad) in which the last rank exits early (skips the last two blocks) while the others
     run every block, between training steps: each rank's outputs, and those with no rank exiting early."""
-    engine, *_ = fzero.initialize(model=Failing(), config=shell_config(stage, world), printer=lambda _: None)
+    engine, *_ = fzero.initialize(model=Failing(), config=engine_config(stage, world), printer=lambda _: None)
     out: dict = {"early": [], "full": []}
     for batch in data:
         x, none = batch["x"][rank], torch.zeros(4, dtype=torch.bool)
@@ -175,8 +175,8 @@ def shell_eval(stage: int, rank: int, world: int, data: list[dict]) -> dict:
     return out
 
 
-def shell(rank: int, world: int, out_dir: str) -> None:
-    """The shell's half: `fzero.initialize` engines whose ranks are at different micro-steps (as after resuming
+def engine(rank: int, world: int, out_dir: str) -> None:
+    """The engine's half: `fzero.initialize` engines whose ranks are at different micro-steps (as after resuming
     from different checkpoints) at stages 0-3; per stage and step, the `DesyncError` raised (in_step, text)."""
     torch.set_num_threads(1)
     init_worker(rank, world, f"{out_dir}/store")
@@ -203,15 +203,15 @@ def shell(rank: int, world: int, out_dir: str) -> None:
                 errors.append([e.in_step, str(e)])
         results[str(stage)] = {"errors": errors, "micro_steps": engine.micro_steps}
         data = batches(world, [[[], []]] * 4)
-        results[f"fail {stage}"] = shell_train(stage, rank, world, data, fail_at=1)
-        results[f"without {stage}"] = shell_train(stage, rank, world, [data[0], data[2], data[3]], None)
-        results[f"fail backward {stage}"] = shell_train(stage, rank, world, data, fail_at=1, how="backward")
+        results[f"fail {stage}"] = engine_train(stage, rank, world, data, fail_at=1)
+        results[f"without {stage}"] = engine_train(stage, rank, world, [data[0], data[2], data[3]], None)
+        results[f"fail backward {stage}"] = engine_train(stage, rank, world, data, fail_at=1, how="backward")
         # gradient accumulation over 2 micro-steps: the second of the first window fails
         more = batches(world, [[[], []]] * 6)
-        results[f"fail gas {stage}"] = shell_train(stage, rank, world, more, fail_at=1, gas=2)
-        results[f"without gas {stage}"] = shell_train(stage, rank, world, more[:1] + more[2:], None, gas=2)
-        results[f"eval {stage}"] = shell_eval(stage, rank, world, data[:2])
-    with open(os.path.join(out_dir, f"shell-{rank}.json"), "w") as f:
+        results[f"fail gas {stage}"] = engine_train(stage, rank, world, more, fail_at=1, gas=2)
+        results[f"without gas {stage}"] = engine_train(stage, rank, world, more[:1] + more[2:], None, gas=2)
+        results[f"eval {stage}"] = engine_eval(stage, rank, world, data[:2])
+    with open(os.path.join(out_dir, f"engine-{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.barrier()
     process_group.shutdown()

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import fzero
 from fzero.host import process_group
-from fzero.transforms import base
+from fzero.transforms import stats
 from tests.spawn import init_worker
 from tests.support import lm_batches, lm_loss, tiny_gpt
 
@@ -41,7 +41,7 @@ def name(preset: str, micro: int, poison: bool) -> str:
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     # stage 0's statistics as large gradients get them: each rank sums its part (test_dist's SimMesh does the same)
-    base.SPLIT_STATS_ELEMENTS = 0
+    stats.SPLIT_STATS_ELEMENTS = 0
     init_worker(rank, world, f"{out_dir}/store")
     mesh = fzero.DistMesh()
     ledgers = {}

@@ -97,7 +97,7 @@ def compare_with_train_step(
     cfg = {**case_config(stage, precision, gas, 3), **(config or {})}
     engine, *_ = fzero.initialize(model=model, config=cfg, mesh=mesh)
     preset = getattr(fzero, f"zero{stage}")
-    # the shell runs the config's AdamW fused: the native kernel on the CPU, torch's on a GPU
+    # the engine runs the config's AdamW fused: the native kernel on the CPU, torch's on a GPU
     tx = preset(fzero.adamw(1e-2, weight_decay=0.01, fused=True), accumulate=gas, precision=policy, clip=1.0)
     fmesh = fzero.SimMesh(1) if mesh is None else mesh
     state = fzero.init(reference, tx, fmesh)

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 itself and fzero's shell on the same config with `csv_monitor` (2 gloo processes), for
+"""DeepSpeed 0.19.8 itself and fzero's engine on the same config with `csv_monitor` (2 gloo processes), for
 tests/test_monitors_deepspeed.py to compare what each wrote: the reference for fzero's event names, x-axis and
 cadence. Each rank works in its own directory (`out/<trainer>/rank<r>`; the default `output_path` "" is it)."""
 

@@ -1,5 +1,5 @@
 """The multi-process and killed-process halves of tests/test_nvme.py: training with the NVMe tier against the
-same training in memory, as a functional loop (`train`) and through the DeepSpeed-style shell from a DeepSpeed
+same training in memory, as a functional loop (`train`) and through the DeepSpeed-style engine from a DeepSpeed
 JSON config with `offload_optimizer.device: "nvme"`."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ PRESETS = {0: fzero.zero0, 1: fzero.zero1, 2: fzero.zero2, 3: fzero.zero3}
 KW = {"stage": 3, "precision": "bf16", "micro": 2, "groups": True}  # the killed run's configuration
 CASES = ["core fp32 50 steps", "core bf16 accumulation", "core threads 4 buffered", "core params bf16",
          "core checkpoint and resume",
-         "shell fp32", "shell bf16 accumulation", "shell params bf16",
+         "engine fp32", "engine bf16 accumulation", "engine params bf16",
          "speculate core nvme params 20 steps", "speculate core cpu bf16 accumulation",
          "speculate core stage 2 threads 4 buffered",
-         "speculate shell nvme params", "speculate shell cpu bf16 accumulation",
-         "speculate shell two backwards", "shell stage 3 two backwards"]  # fmt: skip
+         "speculate engine nvme params", "speculate engine cpu bf16 accumulation",
+         "speculate engine two backwards", "engine stage 3 two backwards"]  # fmt: skip
 CLIP = 0.8  # the tiny GPT's gradient norms are 0.5-1.5: some steps are clipped (speculation misses), most not
 
 
@@ -112,24 +112,24 @@ def _speculation(mesh: fzero.DistMesh, rank: int, swap: str) -> dict[str, list[s
         got, losses, _ = train(mesh=mesh, rank=rank, offload=offload, clip=CLIP, hits=hits, **kw)
         diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
         results[name] = diff + (["losses"] if losses != ref_losses else []) + _outcomes(hits, "both")
-    shell = {
-        "speculate shell nvme params": (("fp32", 1, "nvme", "nvme"), {"steps": 8}, "both"),
-        "speculate shell cpu bf16 accumulation": (("bf16", 2, "cpu", "none"), {"steps": 8}, "both"),
-        "speculate shell two backwards": (("fp32", 1, "cpu", "none"), {"backwards": 2}, "misses"),
+    cases = {
+        "speculate engine nvme params": (("fp32", 1, "nvme", "nvme"), {"steps": 8}, "both"),
+        "speculate engine cpu bf16 accumulation": (("bf16", 2, "cpu", "none"), {"steps": 8}, "both"),
+        "speculate engine two backwards": (("fp32", 1, "cpu", "none"), {"backwards": 2}, "misses"),
     }
-    for name, ((precision, micro, device, params), kw, want) in shell.items():
-        ref, ref_losses, _ = _shell(precision, micro, "cpu", "none", swap, clip=CLIP, **kw)
-        got, losses, hits = _shell(precision, micro, device, params, swap, speculate=True, clip=CLIP, **kw)
+    for name, ((precision, micro, device, params), kw, want) in cases.items():
+        ref, ref_losses, _ = _engine(precision, micro, "cpu", "none", swap, clip=CLIP, **kw)
+        got, losses, hits = _engine(precision, micro, device, params, swap, speculate=True, clip=CLIP, **kw)
         results[name] = differing(ref, got) + (["losses"] if losses != ref_losses else []) + _outcomes(hits, want)
     # a second backward at stage 3 gathers every unit again (the root's stays gathered through the step): stage 2's
-    ref, ref_losses, _ = _shell("fp32", 1, "none", "none", swap, backwards=2, stage=2)
-    got, losses, _ = _shell("fp32", 1, "none", "none", swap, backwards=2, stage=3)
-    results["shell stage 3 two backwards"] = differing(ref, got) + (["losses"] if losses != ref_losses else [])
+    ref, ref_losses, _ = _engine("fp32", 1, "none", "none", swap, backwards=2, stage=2)
+    got, losses, _ = _engine("fp32", 1, "none", "none", swap, backwards=2, stage=3)
+    results["engine stage 3 two backwards"] = differing(ref, got) + (["losses"] if losses != ref_losses else [])
     return results
 
 
 # ---------------------------------------------------------------------------------------------------- 2 processes
-def _shell(precision: str, micro: int, device: str, params: str, swap: str, speculate: bool = False,
+def _engine(precision: str, micro: int, device: str, params: str, swap: str, speculate: bool = False,
            clip: float | None = None, backwards: int = 1, steps: int = 4, stage: int = 3):  # fmt: skip
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -189,11 +189,11 @@ def run(rank: int, world: int, out_dir: str) -> None:
     got, more, _ = train(mesh=mesh, rank=rank, steps=2, start=2, offload=offload, state=state, **kw)
     diff = differing(fzero.state_dict(ref, mesh), fzero.state_dict(got, mesh))
     results["core checkpoint and resume"] = diff + (["losses"] if losses + more != ref_losses else [])
-    shell = {"shell fp32": ("fp32", 1, "none"), "shell bf16 accumulation": ("bf16", 2, "none"),
-             "shell params bf16": ("bf16", 2, "nvme")}  # fmt: skip
-    for name, (precision, micro, params) in shell.items():
-        ref, ref_losses, _ = _shell(precision, micro, "cpu", "none", swap)
-        got, losses, _ = _shell(precision, micro, "nvme", params, swap)
+    cases = {"engine fp32": ("fp32", 1, "none"), "engine bf16 accumulation": ("bf16", 2, "none"),
+             "engine params bf16": ("bf16", 2, "nvme")}  # fmt: skip
+    for name, (precision, micro, params) in cases.items():
+        ref, ref_losses, _ = _engine(precision, micro, "cpu", "none", swap)
+        got, losses, _ = _engine(precision, micro, "nvme", params, swap)
         results[name] = differing(ref, got) + (["losses"] if losses != ref_losses else [])
     results.update(_speculation(mesh, rank, swap))
     report(rank, out_dir, results)

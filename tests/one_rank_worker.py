@@ -32,7 +32,7 @@ def _core(stage: int, micro: int, precision: str, mesh: fzero.DistMesh):
     return fzero.state_dict(state, mesh), calls
 
 
-def _shell(stage: int, micro: int, precision: str, mesh: fzero.DistMesh):
+def _engine(stage: int, micro: int, precision: str, mesh: fzero.DistMesh):
     model = tiny_gpt(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fzero's notes on config keys
@@ -55,13 +55,13 @@ def run(rank: int, world: int, out_dir: str) -> None:
         for stage, micro, precision in CASES:
             microstep.reduce_per_unit = pays
             whole, whole_calls = _core(stage, micro, precision, mesh)
-            shell_whole = _shell(stage, micro, precision, mesh)
+            engine_whole = _engine(stage, micro, precision, mesh)
             microstep.reduce_per_unit = lambda state, mesh: True
             units, unit_calls = _core(stage, micro, precision, mesh)
-            shell_units = _shell(stage, micro, precision, mesh)
+            engine_units = _engine(stage, micro, precision, mesh)
             results[f"{stage}-{micro}-{precision}"] = {
                 "core": differing(whole, units),
-                "shell": differing(shell_whole, shell_units),
+                "engine": differing(engine_whole, engine_units),
                 "calls": [whole_calls, unit_calls],
             }
     finally:

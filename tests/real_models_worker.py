@@ -1,5 +1,5 @@
 """The 2-process gloo half of tests/test_real_models.py: the functional core on a DistMesh against the same run
-on a SimMesh (dropout on), and the DeepSpeed-style shell on Hugging Face models with everyday habits."""
+on a SimMesh (dropout on), and the DeepSpeed-style engine on Hugging Face models with everyday habits."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
-def _shell_case(stage: int, precision: str, rank: int | None) -> dict:
+def _engine_case(stage: int, precision: str, rank: int | None) -> dict:
     """GPT-2 with a frozen (tied) embedding through `fzero.initialize`, activation checkpointing on, and evaluation
     passes between steps: under `no_grad` in eval mode, under `inference_mode`, and a grad-enabled forward whose
     graph is dropped before the training forward. `rank`: this process's rank, or None for one process training on
@@ -88,11 +88,11 @@ def _shell_case(stage: int, precision: str, rank: int | None) -> dict:
 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the shell reads
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the engine reads
     init_worker(rank, world, f"{out_dir}/store")
     try:
         mesh = fzero.DistMesh()
-        results: dict = {"core": {}, "shell": {}}
+        results: dict = {"core": {}, "engine": {}}
         cases = {
             "gpt2-dropout-zero2": (lambda: gpt2(dropout=0.1), "zero2", False),
             "gpt2-dropout-zero3-checkpointing": (lambda: gpt2(dropout=0.1), "zero3", True),
@@ -102,7 +102,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
             results["core"][name] = _core_case(mesh, make, preset, checkpointing)
         for stage in (2, 3):
             for precision in ("fp32", "bf16"):
-                results["shell"][f"{stage}-{precision}"] = _shell_case(stage, precision, rank)
+                results["engine"][f"{stage}-{precision}"] = _engine_case(stage, precision, rank)
         report(rank, out_dir, results)
     finally:
         process_group.shutdown()

@@ -1,4 +1,4 @@
-"""The 2-process half of tests/test_scratch.py: every preset (core and shell) trained with the step-sized buffers
+"""The 2-process half of tests/test_scratch.py: every preset (core and engine) trained with the step-sized buffers
 reused (`fzero.scratch`) and poisoned with NaN when handed out, against the same run with every buffer fresh."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _kept(mesh: fzero.DistMesh, rank: int):
     return {"first": first[0], "first_then": first[1], "params": fzero.state_dict(state, mesh)}
 
 
-def _shell(stage: int, precision: str, rank: int):
+def _engine(stage: int, precision: str, rank: int):
     model = tiny_gpt(0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -106,9 +106,9 @@ def run(rank: int, world: int, out_dir: str) -> None:
         for precision in ("fp32", "bf16"):
             scratch.clear()
             with scratch.disabled():
-                fresh = _shell(stage, precision, rank)
+                fresh = _engine(stage, precision, rank)
             with scratch.poisoned():
-                reused = _shell(stage, precision, rank)
-            results[f"shell-{stage}-{precision}"] = {"differ": differing(fresh, reused), "slots": _slots()}
+                reused = _engine(stage, precision, rank)
+            results[f"engine-{stage}-{precision}"] = {"differ": differing(fresh, reused), "slots": _slots()}
     report(rank, out_dir, results)
     process_group.shutdown()

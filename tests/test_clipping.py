@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
-from fzero.transforms import base
+from fzero.transforms import stats
 from tests.support import lm_batches, lm_loss, tiny_gpt
 from tests.test_stages import PRESETS, max_diff
 
@@ -35,7 +35,7 @@ def reference(model, batches, micro, max_norm, lr):
 def test_clipping_matches_torch(world, micro, max_norm, seed, split):
     """`split`: stage 0's ranks each sum the squares of their part of the whole gradient, as from
     `SPLIT_STATS_ELEMENTS` on."""
-    with mock.patch.object(base, "SPLIT_STATS_ELEMENTS", 0 if split else base.SPLIT_STATS_ELEMENTS):
+    with mock.patch.object(stats, "SPLIT_STATS_ELEMENTS", 0 if split else stats.SPLIT_STATS_ELEMENTS):
         _clipping_matches_torch(world, micro, max_norm, seed)
 
 

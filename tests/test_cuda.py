@@ -1,4 +1,4 @@
-"""The CUDA path: the stages, the shell and ZeRO-Offload on a GPU, over NCCL (a group of one: NCCL refuses two ranks
+"""The CUDA path: the stages, the engine and ZeRO-Offload on a GPU, over NCCL (a group of one: NCCL refuses two ranks
 on one device, so these tests need only one GPU), against torch's AdamW on the same GPU. Skipped without CUDA; CI
 has none (docs/engine.md, "On a GPU", says where they last ran)."""
 
@@ -25,7 +25,7 @@ STEPS = 3
 
 @pytest.fixture(autouse=True)
 def on_the_gpu(monkeypatch):
-    """The shell trains on the GPU (tests/conftest.py sets the CPU for the rest of the suite)."""
+    """The engine trains on the GPU (tests/conftest.py sets the CPU for the rest of the suite)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
 
 
@@ -46,7 +46,7 @@ def _on_cuda(batches):
 
 
 def _rank_batches(model, steps: int, seed: int):
-    """The shell's batches on one rank: `steps` micro-batches of 4 sequences, on the GPU."""
+    """The engine's batches on one rank: `steps` micro-batches of 4 sequences, on the GPU."""
     return [{k: v[0] for k, v in b.items()} for b in _on_cuda(lm_batches(model, 1, 1, 4, steps, seed))]
 
 
@@ -116,8 +116,8 @@ def test_nccl_equals_simmesh_on_cuda(nccl, stage):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_shell_equals_core_on_cuda(nccl, stage, precision):
-    """`fzero.initialize` + DeepSpeed's loop on the GPU over NCCL: bitwise the functional step (the shell adds no
+def test_engine_equals_core_on_cuda(nccl, stage, precision):
+    """`fzero.initialize` + DeepSpeed's loop on the GPU over NCCL: bitwise the functional step (the engine adds no
     arithmetic), with clipping, accumulation and, for fp16, dynamic loss scaling."""
     kind = "mlp" if precision == "fp16" else "gpt"
     r = engine_worker.compare_with_train_step(stage, precision, 2, kind, mesh=nccl, device="cuda")
@@ -125,7 +125,7 @@ def test_shell_equals_core_on_cuda(nccl, stage, precision):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_shell_overlap_on_cuda(nccl, stage):
+def test_engine_overlap_on_cuda(nccl, stage):
     """`overlap_comm` on the GPU: the reductions and gathers run beside the compute, the result bitwise the
     functional step's."""
     zero = {"stage": stage, "overlap_comm": True}
@@ -134,7 +134,7 @@ def test_shell_overlap_on_cuda(nccl, stage):
     assert r["differ"] == {} and r["global_steps"] == 3, r
 
 
-def _shell_run(stage: int, offload: bool, model, batches):
+def _engine_run(stage: int, offload: bool, model, batches):
     zero: dict = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -145,19 +145,19 @@ def _shell_run(stage: int, offload: bool, model, batches):
         "zero_optimization": zero,
     }
     engine, *_ = fzero.initialize(model=model, config=config)
-    return _shell_continue(engine, batches)
+    return _engine_continue(engine, batches)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_shell_offload_from_cuda(nccl, stage):
+def test_engine_offload_from_cuda(nccl, stage):
     """ZeRO-Offload from the GPU: the float32 master weights and Adam's state in pinned host memory, updated by the
     C kernel, the bf16 compute copy on the GPU; within Adam's step bound of the same run updated on the GPU (the
     kernel's AdamW is a few ulp from torch's per step: tests/test_native.py)."""
     model = tiny_gpt(11).cuda()
     start = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     batches = _rank_batches(model, STEPS, 12)
-    host = _shell_run(stage, True, copy.deepcopy(model), batches)
-    gpu = _shell_run(stage, False, copy.deepcopy(model), batches)
+    host = _engine_run(stage, True, copy.deepcopy(model), batches)
+    gpu = _engine_run(stage, False, copy.deepcopy(model), batches)
     assert host.state.params.device.type == "cpu" and host.state.params.is_pinned()
     assert host.state.compute.is_cuda and gpu.state.params.is_cuda
     got = {k: v.cpu() for k, v in host.module_state_dict().items()}
@@ -166,22 +166,22 @@ def test_shell_offload_from_cuda(nccl, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_shell_checkpoint_on_cuda(nccl, stage, tmp_path):
+def test_engine_checkpoint_on_cuda(nccl, stage, tmp_path):
     """Save after two steps, load into a fresh engine on the GPU, take a third: bitwise the uninterrupted run."""
     model = tiny_gpt(13).cuda()
     batches = _rank_batches(model, 3, 14)
-    whole = _shell_run(stage, False, copy.deepcopy(model), batches)
-    first = _shell_run(stage, False, copy.deepcopy(model), batches[:2])
+    whole = _engine_run(stage, False, copy.deepcopy(model), batches)
+    first = _engine_run(stage, False, copy.deepcopy(model), batches[:2])
     first.save_checkpoint(str(tmp_path), tag="two")
-    resumed = _shell_run(stage, False, copy.deepcopy(model), [])
+    resumed = _engine_run(stage, False, copy.deepcopy(model), [])
     resumed.load_checkpoint(str(tmp_path), tag="two")
     assert resumed.state.params.is_cuda
-    resumed = _shell_continue(resumed, batches[2:])
+    resumed = _engine_continue(resumed, batches[2:])
     want, got = whole.module_state_dict(), resumed.module_state_dict()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
-def _shell_continue(engine, batches):
+def _engine_continue(engine, batches):
     for batch in batches:
         logits = engine(batch["x"])
         engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["y"].flatten()))

@@ -5,7 +5,7 @@
 - a rank whose forward raises makes every rank raise `fzero.DesyncError` in that step, before any update; a loop
   that catches it on every rank goes on in step, as if the step had never been taken;
 - ranks at different steps raise `DesyncError` on every rank, in the first step;
-- the same in the shell (`fzero.initialize` engines, stages 0-3), and an evaluation forward in which one rank exits
+- the same in the engine (`fzero.initialize` engines, stages 0-3), and an evaluation forward in which one rank exits
   early stays paired with the others'.
 """
 
@@ -81,19 +81,19 @@ def test_ranks_at_different_steps_raise_on_every_rank(runs):
 
 
 @pytest.fixture(scope="module")
-def shell_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("shell-desync")
-    spawn(w.shell, (2, str(tmp)), 2)
-    return [json.loads((tmp / f"shell-{r}.json").read_text()) for r in range(2)]
+def engine_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-desync")
+    spawn(w.engine, (2, str(tmp)), 2)
+    return [json.loads((tmp / f"engine-{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_the_shell_checks_the_ranks_agree_as_the_core_does(shell_runs, stage):
+def test_the_engine_checks_the_ranks_agree_as_the_core_does(engine_runs, stage):
     """`engine.step()` closes its micro-step with the core's own `MicroStep.close`: engines at different steps
     raise `DesyncError` on every rank, in the first step, before any update (and keep raising: nothing applied)."""
     for rank in (0, 1):
-        run = shell_runs[rank][str(stage)]
+        run = engine_runs[rank][str(stage)]
         assert run["micro_steps"] == 0, run  # no step was taken on either rank
         for in_step, text in run["errors"]:
             assert in_step is False
@@ -102,40 +102,40 @@ def test_the_shell_checks_the_ranks_agree_as_the_core_does(shell_runs, stage):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_shell_rank_whose_forward_raises_fails_the_step_on_every_rank(shell_runs, stage):
-    """The shell as the core: rank 1's `engine(...)` raises in step 2 (caught by a skip-the-bad-batch loop); every
+def test_an_engine_rank_whose_forward_raises_fails_the_step_on_every_rank(engine_runs, stage):
+    """The engine as the core: rank 1's `engine(...)` raises in step 2 (caught by a skip-the-bad-batch loop); every
     rank raises `DesyncError` in that step (rank 1 from its forward, rank 0 from `engine.step()`), still in step,
     nothing updated: the run equals one that never saw that batch, bitwise."""
     for rank in (0, 1):
-        got, errors = shell_runs[rank][f"fail {stage}"]
+        got, errors = engine_runs[rank][f"fail {stage}"]
         assert len(errors) == 4
         check_failed_in_step(errors, rank)
-        assert got == shell_runs[rank][f"without {stage}"][0]
-    assert shell_runs[0][f"fail {stage}"][0] == shell_runs[1][f"fail {stage}"][0]
+        assert got == engine_runs[rank][f"without {stage}"][0]
+    assert engine_runs[0][f"fail {stage}"][0] == engine_runs[1][f"fail {stage}"][0]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("case", ["backward", "gas"])
-def test_a_shell_rank_that_fails_midway_fails_the_step_on_every_rank(shell_runs, stage, case):
+def test_an_engine_rank_that_fails_midway_fails_the_step_on_every_rank(engine_runs, stage, case):
     """As above, with rank 1 failing in its backward after the last blocks' gradients were complete (at stages 2-3
     already reduced: the rest are reduced as zeros), and failing in the second micro-step of an accumulation window
     of 2 (the window goes on with the next batch: bitwise a run that never saw the failed one)."""
     for rank in (0, 1):
-        got, errors = shell_runs[rank][f"fail {case} {stage}"]
+        got, errors = engine_runs[rank][f"fail {case} {stage}"]
         assert len(errors) == (6 if case == "gas" else 4)
         check_failed_in_step(errors, rank)
-        assert got == shell_runs[rank][f"without gas {stage}" if case == "gas" else f"without {stage}"][0]
-    assert shell_runs[0][f"fail {case} {stage}"][0] == shell_runs[1][f"fail {case} {stage}"][0]
+        assert got == engine_runs[rank][f"without gas {stage}" if case == "gas" else f"without {stage}"][0]
+    assert engine_runs[0][f"fail {case} {stage}"][0] == engine_runs[1][f"fail {case} {stage}"][0]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_shell_evaluation_where_one_rank_exits_early(shell_runs, stage):
+def test_an_engine_evaluation_where_one_rank_exits_early(engine_runs, stage):
     """`engine(...)` under no_grad in which rank 1 skips the last blocks (at stage 3 it gathers them all the same,
     as the core's `eval_step` does): no hang, rank 0's outputs are those of a forward where nobody exits early, and
     training goes on with the ranks in step (the same parameters on both)."""
-    early, full = (shell_runs[r][f"eval {stage}"] for r in (0, 1))
+    early, full = (engine_runs[r][f"eval {stage}"] for r in (0, 1))
     assert early["early"] == early["full"]  # rank 0 ran every block either way
     assert full["early"] != full["full"]  # rank 1 did exit early
     assert early["params"] == full["params"]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import fzero
-from fzero.transforms import base
+from fzero.transforms import stats
 from tests import dist_worker
 from tests.bounds import assert_adam_close
 from tests.spawn import spawn
@@ -23,7 +23,7 @@ def sim(preset: str, micro: int, poison: bool, world: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: matmul's reduction order may depend on the thread count
     try:
-        with mock.patch.object(base, "SPLIT_STATS_ELEMENTS", 0):  # as the workers
+        with mock.patch.object(stats, "SPLIT_STATS_ELEMENTS", 0):  # as the workers
             return _sim(preset, micro, poison, world)
     finally:
         torch.set_num_threads(threads)

@@ -1,4 +1,4 @@
-"""Param groups through the DeepSpeed-compatible shell, and the shell details found side by side with DeepSpeed 0.19.8.
+"""Param groups through the DeepSpeed-compatible engine, and the details found side by side with DeepSpeed 0.19.8.
 
 - `model_parameters` as group dicts with the config's optimizer, and client `torch.optim` AdamW / Adam / SGD with
   several groups, against plain `torch.optim` with the same groups: bitwise at world 1 (one micro-step: the same
@@ -8,7 +8,7 @@
 - The errors: a parameter in two groups, a trainable one in none (DeepSpeed's rule said), unknown hyper keys,
   tensors that are not the model's; frozen parameters and empty groups as DeepSpeed treats them.
 - `torch_adam` (torch.optim.AdamW's defaults), the bf16 master option, `save_checkpoint`'s True, the console line.
-- On 2 gloo processes (tests/groups_shell_worker.py): the Hugging Face Trainer's grouping on a tiny GPT-2 at stages
+- On 2 gloo processes (tests/groups_engine_worker.py): the Hugging Face Trainer's grouping on a tiny GPT-2 at stages
   2 and 3.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 import fzero
 from fzero.config import ConfigError, UnsupportedConfigError
 from fzero.metrics import read_jsonl
-from tests import groups_shell_worker
+from tests import groups_engine_worker
 from tests.bounds import assert_adam_close, assert_within
 from tests.spawn import spawn
 from tests.support import mlp
@@ -464,12 +464,12 @@ def test_console_line_and_jsonl_show_every_groups_lr(tmp_path):
 def test_hf_trainer_grouping_on_two_gloo_processes(tmp_path):
     """The Hugging Face Trainer's two groups (decay names from `get_parameter_names(model, [nn.LayerNorm], ...)`
     as transformers 5's `Trainer.get_decay_parameter_names` builds them: no biases, no norms) on a tiny GPT-2,
-    through the shell at stages 2 and 3 on 2 gloo processes: as `model_parameters` with the config's AdamW, and as
+    through the engine at stages 2 and 3 on 2 gloo processes: as `model_parameters` with the config's AdamW, and as
     a client AdamW with per-group lrs and a per-group `LambdaLR`. Each equals plain `torch.optim.AdamW` with the same
     groups on the full batch within tests/bounds.py's float32 check (the reduction order differs, per rank then
     over ranks), stage 3 equals stage 2 bitwise, and the ranks agree."""
     pytest.importorskip("transformers")
-    spawn(groups_shell_worker.run, (2, str(tmp_path)), 2)
+    spawn(groups_engine_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["decay_names_agree"]  # transformers 5's patterns == the classic [nn.LayerNorm] minus biases
     for case in ("config", "client"):

@@ -1,5 +1,5 @@
 """What a step reads back on the host. On a GPU each read of a tensor's value (`.item()`, `float()`, `bool()`) waits
-for all the work queued before it, so the shell must read no more than the functional step it runs: the loss it
+for all the work queued before it, so the engine must read no more than the functional step it runs: the loss it
 reports is read when a line is printed or written, or when the user asks (`engine.last_record`), not every step.
 
 The reads are counted as aten's `_local_scalar_dense`, what every such read dispatches to, on floating-point tensors
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
-from fzero import metrics
+from fzero.metrics import log as metrics
 from tests.engine_worker import case_config
 from tests.support import lm_batches, tiny_gpt
 
@@ -40,7 +40,7 @@ def _criterion(out, y):
 
 
 def _runs(stage: int, precision: str, gas: int, steps: int, printer=None, **extra):
-    """The shell and `train_step` under the config's preset on the same batches: per optimizer step, the floating
+    """The engine and `train_step` under the config's preset on the same batches: per optimizer step, the floating
     reads of each, and each micro-step's loss (read by the test, outside the counting)."""
     model = tiny_gpt(3)
     policy = fzero.get_policy(None if precision == "fp32" else precision)
@@ -58,7 +58,7 @@ def _runs(stage: int, precision: str, gas: int, steps: int, printer=None, **extr
 
     mesh = fzero.SimMesh(1)
     state, step = fzero.init(reference, tx, mesh), fzero.train_step(reference, loss_fn, tx, mesh)
-    core, shell, losses = [], [], []
+    core, engine_reads, losses = [], [], []
     batches = lm_batches(model, 1, gas, 3, steps, 11)
     for b in range(steps):
         reads = [FloatReads(), FloatReads()]
@@ -72,16 +72,16 @@ def _runs(stage: int, precision: str, gas: int, steps: int, printer=None, **extr
                 engine.step()
             losses.append(loss.item())
         core.append(reads[0].count)
-        shell.append(reads[1].count)
-    return engine, core, shell, losses
+        engine_reads.append(reads[1].count)
+    return engine, core, engine_reads, losses
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_the_shell_reads_no_more_than_the_core(stage, precision):
-    _, core, shell, _ = _runs(stage, precision, 2, 3)
+def test_the_engine_reads_no_more_than_the_core(stage, precision):
+    _, core, engine, _ = _runs(stage, precision, 2, 3)
     assert min(core) >= 1  # the core reads the gradients' sum of squares (clipping, the non-finite check)
-    assert shell == core
+    assert engine == core
 
 
 def test_the_reported_losses_are_read_late_and_exact(monkeypatch):

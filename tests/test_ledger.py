@@ -21,7 +21,7 @@ def elements_per_step(preset, world, micro, gather=None):
             totals[kind] = totals.get(kind, 0) + entry["elements"]
     # one-element all-reduces: the reported loss (every micro-step) and the gradients' global sum of squares for the
     # non-finite check (once per step, where gradients are sharded; at stage 0 each rank sums them whole below
-    # fzero.transforms.base.SPLIT_STATS_ELEMENTS)
+    # fzero.transforms.stats.SPLIT_STATS_ELEMENTS)
     scalars = micro + (preset is not fzero.zero0)
     totals["all_reduce"] = totals.get("all_reduce", 0) - 2 * scalars
     return {k: v for k, v in totals.items() if v}, state.layout

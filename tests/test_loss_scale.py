@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import fzero
 from fzero.state.loss_scale import DynamicLossScale, make_loss_scale
-from fzero.transforms import base
+from fzero.transforms import stats
 from tests.support import mlp, regression_batches
 from tests.test_stages import PRESETS
 
@@ -184,7 +184,7 @@ def test_one_non_finite_element_anywhere_skips_everywhere(preset, world, split, 
     state = fzero.init(model, tx, mesh)
     batch = regression_batches(model, world, 1, 2, 1, 3)[0]
     batch["poison"] = torch.tensor([math.inf if r == rank else 0.0 for r in range(world)])
-    with mock.patch.object(base, "SPLIT_STATS_ELEMENTS", 0 if split else base.SPLIT_STATS_ELEMENTS):
+    with mock.patch.object(stats, "SPLIT_STATS_ELEMENTS", 0 if split else stats.SPLIT_STATS_ELEMENTS):
         after, metrics = fzero.train_step(model, loss_fn, tx, mesh)(state, batch)
     assert metrics["skipped"] and not metrics["applied"] and not math.isfinite(metrics["grad_norm"])
     assert torch.equal(after.params, state.params)

@@ -35,7 +35,7 @@ def test_sim_collectives(world, chunk, seed, lead):
     gathered = mesh.all_gather(rs)
     assert torch.equal(gathered, (total / world).expand_as(x))  # all_gather inverts the scatter
     assert torch.equal(mesh.broadcast(x, src=world - 1), x[world - 1].expand_as(x))
-    assert torch.equal(mesh.rank, torch.arange(world))
+    assert mesh.local_ranks == tuple(range(world)) and torch.equal(mesh.coords(), torch.arange(world))
 
 
 def test_ledger_counts_elements_per_rank():

@@ -46,7 +46,7 @@ def test_axis_collectives_are_the_1d_ones_on_each_group(shape, data, seed):
     assert [mesh.group(r, axis) for r in range(mesh.world)] == [
         next(grp for grp in groups(shape, axis) if r in grp) for r in range(mesh.world)
     ]
-    coords = mesh.index(axis)
+    coords = mesh.coords(axis)
     assert all(mesh.group(r, axis)[int(coords[r])] == r for r in range(mesh.world))
 
 

@@ -245,7 +245,7 @@ nvme_worker.killed_run({str(swap)!r}, {str(ck)!r})
 
 # ------------------------------------------------------------------------------------------------- processes
 @pytest.mark.timeout(600)
-def test_two_gloo_processes_core_and_shell(tmp_path):
+def test_two_gloo_processes_core_and_engine(tmp_path):
     spawn(nvme_worker.run, (2, str(tmp_path)), 2)
     import json
 
@@ -253,10 +253,10 @@ def test_two_gloo_processes_core_and_shell(tmp_path):
     assert results == {name: [] for name in nvme_worker.CASES}
 
 
-def test_shell_on_one_process_reads_unit_by_unit(tmp_path):
+def test_engine_on_one_process_reads_unit_by_unit(tmp_path):
     """`fzero.initialize` without torchrun (a one-rank SimMesh) with `offload_param: nvme` computes unit by unit
     from the disk, as the core does (the whole compute copy is never in memory: `gathered_peak` below the model),
-    bitwise the in-memory shell; evaluation under `no_grad` too."""
+    bitwise the in-memory engine; evaluation under `no_grad` too."""
     import torch.nn.functional as F
 
     from fzero.examples.gpt import GPT, GPTConfig

@@ -17,7 +17,7 @@ def test_one_rank_reduces_once_and_changes_nothing(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results) == len(one_rank_worker.CASES)
     for case, r in results.items():
-        assert r["core"] == [] and r["shell"] == [], (case, r)
+        assert r["core"] == [] and r["engine"] == [], (case, r)
         stage, micro, _ = case.split("-")
         whole, units = r["calls"]
         if stage in ("2", "3") or micro == "1":  # (stages 0-1 accumulate whole, then reduce once either way)

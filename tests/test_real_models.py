@@ -322,13 +322,13 @@ def test_simulated_ranks_draw_different_dropout():
     assert torch.equal(evaluate(state, same), losses)
 
 
-def test_shell_single_process_every_stage():
-    """The shell in one process (`initialize` without torchrun): GPT-2 with a frozen tied embedding, passed as
+def test_engine_single_process_every_stage():
+    """The engine in one process (`initialize` without torchrun): GPT-2 with a frozen tied embedding, passed as
     `model.parameters()` (DeepSpeed accepts frozen ones there), checkpointing, evaluation passes between steps;
     every stage gives the same parameters, AdamW's within tolerance, and `module_state_dict` loads strictly."""
     digests = {}
     for stage in (0, 1, 2, 3):
-        r = real_models_worker._shell_case(stage, "fp32", rank=None)
+        r = real_models_worker._engine_case(stage, "fp32", rank=None)
         assert r["strict_load"], stage
         assert_within(r["vs_reference"])
         digests[stage] = (r["params"], r["eval"])
@@ -338,17 +338,17 @@ def test_shell_single_process_every_stage():
 @pytest.mark.timeout(300)
 def test_two_gloo_processes(tmp_path):
     """On 2 gloo processes: SimMesh equals DistMesh bitwise with dropout on (functional core, stages 2 and 3, LoRA,
-    checkpointing); the shell trains GPT-2 with frozen embeddings, checkpointing and evaluation passes between
+    checkpointing); the engine trains GPT-2 with frozen embeddings, checkpointing and evaluation passes between
     steps, stage 3 equal to stage 2 bitwise and to plain AdamW within tolerance."""
     spawn(real_models_worker.run, (2, str(tmp_path)), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     for case, differ in results["core"].items():
         assert differ == [], case  # the tensors where DistMesh differs from SimMesh
-    shell = results["shell"]
-    for case, r in shell.items():
+    engine = results["engine"]
+    for case, r in engine.items():
         assert r["strict_load"], case
     for precision in ("fp32", "bf16"):
-        assert shell[f"3-{precision}"]["params"] == shell[f"2-{precision}"]["params"], precision
-        assert shell[f"3-{precision}"]["eval"] == shell[f"2-{precision}"]["eval"], precision
-    assert_within(shell["2-fp32"]["vs_reference"])
-    assert_within(shell["2-bf16"]["vs_reference"], threshold=None)
+        assert engine[f"3-{precision}"]["params"] == engine[f"2-{precision}"]["params"], precision
+        assert engine[f"3-{precision}"]["eval"] == engine[f"2-{precision}"]["eval"], precision
+    assert_within(engine["2-fp32"]["vs_reference"])
+    assert_within(engine["2-bf16"]["vs_reference"], threshold=None)

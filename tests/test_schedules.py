@@ -1,5 +1,5 @@
 """Each schedule against DeepSpeed 0.19.8's schedulers, bitwise, over many steps and parameters, and with several
-param groups as the shell builds them (`fzero.config.build.build_schedules`).
+param groups as the engine builds them (`fzero.config.build.build_schedules`).
 
 The reference is DeepSpeed's `runtime/lr_schedules.py` transcribed statement by statement (its operations in its
 order: `inverse_log_warm_up * math.log(...)`, the stored `delta_lrs`, `decay_interval = d / decay_step_size`, ...)

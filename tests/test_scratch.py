@@ -1,5 +1,5 @@
 """Step-sized buffers reused from step to step (`fzero.scratch`): handed out again only while nothing else holds
-them, and never a changed value: every preset, core and shell, on 2 gloo processes, bitwise the run whose buffers are
+them, and never a changed value: every preset, core and engine, on 2 gloo processes, bitwise the run whose buffers are
 all fresh while each reused buffer is filled with NaN when handed out (a step that read one before writing it would
 show NaN)."""
 
@@ -103,4 +103,4 @@ def test_reused_buffers_change_nothing_on_two_gloo_processes(tmp_path):
             if stage in (1, 2):  # the gathered parameters too
                 assert all(s["gathered"] == first["gathered"] for s in later), case
         else:
-            assert ("gradient" in r["slots"]) == (not case.startswith("shell-3")), case
+            assert ("gradient" in r["slots"]) == (not case.startswith("engine-3")), case

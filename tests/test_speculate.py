@@ -8,7 +8,7 @@ exactly `1 / loss scale`, no step skipped, the gradients the chain hands the upd
 they did (a clipped step, a skipped step, a second backward) it is dropped and the plain update runs. So every
 run below equals the plain one bit for bit, hit or miss: no tolerance in this file. The outcome of each step is
 predicted from the plain run's own metrics and checked too, so that a speculation that always missed (and so
-could never be wrong) fails. Two gloo processes, core and shell: tests/nvme_worker.py (`_speculation`).
+could never be wrong) fails. Two gloo processes, core and engine: tests/nvme_worker.py (`_speculation`).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_train_single_process_learns(tmp_path, capsys, retained):
     assert code == 0
     assert retained  # the process keeps its freed memory (recorded by the fixture, tests/conftest.py)
     stdout = capsys.readouterr().out
-    assert "ZeRO-2, fp32, 1 rank(s) over SimMesh(world=1)" in stdout and "done: loss" in stdout
+    assert "ZeRO-2, fp32, 1 rank(s) over SimRank(rank=0 of SimMesh(world=1))" in stdout and "done: loss" in stdout
     assert stdout.count("step ") >= 3 and "tokens/s" in stdout and "TFLOPS" in stdout
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))

@@ -50,9 +50,9 @@ CASES = [ISSUE, ISSUE_TIED, Pattern(inplace="slice", reuse=True), Pattern(embed=
 
 @pytest.mark.timeout(300)
 def test_two_gloo_processes(tmp_path):
-    """The same on 2 gloo processes, the functional core (against stage 2 on a SimMesh) and the shell (stage 3
+    """The same on 2 gloo processes, the functional core (against stage 2 on a SimMesh) and the engine (stage 3
     against stage 2 through `fzero.initialize`)."""
     spawn(patterns_worker.run, (2, str(tmp_path), [patterns.as_dict(p) for p in CASES]), 2)
     results = json.loads((tmp_path / "results.json").read_text())
     for i, p in enumerate(CASES):
-        assert results[str(i)] == {"core": [], "shell": []}, p  # the tensors that differ
+        assert results[str(i)] == {"core": [], "engine": []}, p  # the tensors that differ

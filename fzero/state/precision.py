@@ -14,7 +14,7 @@ micro-batch gradient 300x smaller than the running sum changes nothing. Hence fl
 
 The fp32 master starts from the model's own weights. DeepSpeed casts the module to bf16/fp16 before its optimizer
 copies the master from it, so its master starts from the rounded weights; `round_params(model, torch.bfloat16)`
-before `fzero.init` reproduces that (the shell's `fzero_precision.round_initial_master`).
+before `fzero.init` reproduces that (the engine's `fzero_precision.round_initial_master`).
 
 Example:
     >>> get_policy("bf16")

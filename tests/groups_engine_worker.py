@@ -1,5 +1,5 @@
 """The 2-process gloo half of tests/test_engine_groups.py: the Hugging Face Trainer's parameter grouping through the
-DeepSpeed-style shell on a tiny GPT-2, at stages 2 and 3, against plain `torch.optim.AdamW` with the same groups."""
+DeepSpeed-style engine on a tiny GPT-2, at stages 2 and 3, against plain `torch.optim.AdamW` with the same groups."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def reference(case: str, batches) -> tuple[dict[str, torch.Tensor], list[list[fl
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, lrs
 
 
-def shell(case: str, stage: int, rank: int, batches) -> dict:
+def engine(case: str, stage: int, rank: int, batches) -> dict:
     model = gpt2()
     # off: DeepSpeed 0.19.3+ clips at 1.0 by default
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
@@ -104,7 +104,7 @@ def shell(case: str, stage: int, rank: int, batches) -> dict:
 
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the shell reads
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # what the engine reads
     init_worker(rank, world, f"{out_dir}/store")
     try:
         from transformers.trainer_pt_utils import get_parameter_names
@@ -116,7 +116,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
         for case in ("config", "client"):
             want, want_lrs = reference(case, batches) if rank == 0 else (None, None)
             for stage in (2, 3):
-                r = shell(case, stage, rank, batches)
+                r = engine(case, stage, rank, batches)
                 params = r.pop("_params")
                 if rank == 0:
                     r["vs_reference"] = adam_check(params, want, gpt2().state_dict(), 1e-2, STEPS)  # lr: the largest
