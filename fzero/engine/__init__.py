@@ -18,6 +18,7 @@ May import: `fzero.host`, `fzero.storage`, `fzero.metrics`, `fzero.layout`, `fze
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 from typing import Any
 
@@ -145,8 +146,8 @@ def init_distributed(
     a group of one (rank 0, `127.0.0.1:distributed_port`) in a plain process. No-op if already initialised.
 
     `timeout` (a `timedelta`, or seconds) bounds every collective's wait for the other ranks; default, as in
-    DeepSpeed, the `DEEPSPEED_TIMEOUT` environment variable (minutes) if set, else torch's default. The group is
-    shut down before the interpreter exits (`fzero.host.process_group`)."""
+    DeepSpeed (`deepspeed.constants.default_pg_timeout`), the `DEEPSPEED_TIMEOUT` environment variable (minutes) if
+    set, else 10 minutes. The group is shut down before the interpreter exits (`fzero.host.process_group`)."""
     if dist.is_initialized():
         return
     if rank >= 0 and world_size > 0:
@@ -158,5 +159,5 @@ def init_distributed(
             os.environ.setdefault(key, value)
     backend = dist_backend or accelerator.backend()
     if timeout is None:
-        timeout = process_group.env_timeout()
+        timeout = process_group.env_timeout() or datetime.timedelta(minutes=10)
     process_group.init_process_group(backend, timeout=timeout, init_method=init_method)
