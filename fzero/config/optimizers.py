@@ -227,7 +227,8 @@ class OptimizerType:
       native: a C kernel runs it where the master weights are on the CPU (`fzero.optim.cpu_<kind>`).
       fused: torch's fused kernel runs it (`fused=True`), unless `torch_adam` asks for torch's operations.
       mup: the `mup` package builds it on the model's parameters (a torch optimizer, then run as a client's).
-      client: the `torch.optim` class of a client optimizer that is translated to it, group by group.
+      client: the `torch.optim` class of a client optimizer that is translated to it, group by group (DeepSpeed's
+        own classes, `fzero.deepspeed.ops`, name their row themselves: their `optimizer_type`).
       read: the config's `params` as `(lr, the other per-group keywords, options)` of the fzero optimizer.
     """
 
@@ -248,6 +249,18 @@ class OptimizerType:
     def config_hypers(self, params: Mapping[str, Any], kind: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """The config's `params` as `(lr, the other per-group keywords, options)` of fzero optimizer `kind`."""
         return self.read(self, params, kind)
+
+    def block_hypers(self, params: Mapping[str, Any], path: str) -> tuple[str, Any, dict[str, Any], dict[str, Any]]:
+        """A config block's `params` of this type (unvalidated; a param group's values, for a class of
+        `fzero.deepspeed.ops`), validated and with DeepSpeed's defaults, as `(kind, lr, the other per-group keywords,
+        options)` of the fzero optimizer it runs.
+
+        Raises:
+          ConfigError: a value out of its range, naming `path` and the key.
+        """
+        values = self.params.validate(params, path, [])
+        kind = self.kind_for(values.get("adam_w_mode", True))
+        return (kind, *self.config_hypers(values, kind))
 
     def kind_for(self, decoupled: bool) -> str:
         """The fzero optimizer, given whether the weight decay is decoupled (AdamW's)."""

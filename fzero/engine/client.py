@@ -4,15 +4,16 @@ fzero's optimizers are functions on flat shards, but DeepSpeed scripts read `opt
 hand the optimizer to LR schedulers (torch's or their own). `OptimizerView` is a real `torch.optim.Optimizer` over the
 module's parameters that never steps: it shows the hyper-parameters of the next update, group by group, and, when a
 client scheduler drives it, it is where fzero's optimizer reads each group's learning rate (and Adam's betas) from at
-each update. A client `torch.optim` optimizer is translated group by group the same way (`client_spec`). A config
-`scheduler` is stepped by the engine; `SchedulerView` reports it.
+each update. A client `torch.optim` optimizer is translated group by group the same way (`client_spec`), and so is
+one of DeepSpeed's optimizer classes (`fzero.deepspeed.ops`: a `DeclaredClient`, into what its config block runs). A
+config `scheduler` is stepped by the engine; `SchedulerView` reports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -23,7 +24,16 @@ from ..config.schema import UnsupportedConfigError
 from ..optim import Hyper
 from .groups import ParamGroup
 
-__all__ = ["WHAT", "OptimizerView", "SchedulerView", "client_spec", "client_type", "live", "trainable_params"]
+__all__ = [
+    "WHAT",
+    "DeclaredClient",
+    "OptimizerView",
+    "SchedulerView",
+    "client_spec",
+    "client_type",
+    "live",
+    "trainable_params",
+]
 
 
 class OptimizerView(torch.optim.Optimizer):
@@ -153,12 +163,27 @@ def _check_group(opt: torch.optim.Optimizer, group: ParamGroup, first: ParamGrou
             )
 
 
+@runtime_checkable
+class DeclaredClient(Protocol):
+    """A client optimizer that says which config `optimizer` block it is (DeepSpeed's classes,
+    `fzero.deepspeed.ops`): the engine runs what that block runs, with each param group's values."""
+
+    optimizer_type: str  # the block's `type`, a key of `fzero.config.optimizers.OPTIMIZERS`
+
+    def config_params(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The block's `params` that a param group's values are."""
+        ...
+
+
 def client_type(opt: torch.optim.Optimizer) -> OptimizerType:
-    """The row of `fzero.config.optimizers.OPTIMIZERS` a client `torch.optim` optimizer is translated by.
+    """The row of `fzero.config.optimizers.OPTIMIZERS` a client `torch.optim` optimizer is translated by (a
+    `DeclaredClient`'s own).
 
     Raises:
       UnsupportedConfigError: a class no row translates.
     """
+    if isinstance(opt, DeclaredClient):
+        return OPTIMIZERS[opt.optimizer_type]
     row = next((row for row in OPTIMIZERS.values() if row.client is type(opt)), None)
     if row is None:
         raise UnsupportedConfigError(
@@ -184,8 +209,12 @@ def client_spec(opt: torch.optim.Optimizer, row: OptimizerType, groups: list[Par
       groups: its param groups, as `fzero.engine.groups.parse_groups` checked them against the model.
 
     Raises:
-      UnsupportedConfigError: an option fzero does not implement.
+      UnsupportedConfigError: an option fzero does not implement, or a `DeclaredClient`'s groups that differ in an
+        option fzero's optimizer takes once for all groups (`bias_correction`).
+      ConfigError: a `DeclaredClient`'s group value out of its range.
     """
+    if isinstance(opt, DeclaredClient):
+        return _declared_spec(opt, row, groups)
     for group in groups:
         _check_group(opt, group, groups[0])
     dicts: list[dict[str, Any]] = []
@@ -204,6 +233,38 @@ def client_spec(opt: torch.optim.Optimizer, row: OptimizerType, groups: list[Par
     hypers = dict(per_group[0])
     # a client torch optimizer keeps torch's own arithmetic (torch_adam): bitwise what it would compute alone
     spec = OptimizerSpec(kind, hypers.pop("lr"), hypers, float(first["lr"]), torch_adam=True, options=options)
+    if len(groups) > 1:
+        spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
+    return spec
+
+
+def _declared_spec(opt: DeclaredClient, row: OptimizerType, groups: list[ParamGroup]) -> OptimizerSpec:
+    """What the config block `opt` is runs (`OptimizerType.block_hypers`), each group with its own values, reading
+    its `lr` (and `betas`) live from the group; its options (`bias_correction`, `eps_inside_sqrt`) are the
+    optimizer's, one for all groups."""
+    name = type(opt).__name__
+    per_group: list[dict[str, Any]] = []
+    kind = ""
+    options: dict[str, Any] = {}
+    for group in groups:
+        g = group.source
+        assert g is not None  # (groups parsed from torch param groups keep theirs)
+        kind_g, _, hypers, options_g = row.block_hypers(opt.config_params(g), f"{name}.param_groups[{group.index}]")
+        differ = sorted(k for k in {*options, *options_g} if options.get(k) != options_g.get(k))
+        if per_group and differ:  # (the kind is the instance's, the same for every group)
+            raise UnsupportedConfigError(
+                "optimizer",
+                f"param groups {groups[0].index} and {group.index} of {name} differ in {', '.join(differ)}: fzero "
+                "runs one optimizer with one such setting for all groups",
+            )
+        kind, options = kind_g, options_g
+        h = {"lr": live(g, "lr"), **hypers}
+        if "betas" in h:
+            h["betas"] = (live(g, "betas", 0), live(g, "betas", 1))
+        per_group.append(h)
+    hypers = dict(per_group[0])
+    assert groups[0].source is not None
+    spec = OptimizerSpec(kind, hypers.pop("lr"), hypers, float(groups[0].source["lr"]), options=options)
     if len(groups) > 1:
         spec = replace(spec, groups=tuple(GroupSpec(g.names, h) for g, h in zip(groups, per_group, strict=True)))
     return spec
