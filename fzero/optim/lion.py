@@ -39,10 +39,10 @@ Where fzero differs, on purpose:
 - A NaN in `c` gives `sign = 0` (`torch.sign`): the element holds still and its momentum turns NaN. DeepSpeed moves
   it by `+lr` (CUDA). Non-finite gradients are the loss scaler's to skip before any update.
 
-(DeepSpeed's AVX path, `csrc/includes/cpu_lion.h` 131-132, takes the sign with `and` by the bits of `-1.0f`
-(not `-0.0f`) and `xor` by those of `-lr`: that is `-copysign(lr, c)` only where `c` is 0, subnormal or in
-±[2, 4); elsewhere it mixes the exponent bits of `c` and `lr` (`-2e-34` for `c = 0.05`, `lr = 1e-3`). The scalar
-path and the CUDA kernel are the reference here.)
+(DeepSpeed 0.19.8's AVX path, `csrc/includes/cpu_lion.h`, takes the sign with a sign-bit mask and `xor` onto
+`-lr`: `-copysign(lr, c)`, as its scalar path does; its parameters equal fzero's `cpu_lion` bitwise in
+tests/test_deepspeed_ops.py. Earlier releases masked with the bits of `-1.0f`, which mixed `c`'s exponent bits into
+the step.)
 """
 
 from __future__ import annotations
