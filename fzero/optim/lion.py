@@ -41,8 +41,7 @@ Where fzero differs, on purpose:
 
 (DeepSpeed 0.19.8's AVX path, `csrc/includes/cpu_lion.h`, takes the sign with a sign-bit mask and `xor` onto
 `-lr`: `-copysign(lr, c)`, as its scalar path does; its parameters equal fzero's `cpu_lion` bitwise in
-tests/test_deepspeed_ops.py. Earlier releases masked with the bits of `-1.0f`, which mixed `c`'s exponent bits into
-the step.)
+tests/test_deepspeed_ops.py, `FZERO_DEEPSPEED_OPS=1`.)
 """
 
 from __future__ import annotations
