@@ -97,7 +97,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
             "equal": all(torch.equal(pa[k], pb[k]) for k in pa),
             "losses": [losses_a, losses_b],
             "counters": [counters(a), counters(b)],
-            "loss_scale": [a.loss_scale, b.loss_scale],
+            "loss_scale": [a.optimizer.cur_scale, b.optimizer.cur_scale],
         }
     # a boundary checkpoint at world 2, stage 2, and its consolidated parameters for the resharding test
     c = engine(config(2, gas=2), seed=0)

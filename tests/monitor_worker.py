@@ -86,8 +86,8 @@ def train(case: str, rank: int) -> dict:
         assert rec is not None
         steps.append({
             "samples": engine.global_samples, "losses": losses, "lr_next": engine.get_lr()[0], "lr_used": rec["lr"],
-            "loss_scale": engine.loss_scale, "times": {k: rec[f"{k}_ms"] for k in ("forward", "backward", "step")
-                                                       if f"{k}_ms" in rec},
+            "loss_scale": engine.optimizer.cur_scale,
+            "times": {k: rec[f"{k}_ms"] for k in ("forward", "backward", "step") if f"{k}_ms" in rec},
         })  # fmt: skip
     engine.close()
     engine.close()  # a second close does nothing

@@ -35,7 +35,8 @@ def test_seed_example_single_process():
     assert engine.train_micro_batch_size_per_gpu() == 8  # 32 / (4 * 1)
     assert (engine.micro_steps, engine.global_steps, engine.global_samples) == (12, 3, 96)
     # fp16 starts at 2**16: the first boundary overflows (hysteresis 2 keeps the scale), the second halves it
-    assert engine.skipped_steps == 2 and engine.loss_scale == 2.0**15
+    assert engine.skipped_steps == 2 and engine.optimizer.cur_scale == 2.0**15
+    assert engine.loss_scale() == 0.0  # DeepSpeed's: the configured fp16.loss_scale (0: dynamic)
     assert engine.applied_updates() == 1 and engine.get_lr() == [1e-4]
     assert all(math.isfinite(r) for r in returned)
     assert isinstance(engine.optimizer, torch.optim.Optimizer) and engine.optimizer.kind == "adamw"

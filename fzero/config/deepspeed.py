@@ -162,7 +162,12 @@ ZERO = Section(
         "stage3_model_persistence_threshold": Field(Int(0), INT_MAX, effect=MOOT),
         "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect="bounds the gathered elements alive"),
         "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=REUSE),
-        "stage3_gather_16bit_weights_on_model_save": Field(Bool(), False, effect="no effect"),
+        "stage3_gather_16bit_weights_on_model_save": Field(
+            Bool(),
+            False,
+            effect="stage 3: engine.save_16bit_model gathers the parameters and saves (else it saves "
+            "nothing and returns False, as DeepSpeed)",
+        ),
         "stage3_module_granularity_threshold": Field(Int(0), 0, effect=MOOT),
         "ignore_unused_parameters": Field(
             Bool(), True, unsupported="raising on unused parameters (they get zero gradients)", effect="always true"
@@ -180,7 +185,11 @@ ZERO = Section(
             Bool(), False, effect="stage 3: frozen parameters' unit gathers in int8 (fzero.zero3(qwz_frozen=True))"
         ),
         "zero_quantized_gradients": Field(
-            Bool(), False, effect="stage 3: ZeRO++ qgZ, gradients reduced in int8 (fzero.zero3(qgz=True))"
+            Bool(),
+            False,
+            effect="stage 3, several nodes (LOCAL_WORLD_SIZE < WORLD_SIZE): ZeRO++ qgZ, fp32 within "
+            "a node, int8 across nodes (fzero.zero3(qgz=('replicate', 'shard')) on the node mesh); one node: no "
+            "effect, as in DeepSpeed",
         ),
         "mics_shard_size": Field(
             Int(), -1, effect="stage 3, S > 0: MiCS, fzero.zero3(hybrid=True) on a (W / S, S) mesh; <= 0: off"

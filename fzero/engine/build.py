@@ -43,7 +43,9 @@ def build(setup: Setup) -> tuple[Engine, Any, Any, Any]:
     scheduler = setup.client_scheduler
     if scheduler is None and cfg["scheduler"] is not None:
         scheduler = SchedulerView(engine, cfg["scheduler"]["type"])
-    return engine, setup.optimizer, _dataloader(setup.training_data, cfg, mesh, setup.collate_fn), scheduler
+    engine.lr_scheduler = scheduler  # DeepSpeed's attributes: what initialize returns
+    engine.training_dataloader = _dataloader(setup.training_data, cfg, mesh, setup.collate_fn)
+    return engine, setup.optimizer, engine.training_dataloader, scheduler
 
 
 def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:

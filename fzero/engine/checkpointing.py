@@ -16,25 +16,40 @@ the loss scale) is a leaf of the `TrainState`, saved and resharded by the format
     load_module_only=True          params, compute, frozen/*, buffers/*           (the rest: the engine's own)
     load_optimizer_states=False    everything but the optimizer's state (tx_state/shard_update/*)
     default                        everything
+
+`save_checkpoint(exclude_frozen_parameters=True)` (how PEFT saves) writes the state without its frozen parameters:
+the checkpoint's layout has none (`without_frozen`), so `fzero.consolidate` gives the trainable parameters and the
+buffers, and `load_checkpoint(..., load_module_strict=False)` loads the rest, the frozen parameters staying the
+engine's own (the live model's), as DeepSpeed's does; with `load_module_strict=True` that load raises, as
+DeepSpeed's does (its model's state_dict misses them).
+
+At stages 1-3 rank 0 also writes `zero_to_fp32.py` beside the tagged checkpoints, as DeepSpeed does: fzero's
+(`fzero.engine.zero_to_fp32`), which consolidates a checkpoint into safetensors with `fzero.consolidate`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import shutil
+import stat
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError, rng
+from ..checkpoint import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError, read_manifest, rng
 from ..checkpoint import load as fzero_load
+from ..checkpoint import resolve as resolve_checkpoint
 from ..checkpoint import save as fzero_save
 from ..checkpoint.coord import Coordinator
+from ..state import TrainState
 from .counters import Checkpointable, EngineCounters
 
-__all__ = ["ENGINE_FORMAT", "CheckpointMethods", "check_json", "optimizer_prefix"]
+__all__ = ["ENGINE_FORMAT", "CheckpointMethods", "check_json", "optimizer_prefix", "without_frozen"]
 
 ENGINE_FORMAT = "fzero-engine"
 ENGINE_VERSION = 1
@@ -123,6 +138,30 @@ def _agree_on_tag(engine: Checkpointable, tag: str) -> None:
         )
 
 
+def without_frozen(state: TrainState) -> TrainState:
+    """`state` without its frozen parameters: no `frozen` leaf, and a layout without them (nor their tied names),
+    so that a checkpoint of it describes the trainable model only."""
+    layout = state.layout
+    if layout.frozen_layout is None:
+        return state
+    names = {leaf.name for leaf in layout.frozen_layout.leaves}
+    aliases = tuple((alias, name) for alias, name in layout.aliases if name not in names)
+    return state.replace(frozen=None, layout=dataclasses.replace(layout, frozen_layout=None, aliases=aliases))
+
+
+def _write_script(save_dir: str | os.PathLike[str]) -> None:
+    """fzero's `zero_to_fp32.py` into `save_dir`, executable, as DeepSpeed copies its own there."""
+    source = Path(__file__).with_name("zero_to_fp32.py")  # (copied as a file, never imported here)
+    target = Path(save_dir) / "zero_to_fp32.py"
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------------------------------------------ load
 def _is_module(key: str) -> bool:
     return key.split("/", 1)[0] in _MODULE_ROOTS
@@ -188,6 +227,19 @@ def _engine_record(user_state: Any, where: str) -> tuple[dict[str, Any] | None, 
     return None, user_state
 
 
+def _check_frozen_excluded(path: Path, state: TrainState, strict: bool) -> None:
+    """A checkpoint without the frozen parameters loads only with `load_module_strict=False` (DeepSpeed's rule)."""
+    if strict:
+        assert state.layout.frozen_layout is not None  # (the caller's condition)
+        names = [leaf.name for leaf in state.layout.frozen_layout.leaves]
+        shown = ", ".join(map(repr, names[:5])) + (" ..." if len(names) > 5 else "")
+        raise IncompatibleCheckpointError(
+            f"{path} was saved without the frozen parameters (save_checkpoint(exclude_frozen_parameters=True)): it "
+            f"misses {shown}; load it with load_checkpoint(..., load_module_strict=False) to keep the model's own "
+            "(DeepSpeed's rule too)"
+        )
+
+
 # --------------------------------------------------------------------------------------------------- the methods
 class CheckpointMethods:
     """DeepSpeed's `save_checkpoint` and `load_checkpoint`, for an engine (`Checkpointable`: `fzero.Engine`)."""
@@ -214,18 +266,13 @@ class CheckpointMethods:
           client_state: a JSON-serialisable dict, returned by `load_checkpoint` (rank 0's is kept; tuples come
             back as lists).
           save_latest: point ``save_dir/latest`` at this checkpoint.
-          exclude_frozen_parameters: not supported (must be False).
+          exclude_frozen_parameters: leave the frozen parameters out (see the module docstring).
           overwrite: fzero only: replace an existing checkpoint of the same tag (atomically), as DeepSpeed writes
             over it; False makes that an error.
 
         Returns:
           True, as DeepSpeed's (the checkpoint is ``save_dir/tag``; errors raise).
         """
-        if exclude_frozen_parameters:
-            raise NotImplementedError(
-                "save_checkpoint(exclude_frozen_parameters=True) is not supported: fzero checkpoints hold the whole "
-                "training state (frozen parameters are small leaves; consolidate() gives a state_dict to filter)"
-            )
         self.check_between_steps("save_checkpoint")
         client_state = {} if client_state is None else client_state
         if not isinstance(client_state, Mapping):
@@ -237,7 +284,7 @@ class CheckpointMethods:
         user_state = {"client_state": dict(client_state), "engine": _record(self)}
         check_json(self.config.values, "config")
         fzero_save(
-            self.state,
+            without_frozen(self.state) if exclude_frozen_parameters else self.state,
             save_dir,
             mesh=self.mesh,  # (read only where the ranks run in processes of their own: `fzero.save`)
             tag=tag,
@@ -247,6 +294,8 @@ class CheckpointMethods:
             latest=save_latest,
             overwrite=overwrite,
         )
+        if self.config.stage >= 1 and self.mesh.rank == 0:  # (DeepSpeed writes it with its ZeRO checkpoint files)
+            _write_script(save_dir)
         return True
 
     def load_checkpoint(
@@ -267,7 +316,9 @@ class CheckpointMethods:
         Args:
           load_dir: the root of tagged checkpoints (or one checkpoint directory).
           tag: which checkpoint; None: the one ``load_dir/latest`` names.
-          load_module_strict: must be True (the checkpoint must be of the same model).
+          load_module_strict: False lets a checkpoint saved with `exclude_frozen_parameters=True` load, the frozen
+            parameters staying the engine's; True refuses it, as DeepSpeed's does. Either way the checkpoint must
+            be of this model (fzero loads whole flat buffers, not a subset of another model's tensors).
           load_optimizer_states: False keeps the engine's optimizer state (moments and applied-update count, so a
             config LR schedule restarts with it; a warning says so) and loads the rest.
           load_lr_scheduler_states: a client scheduler's `state_dict` is loaded with it. The config's schedules are
@@ -287,11 +338,6 @@ class CheckpointMethods:
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...) is not supported: fzero loads the state itself"
-            )
-        if not load_module_strict:
-            raise NotImplementedError(
-                "load_checkpoint(load_module_strict=False) is not supported: the checkpoint must be of the same model "
-                "(fzero.load(..., strict=False, select=...) loads parts of a state)"
             )
         self.check_between_steps("load_checkpoint")
         configured = self.client_scheduler is None and self.config["scheduler"] is not None
@@ -318,10 +364,17 @@ class CheckpointMethods:
             select = None
         tag = None if tag is None else str(tag)
         try:
-            state, extra = fzero_load(load_dir, self.state, self.mesh, tag=tag, select=select, verify=verify)
+            path = resolve_checkpoint(load_dir, tag)
+            like = self.state
+            if read_manifest(path).layout.frozen_layout is None and like.layout.frozen_layout is not None:
+                _check_frozen_excluded(path, like, load_module_strict)
+                like = without_frozen(like)
+            state, extra = fzero_load(path, like, self.mesh, select=select, verify=verify)
         except CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None) when there is nothing to load
             warnings.warn(f"load_checkpoint: nothing loaded, {e}", UserWarning, stacklevel=2)
             return None, None
+        if like is not self.state:  # the frozen parameters: the engine's own
+            state = state.replace(frozen=self.state.frozen, layout=self.state.layout)
         where = extra["path"]
         record, client_state = _engine_record(extra["user_state"], where)
         if record is None and not load_module_only:

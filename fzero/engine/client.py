@@ -11,6 +11,7 @@ config `scheduler` is stepped by the engine; `SchedulerView` reports it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
@@ -102,7 +103,9 @@ class SchedulerView:
     (after applied updates only); this object reports it."""
 
     def __init__(self, engine: Scheduled, kind: str) -> None:
-        self.engine = engine
+        # a proxy, not a reference: the engine holds this view (`engine.lr_scheduler`), and a cycle would keep the
+        # engine, and its state's files, alive until the garbage collector's next pass
+        self.engine = weakref.proxy(engine)
         self.kind = kind
 
     @property

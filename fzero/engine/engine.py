@@ -2,8 +2,10 @@
 
 This module is the training loop; the engine's other parts are mixins of one concern each: the configuration
 accessors (`ConfigAccessors`), the next update's hyper-parameters as the optimizer object shows them (`HyperParams`),
-the monitor (`Reporting`), the model's parameters as views of the state (`ModuleSync`), and the checkpoints
-(`CheckpointMethods`); the counters are `EngineCounters`, the training itself `fzero.step.microstep.MicroStep`'s.
+the monitor (`Reporting`), the model's parameters as views of the state (`ModuleSync`), the checkpoints
+(`CheckpointMethods`), the accumulation boundary and `no_sync` (`Accumulation`), the 16-bit model file
+(`ModelSave`) and the engine's life (`Lifecycle`: `compile`, `destroy`); the counters are `EngineCounters`, the
+training itself `fzero.step.microstep.MicroStep`'s.
 
 The engine holds a `TrainState` and rebinds it; a micro-step is the core's own `fzero.step.microstep.MicroStep`, driven
 in two halves:
@@ -31,9 +33,10 @@ gradients; here the micro-step's gradient is multiplied by GAS in the accumulati
 a power of two), so the chain's mean is that sum. Two `backward` calls before a `step` add their gradients (the
 second needs the graph: `retain_graph=True` on the first, as in torch).
 
-Counters follow DeepSpeed 0.19: `micro_steps` counts `step()` calls; on the boundary (`(micro_steps + 1) % GAS ==
-0`) `global_steps` and `global_samples` advance even when a non-finite step is skipped (`skipped_steps`), while the
-optimizer's update count and hence the LR schedule advance only on applied updates.
+Counters follow DeepSpeed 0.19: `micro_steps` counts `step()` calls (the micro-batches, where the script sets the
+boundary: `fzero.engine.accumulation`); on the boundary (`(micro_steps + 1) % GAS == 0`) `global_steps` and
+`global_samples` advance even when a non-finite step is skipped (`skipped_steps`), while the optimizer's update count
+and hence the LR schedule advance only on applied updates.
 """
 
 from __future__ import annotations
@@ -60,10 +63,13 @@ from ..step import init
 from ..step.microstep import MicroStep, frozen_params, named_tensors, scaled
 from ..transforms import Transform
 from .accessors import ConfigAccessors
+from .accumulation import Accumulation
 from .checkpointing import CheckpointMethods
 from .client import OptimizerView
 from .counters import EngineCounters
 from .hyperparams import HyperParams
+from .lifecycle import Lifecycle
+from .model_save import ModelSave
 from .module_sync import ModuleSync
 from .reporting import Reporting
 
@@ -74,7 +80,17 @@ def _counter(name: str) -> property:
     return property(lambda self: getattr(self.counters, name), lambda self, v: setattr(self.counters, name, v))
 
 
-class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMethods, nn.Module):
+class Engine(
+    ConfigAccessors,
+    HyperParams,
+    Reporting,
+    ModuleSync,
+    CheckpointMethods,
+    Accumulation,
+    ModelSave,
+    Lifecycle,
+    nn.Module,
+):
     """The DeepSpeed-compatible training engine (built by `fzero.initialize`).
 
     Attributes:
@@ -85,6 +101,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
       global_steps, global_samples, micro_steps, skipped_steps: DeepSpeed's counters.
       step_metrics: the last `step()`'s metrics, as the functional step reports them (`fzero.train_step`: `loss`,
         `applied`, `skipped`, `grad_norm`, `comm`, `io`, `speculation`, ...); None before the first.
+      lr_scheduler, training_dataloader: the scheduler and data loader `initialize` returned (None without).
     """
 
     def __init__(
@@ -128,6 +145,10 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
         self._last_record: dict[str, Any] | None = None
         self.step_metrics: dict[str, Any] | None = None
         self._step_applied = False
+        self._boundary: bool | None = None
+        self.inside_no_sync_ctxt = False
+        self.lr_scheduler: Any = None
+        self.training_dataloader: Any = None
         self.monitor = self._make_monitor(printer)
         self._sync_module()
         self._sync_view()
@@ -181,6 +202,8 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
             self._t_step = t0
         if self._micro is None:
             self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
+            if self.inside_no_sync_ctxt:  # its backwards add their gradients locally; the chain reduces them once
+                self._micro.per_unit = False
             self._micro.open_engine(self.module, self._compute())
         with record_function("fzero.forward"):
             try:  # (the micro-step's tensors are bound into the module: `MicroStep.open_engine`)
@@ -265,6 +288,7 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
                 "engine.backward(loss): the loss does not depend on the engine's parameters "
                 "(computed under torch.no_grad(), or not from engine(...)'s outputs?)"
             )
+        self._check_boundary("engine.backward")
         earlier, micro.leaf.grad = micro.leaf.grad, None  # a manual loss.backward() before this one
         with record_function("fzero.backward"):  # not autograd.grad: reentrant checkpointing refuses it
             try:
@@ -285,6 +309,8 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
             self._grad = grad if self._grad is None else self._grad + grad
         self._loss = loss.detach()
         self._times["backward"] += time.perf_counter() - t0
+        if self._boundary is False:  # the script said: not the window's end; this micro-batch is a micro-step
+            self._close(None)
         out = loss.detach()
         return out / gas if scale_wrt_gas else out
 
@@ -294,7 +320,20 @@ class Engine(ConfigAccessors, HyperParams, Reporting, ModuleSync, CheckpointMeth
         self._grad = self._loss = None
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        """End the micro-step: the chain accumulates its gradients and, on the boundary, updates the parameters."""
+        """End the micro-step: the chain accumulates its gradients and, on the boundary, updates the parameters.
+        Where the script set the boundary False, its backward ended the micro-step already: nothing to do."""
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError(
+                "It is illegal to call Engine.step() inside no_sync context manager (as in DeepSpeed): leave it, "
+                "then engine.backward(loss) and engine.step() reduce the gradients added in it once"
+            )
+        if self._boundary is False and self._micro is None:
+            return
+        self._check_boundary("engine.step")
+        self._close(lr_kwargs)
+
+    def _close(self, lr_kwargs: dict[str, Any] | None) -> None:
+        """End the open micro-step (`step()`'s work)."""
         t0 = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         micro = self._micro

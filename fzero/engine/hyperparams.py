@@ -2,8 +2,8 @@
 
 The next update's hyper-parameters (`get_lr()`, `get_mom()`), functions of the optimizer's applied updates, shown
 in the optimizer object `initialize` returned (unless a client scheduler sets them there, where the optimizer then
-reads them); the loss scale; the client scheduler's step after each applied update; DeepSpeed's overflow line for a
-skipped one.
+reads them); the loss scale in use (`optimizer.cur_scale`); the client scheduler's step after each applied update;
+DeepSpeed's overflow line for a skipped one.
 """
 
 from __future__ import annotations
@@ -74,17 +74,12 @@ class HyperParams:
         groups' `momentum` for a config SGD, their `betas` otherwise (a client `torch.optim.SGD` has none: 0.0)."""
         return [group.get(self._momentum, 0.0) for group in self._groups]
 
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1 unless fp16)."""
-        return loss_scale(self.state)
-
     def _overflow_message(self, attempted: float) -> str:
         """DeepSpeed's overflow line, so that logs read the same."""
         head = f"fzero: OVERFLOW! Skipping step {self.global_steps + 1} (inf/nan gradients)."
-        ls = current_loss_scale(self.state)
-        if self.loss_scale != attempted:
-            return f"{head} Attempted loss scale: {attempted:g}, reducing to {self.loss_scale:g}"
+        ls, now = current_loss_scale(self.state), loss_scale(self.state)
+        if now != attempted:
+            return f"{head} Attempted loss scale: {attempted:g}, reducing to {now:g}"
         if hasattr(ls, "cur_hysteresis"):
             h = int(ls.cur_hysteresis)
             return f"{head} Attempted loss scale: {attempted:g}, but hysteresis is {h + 1}. Reducing hysteresis to {h}"
@@ -102,8 +97,8 @@ class HyperParams:
 
     def _sync_view(self) -> None:
         """Show the next update's hyper-parameters in the optimizer object (unless a client scheduler drives
-        them), and the loss scale (a client optimizer's too, as in DeepSpeed)."""
-        self.optimizer.cur_scale = self.loss_scale
+        them), and the loss scale in use (`cur_scale`; a client optimizer's too, as in DeepSpeed)."""
+        self.optimizer.cur_scale = loss_scale(self.state)
         if self.client_scheduler is not None:
             return
         n = self.applied_updates()

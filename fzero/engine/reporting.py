@@ -17,6 +17,7 @@ from ..mesh import RankMesh
 from ..metrics import Monitor, transformer_flops
 from ..metrics.monitors import MonitorMaster, boundary_events
 from ..state import TrainState
+from ..step.microstep import loss_scale
 from .counters import EngineCounters
 
 __all__ = ["Reporting"]
@@ -40,9 +41,6 @@ class Reporting:
 
         @property
         def global_rank(self) -> int: ...
-
-        @property
-        def loss_scale(self) -> float: ...
 
         def get_lr(self) -> list[float]: ...
 
@@ -106,7 +104,7 @@ class Reporting:
             self.monitor.write_events(
                 boundary_events(
                     self.global_samples, self.get_lr()[0], record["loss"],
-                    loss_scale=self.loss_scale if fp16 else None, times_ms=times_ms,
+                    loss_scale=loss_scale(self.state) if fp16 else None, times_ms=times_ms,
                 )
             )  # fmt: skip
 
