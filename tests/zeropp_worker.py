@@ -92,9 +92,12 @@ def engine_run(zero: dict, rank: int, out_dir: str) -> tuple[dict[str, torch.Ten
     return got, built
 
 
+NODE = 2  # ranks per node, as torchrun numbers 2 nodes of 2 (qgZ quantizes across nodes only)
+
+
 def run(rank: int, world: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % NODE), LOCAL_WORLD_SIZE=str(NODE))
     init_worker(rank, world, f"{out_dir}/store")
     results: dict = {}
     for name, (zero, preset) in CASES.items():

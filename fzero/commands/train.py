@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--qwz", action="store_true", default=None,
       help="ZeRO++ qwZ (stage 3): gather the parameters in int8, lossy (zero_quantized_weights)")  # fmt: skip
     a("--qgz", action="store_true", default=None,
-      help="ZeRO++ qgZ (stage 3): reduce the gradients in int8, lossy (zero_quantized_gradients)")  # fmt: skip
+      help="ZeRO++ qgZ (stage 3): reduce the gradients in int8 across nodes, lossy; nothing on one node "
+           "(zero_quantized_gradients)")  # fmt: skip
     a("--no-progress", action="store_true", help="no progress bar")
     a("--tensorboard", metavar="DIR",
       help="TensorBoard events in DIR/<job_name> (config block tensorboard; needs fzero[monitor])")  # fmt: skip

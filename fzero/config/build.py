@@ -25,7 +25,7 @@ loss scale, and the ZeRO preset chain.
 | stage 3, `zero_hpz_partition_size: N` > 1 (ZeRO++ hpZ) | `zero3(hpz=True)` on a `(W / N, N)` mesh |
 | stage 3, `zero_quantized_weights` | `zero3(qwz=True, qwz_frozen=True)` (every gather int8) |
 | stage 3, `zero_quantized_nontrainable_weights` | `zero3(qwz_frozen=True)` (frozen parameters' gathers) |
-| stage 3, `zero_quantized_gradients` (ZeRO++ qgZ) | `zero3(qgz=True)` |
+| stage 3, `zero_quantized_gradients` (qgZ), several nodes | `zero3(qgz=("replicate", "shard"))`: int8 across nodes |
 | stage 3, `mics_shard_size: S` > 0 (MiCS) | `zero3(hybrid=True)` on a `(W / S, S)` mesh; S == W: the 1-D preset |
 """
 

@@ -1,8 +1,9 @@
 """DeepSpeed's ZeRO++ (`zero_hpz_partition_size`, `zero_quantized_weights`, `zero_quantized_nontrainable_weights`,
 `zero_quantized_gradients`) and MiCS (`mics_shard_size`, `mics_hierarchical_params_gather`) keys: their checks (at
 parse time: `zeropp_checks`, `zeropp_top_checks`), the 2-D mesh they ask for (`zero_mesh_shape`, which needs the
-world size) and the `fzero.zero3` arguments they map to (`zeropp_arguments`). docs/hybrid.md, "From a DeepSpeed
-config", has the table and DeepSpeed's sources.
+world size, and for qgZ the launcher's node layout: `qgz_nodes`) and the `fzero.zero3` arguments they map to
+(`zeropp_arguments`). docs/hybrid.md, "From a DeepSpeed config" and "Several nodes", has the table and DeepSpeed's
+sources.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..host import process_group
 from .schema import ConfigError, ConfigWarning
 
-__all__ = ["zero_mesh_shape", "zeropp_arguments", "zeropp_checks", "zeropp_top_checks"]
+__all__ = ["qgz_nodes", "zero_mesh_key", "zero_mesh_shape", "zeropp_arguments", "zeropp_checks", "zeropp_top_checks"]
 
 
 def zeropp_checks(values: dict[str, Any], path: str) -> None:
@@ -77,17 +79,42 @@ def zeropp_top_checks(values: dict[str, Any]) -> None:
         )
 
 
+def qgz_nodes(cfg: Any) -> tuple[int, int] | None:
+    """`(nodes, ranks per node)` where the config's qgZ acts: stage 3, `zero_quantized_gradients`, no MiCS, and the
+    launcher's node layout (`fzero.host.process_group.node_layout`) has several nodes; else None.
+
+    DeepSpeed's stage 3 quantizes only then (0.19.8 `runtime/zero/stage3.py` `__avg_scatter_grads`: `num_nodes =
+    world // device_count()`, the all-to-all only where `num_nodes > 1`, else the plain reduce-scatter), and then
+    hierarchically over its node groups (`utils/groups.py` `_get_local_all_to_all_group`: `local_i` the ranks of
+    node i, `global_j` the j-th rank of every node).
+
+    Raises:
+      ConfigError: the launcher's node layout does not fit `cfg.world`, naming the variable.
+    """
+    zero = cfg["zero_optimization"]
+    if cfg.stage != 3 or not zero["zero_quantized_gradients"] or zero["mics_shard_size"] > 0:
+        return None
+    try:
+        nodes, local = process_group.node_layout(cfg.world)
+    except ValueError as e:
+        raise ConfigError("zero_optimization.zero_quantized_gradients", f"needs the node layout: {e}") from None
+    return (nodes, local) if nodes > 1 else None
+
+
 def zero_mesh_shape(cfg: Any) -> dict[str, int] | None:
-    """The mesh the config's hpZ or MiCS asks for on `cfg.world` ranks: `{"replicate": W // n, "shard": n}` (the
+    """The mesh the config's hpZ, MiCS or qgZ asks for on `cfg.world` ranks: `{"replicate": W // n, "shard": n}` (the
     `shard` axis innermost: groups of `n` consecutive ranks, as DeepSpeed's), or None for the 1-D mesh.
 
-    At stage 3 only (DeepSpeed ignores both keys below it). `mics_shard_size: S` > 0: `n = S`, which must divide
+    At stage 3 only (DeepSpeed ignores the keys below it). `mics_shard_size: S` > 0: `n = S`, which must divide
     W (0.19.6 `runtime/zero/mics_utils.py` `_generate_mics_config`); `S == W` is the 1-D mesh (one shard group:
     DeepSpeed's replicate all-reduce is over one rank and skipped); `S < W` takes no optimizer offload (0.19.6
     `runtime/zero/mics.py` `allreduce_mics_shard_grads` raises for gradient shards off the accelerator).
     `zero_hpz_partition_size: N` > 1: `n = min(N, W)`, which must divide W (0.19.8 `utils/groups.py`
     `_create_zero_param_parallel_group`); `n == W` is the 1-D mesh (the secondary copy is then the primary shard:
-    plain stage 3), as is any N at world 1.
+    plain stage 3), as is any N at world 1. Neither group defaults to the node: DeepSpeed's defaults are
+    `mics_shard_size: -1` and `zero_hpz_partition_size: 1`, off (0.19.8 `runtime/zero/config.py`; MiCS reads the
+    node only for `mics_hierarchical_params_gather`'s schedule). qgZ on several nodes (`qgz_nodes`): `n` = the
+    ranks per node (an hpZ group must then be the node).
 
     Args:
       cfg: the validated config; `cfg.world` is the data-parallel world size.
@@ -96,39 +123,64 @@ def zero_mesh_shape(cfg: Any) -> dict[str, int] | None:
       The mesh shape, or None.
 
     Raises:
-      ConfigError: the group size does not divide the world size, naming the key.
+      ConfigError: the group size does not divide the world size, or hpZ's group is not the node with qgZ on
+        several nodes, naming the key.
     """
+    group = _group(cfg)
+    return None if group is None else {"replicate": cfg.world // group[1], "shard": group[1]}
+
+
+def zero_mesh_key(cfg: Any) -> str | None:
+    """The `zero_optimization` key that makes `zero_mesh_shape(cfg)` 2-D (`mics_shard_size`,
+    `zero_hpz_partition_size` or `zero_quantized_gradients`), or None."""
+    group = _group(cfg)
+    return None if group is None else group[0]
+
+
+def _group(cfg: Any) -> tuple[str, int] | None:
+    """`(key, n)`: the key that asks for groups of `n` < W consecutive ranks (see `zero_mesh_shape`), or None."""
     zero, world = cfg["zero_optimization"], cfg.world
     if cfg.stage != 3:
         return None
+    nodes = qgz_nodes(cfg)
+    hpz = min(zero["zero_hpz_partition_size"], world)
     if zero["mics_shard_size"] > 0:
-        n = zero["mics_shard_size"]
+        key, n = "mics_shard_size", zero["mics_shard_size"]
         if world % n:
-            raise ConfigError("zero_optimization.mics_shard_size",
+            raise ConfigError(f"zero_optimization.{key}",
                               f"{n} does not divide the world size {world}: MiCS shards over groups of {n} "
                               "consecutive ranks (DeepSpeed's rule)")  # fmt: skip
         if n < world and zero["offload_optimizer"]["device"] != "none":
-            raise ConfigError("zero_optimization.mics_shard_size",
+            raise ConfigError(f"zero_optimization.{key}",
                               f"{n} < the world size {world} with offload_optimizer: DeepSpeed's MiCS all-reduces "
                               "the gradient shards across its groups on the accelerator only (\"Local sharding has "
                               "no support for CPU offloading\")")  # fmt: skip
-    elif zero["zero_hpz_partition_size"] > 1:
-        n = min(zero["zero_hpz_partition_size"], world)
+    elif 1 < hpz < world:
+        key, n = "zero_hpz_partition_size", hpz
         if world % n:
-            raise ConfigError("zero_optimization.zero_hpz_partition_size",
+            raise ConfigError(f"zero_optimization.{key}",
                               f"{n} does not divide the world size {world}: hpZ's secondary partition is over "
                               f"groups of {n} consecutive ranks (DeepSpeed's rule)")  # fmt: skip
+        if nodes is not None and n != nodes[1]:
+            raise ConfigError(f"zero_optimization.{key}",
+                              f"{n} with zero_quantized_gradients on {nodes[0]} nodes of {nodes[1]} ranks: fzero's "
+                              "hierarchical qgZ reduces over hpZ's groups, which must then be the nodes "
+                              f"(zero_hpz_partition_size {nodes[1]}, the ZeRO++ tutorial's setting)")  # fmt: skip
+    elif nodes is not None:
+        key, n = "zero_quantized_gradients", nodes[1]
     else:
         return None
-    return None if n == world else {"replicate": world // n, "shard": n}
+    return None if n == world else (key, n)
 
 
 def zeropp_arguments(cfg: Any) -> dict[str, Any]:
-    """The `fzero.zero3` keywords of the config's ZeRO++ and MiCS keys, only those that are on (`{}` below stage 3,
-    where DeepSpeed ignores them): `hpz=True` or `hybrid=True` where `zero_mesh_shape` is 2-D (the transform must
-    then run on a mesh of that shape), `qwz` and `qwz_frozen` for `zero_quantized_weights` (DeepSpeed's qwZ
-    quantizes the gathers of frozen parameters too), `qwz_frozen` for `zero_quantized_nontrainable_weights`, `qgz`
-    for `zero_quantized_gradients` (none with MiCS: DeepSpeed's MiCS optimizer quantizes nothing).
+    """The `fzero.zero3` keywords of the config's ZeRO++ and MiCS keys, only those that act (`{}` below stage 3,
+    where DeepSpeed ignores them): `hpz=True` or `hybrid=True` where hpZ or MiCS makes `zero_mesh_shape` 2-D (the
+    transform must then run on a mesh of that shape), `qwz` and `qwz_frozen` for `zero_quantized_weights`
+    (DeepSpeed's qwZ quantizes the gathers of frozen parameters too), `qwz_frozen` for
+    `zero_quantized_nontrainable_weights`, `qgz=("replicate", "shard")` for `zero_quantized_gradients` on several
+    nodes (`qgz_nodes`: fp32 within a node, int8 across nodes, on the node mesh); none on one node, where
+    DeepSpeed's qgZ does nothing, nor with MiCS, whose optimizer quantizes nothing.
     `mics_hierarchical_params_gather` changes only how DeepSpeed schedules MiCS's all-gather (inter-node, then
     intra-node), not the gathered values: it has no counterpart.
 
@@ -140,7 +192,8 @@ def zeropp_arguments(cfg: Any) -> dict[str, Any]:
     zero = cfg["zero_optimization"]
     mics = zero["mics_shard_size"] > 0
     out: dict[str, Any] = {}
-    if zero_mesh_shape(cfg) is not None:
+    key = zero_mesh_key(cfg)
+    if key in ("mics_shard_size", "zero_hpz_partition_size"):  # (qgZ's node mesh alone takes neither)
         out["hybrid" if mics else "hpz"] = True
     if not mics:
         # DeepSpeed's qwZ quantizes every gather (0.19.8 `partitioned_param_coordinator.py` `__all_gather_params`:
@@ -149,6 +202,6 @@ def zeropp_arguments(cfg: Any) -> dict[str, Any]:
             out.update(qwz=True, qwz_frozen=True)
         if zero["zero_quantized_nontrainable_weights"]:
             out["qwz_frozen"] = True
-        if zero["zero_quantized_gradients"]:
-            out["qgz"] = True
+        if qgz_nodes(cfg) is not None:
+            out["qgz"] = ("replicate", "shard")
     return out

@@ -7,7 +7,8 @@ the arguments.
 
 The mesh: under `torchrun` (or with a process group already initialised) a `DistMesh` over the world group, created
 from the environment if needed (of shape `{"replicate": W // n, "shard": n}` where the config's ZeRO++ hpZ or MiCS
-asks for groups of `n` ranks: `config_mesh`); in a plain single process a one-rank `SimMesh`: no process group, no
+asks for groups of `n` ranks, or qgZ runs on several nodes of `n` ranks, the launcher's `LOCAL_WORLD_SIZE`:
+`config_mesh`); in a plain single process a one-rank `SimMesh`: no process group, no
 port, no global `torch.distributed` state left behind, and at world 1 every collective is the identity, so the
 arithmetic is that of a `DistMesh` of one.
 """
@@ -27,7 +28,7 @@ from .. import optim
 from ..config import Config, ConfigError, ConfigWarning, parse_config
 from ..config.build import OptimizerSpec, build_policy, optimizer_kind, optimizer_spec, scheduled
 from ..config.optimizers import OPTIMIZERS
-from ..config.zeropp import zero_mesh_shape
+from ..config.zeropp import zero_mesh_key, zero_mesh_shape
 from ..host import accelerator
 from ..mesh import DistMesh, Mesh, SimMesh
 from ..mesh.ranks import regroup
@@ -123,7 +124,7 @@ def default_mesh() -> Mesh:
 
 
 def config_mesh(cfg: Config, mesh: Mesh, given: bool) -> Mesh:
-    """The mesh the config trains on: `mesh`, or, where ZeRO++ hpZ or MiCS asks for a 2-D mesh
+    """The mesh the config trains on: `mesh`, or, where ZeRO++ hpZ, MiCS or qgZ on several nodes asks for a 2-D mesh
     (`fzero.config.zeropp.zero_mesh_shape`), a `DistMesh` of that shape over `mesh`'s group (its sub-groups made
     with `new_group`, on every rank alike).
 
@@ -139,14 +140,15 @@ def config_mesh(cfg: Config, mesh: Mesh, given: bool) -> Mesh:
     shape = zero_mesh_shape(cfg)
     if shape is None:
         return mesh
-    zero = cfg["zero_optimization"]
-    key = "mics_shard_size" if zero["mics_shard_size"] > 0 else "zero_hpz_partition_size"
     have = dict(getattr(mesh, "shape", None) or {})
     if given or len(mesh.local_ranks) == mesh.world:  # (a mesh of every rank has no process group to split)
         if list(have.items()) != list(shape.items()):
+            key = zero_mesh_key(cfg)
+            value = cfg["zero_optimization"][key]
+            why = f"true on {shape['replicate']} nodes of {shape['shard']} ranks" if value is True else value
             raise ConfigError(
                 f"zero_optimization.{key}",
-                f"{zero[key]} asks for a mesh of shape {shape} on {mesh.world} ranks, but the mesh given has shape "
+                f"{why} asks for a mesh of shape {shape} on {mesh.world} ranks, but the mesh given has shape "
                 f"{have or '1-D'}: {mesh!r}",
             )
         return mesh
@@ -158,7 +160,7 @@ def _config_and_mesh(source: Any, mesh: Mesh | None) -> tuple[Config, Mesh]:
     given = mesh is not None
     mesh = mesh if mesh is not None else default_mesh()
     cfg = parse_config(source, world=mesh.world)
-    mesh = config_mesh(cfg, mesh, given)  # ZeRO++ hpZ and MiCS shard over groups of ranks: a 2-D mesh
+    mesh = config_mesh(cfg, mesh, given)  # ZeRO++ hpZ, MiCS and qgZ over nodes work on groups of ranks: a 2-D mesh
     timeout = cfg["comms_config"]["timeout"]
     if timeout is not None:
         mesh.set_timeout(timeout)

@@ -7,6 +7,11 @@ the gloo group's threads are then torn down by the garbage collector during the 
 now and then aborts the process ("terminate called without an active exception", SIGABRT). `shutdown()` destroys
 the group and drops those stale references, so the group is freed at that line, while the interpreter is whole;
 `shutdown_at_exit()` arranges for it to run before the interpreter exits (`DistMesh` and `init_distributed` do).
+
+The node layout (`node_layout`, `local_world_size`, `local_rank`) is what the launcher says: torchrun's
+`LOCAL_WORLD_SIZE` and `LOCAL_RANK` (DeepSpeed's own launcher sets `LOCAL_SIZE`, which DeepSpeed's CPU accelerator
+reads as its device count; DeepSpeed's CUDA accelerator counts the GPUs). Ranks are numbered node by node (rank
+`node * L + LOCAL_RANK`), as torchrun numbers them and DeepSpeed's node groups assume.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["as_timedelta", "init_process_group", "set_timeout", "shutdown", "shutdown_at_exit"]
+__all__ = [
+    "as_timedelta",
+    "init_process_group",
+    "local_rank",
+    "local_world_size",
+    "node_layout",
+    "set_timeout",
+    "shutdown",
+    "shutdown_at_exit",
+]
 
 Timeout = float | int | datetime.timedelta
 
@@ -122,3 +136,71 @@ def env_timeout() -> datetime.timedelta | None:
         return as_timedelta(float(value) * 60, "DEEPSPEED_TIMEOUT (minutes)")
     except (TypeError, ValueError) as e:
         raise ValueError(f"DEEPSPEED_TIMEOUT must be a positive number of minutes, got {value!r}") from e
+
+
+# ---------------------------------------------------------------------------------------------------- node layout
+def _env_int(name: str, low: int) -> int | None:
+    """The environment variable `name` as an int >= `low`, or None where it is unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.lstrip("-").isdigit() or int(value) < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _size_name() -> str:
+    """The variable `local_world_size()` read: torchrun's, unless only the `deepspeed` launcher's is set."""
+    return "LOCAL_WORLD_SIZE" if os.environ.get("LOCAL_WORLD_SIZE", "").strip() else "LOCAL_SIZE"
+
+
+def local_world_size() -> int | None:
+    """The processes the launcher started on this node: `LOCAL_WORLD_SIZE` (torchrun), else `LOCAL_SIZE` (the
+    `deepspeed` launcher); None where neither is set.
+
+    Raises:
+      ValueError: a variable that is not a positive integer, or both set and different, naming them.
+    """
+    torchrun, deepspeed = _env_int("LOCAL_WORLD_SIZE", 1), _env_int("LOCAL_SIZE", 1)
+    if torchrun is not None and deepspeed is not None and torchrun != deepspeed:
+        raise ValueError(f"LOCAL_WORLD_SIZE={torchrun} and LOCAL_SIZE={deepspeed} disagree on the processes per node")
+    return torchrun if torchrun is not None else deepspeed
+
+
+def local_rank() -> int:
+    """This process's index on its node: `LOCAL_RANK` (0 where unset).
+
+    Raises:
+      ValueError: not a non-negative integer, or not below `local_world_size()`, naming both.
+    """
+    rank, size = _env_int("LOCAL_RANK", 0) or 0, local_world_size()
+    if size is not None and rank >= size:
+        raise ValueError(f"LOCAL_RANK={rank} is not below {_size_name()}={size} (the processes on this node)")
+    return rank
+
+
+def node_layout(world: int) -> tuple[int, int]:
+    """`(nodes, ranks per node)` of `world` ranks started by a launcher: `ranks per node = local_world_size()`, and
+    one node of `world` ranks where the launcher does not say (a plain process, `torch.multiprocessing`).
+
+    Args:
+      world: the ranks (the world group's size).
+
+    Returns:
+      `(world // L, L)`.
+
+    Raises:
+      ValueError: `L` does not divide `world` (WORLD_SIZE), `LOCAL_RANK` is not below `L`, or `RANK` is not
+        `node * L + LOCAL_RANK` (the ranks of a node are not consecutive), naming the variables.
+    """
+    size = local_world_size()
+    if size is None:
+        return 1, world
+    if world % size:
+        raise ValueError(f"{_size_name()}={size} does not divide the world size {world} (WORLD_SIZE): a launcher "
+                         "starts the same number of processes on every node")  # fmt: skip
+    rank, local = _env_int("RANK", 0), local_rank()
+    if rank is not None and _env_int("LOCAL_RANK", 0) is not None and rank % size != local:
+        raise ValueError(f"RANK={rank} with LOCAL_RANK={local} and {_size_name()}={size}: the ranks of a node must be "
+                         f"consecutive (RANK = node * {size} + LOCAL_RANK), as torchrun numbers them")  # fmt: skip
+    return world // size, size

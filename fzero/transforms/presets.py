@@ -22,10 +22,14 @@ owned slice, twice the traffic.) Every preset takes:
   shards over `"replicate"`: FSDP's HSDP, on `SimMesh(shape={"replicate": R, "shard": S})` or a `DistMesh` of
   that shape), or a pair `(replicate_axis, shard_axis)` of other names; see docs/hybrid.md;
 - `qgz`: reduce gradients with `quantized_reduce_scatter` (ZeRO++'s qgZ: int8 with blockwise scales; lossy, its
-  error bound in its docstring); `qwz`: gather the compute parameters int8 (qwZ): at stages 1-2 with
-  `quantized_gather`, at the end of each step instead of lazily, unit by unit, in the next forward; at stage 3
-  each unit's gather, forward and backward (`gather(quantize=16)`); stage 3 also takes `qwz_frozen` (the frozen
-  parameters' gathers) and `hpz` (hpZ's secondary copies; see `zero3`);
+  error bound in its docstring): `True` quantizes every exchange of the reduction (over every rank, or both hybrid
+  axes), except with `hpz`, where it is ZeRO++'s hierarchical form; a pair `(outer, inner)` of a 2-D mesh's axes
+  (nodes, a node's ranks: `("replicate", "shard")`) is that form for parameters sharded over every rank: fp32
+  within the node, int8 only across nodes, nothing quantized on one node (docs/hybrid.md);
+- `qwz`: gather the compute parameters int8 (qwZ): at stages 1-2 with `quantized_gather`, at the end of each step
+  instead of lazily, unit by unit, in the next forward; at stage 3 each unit's gather, forward and backward
+  (`gather(quantize=16)`); stage 3 also takes `qwz_frozen` (the frozen parameters' gathers) and `hpz` (hpZ's
+  secondary copies; see `zero3`);
 - `average`: where the gradients' mean divides by the world size (`fzero.Average`: after the sum by default,
   DeepSpeed's `prescale_gradients` and `gradient_predivide_factor` otherwise);
 - `offload`: `"cpu"` keeps the master parameters and optimizer state in host memory and runs the optimizer there
@@ -61,7 +65,7 @@ def _preset(
     skip_nonfinite: bool,
     offload: Any,
     hybrid: bool | tuple[str, str] = False,
-    qgz: bool = False,
+    qgz: bool | tuple[str, str] = False,
     qwz: bool = False,
     average: Average | None = None,
     hpz: bool | tuple[str, str] = False,
@@ -76,7 +80,7 @@ def _preset(
     if secondary is not None and axis is not None:
         raise ValueError("zero3(hybrid=..., hpz=...): hybrid sharding already gathers within the shard axis, so hpZ's "
                          "secondary copy would hold what the shard holds; use one of the two")  # fmt: skip
-    levels = None if secondary is None or outer is None else (outer, secondary)
+    levels = _qgz_levels(qgz, secondary, outer)
     rs = (
         quantized_reduce_scatter(axis=axis, replicate=replicate, levels=levels)
         if qgz
@@ -103,6 +107,15 @@ def _preset(
         ),
         _gather(stage, policy, qwz, qwz_frozen, secondary),
     )
+
+
+def _qgz_levels(qgz: bool | tuple[str, str], secondary: str | None, outer: str | None) -> tuple[str, str] | None:
+    """The `(outer, inner)` axes of a hierarchical qgZ: `qgz`'s pair, or hpZ's axes with `qgz=True`; else None."""
+    if isinstance(qgz, bool):
+        return (outer, secondary) if qgz and secondary is not None and outer is not None else None
+    if isinstance(qgz, tuple) and len(qgz) == 2 and all(isinstance(a, str) for a in qgz) and qgz[0] != qgz[1]:
+        return qgz
+    raise ValueError(f"qgz must be False, True or a pair (outer_axis, inner_axis) of two names, got {qgz!r}")
 
 
 QWZ_BLOCK = 16  # elements per scale of stage 3's qwZ: the layout's `align`, so no block straddles two parameters
@@ -148,7 +161,7 @@ def zero0(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
-          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
+          hybrid: bool | tuple[str, str] = False, qgz: bool | tuple[str, str] = False, qwz: bool = False,
           *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-1: optimizer state and master parameters sharded; full gradients accumulated locally.
 
@@ -164,7 +177,7 @@ def zero1(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
-          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
+          hybrid: bool | tuple[str, str] = False, qgz: bool | tuple[str, str] = False, qwz: bool = False,
           *, average: Average | None = None) -> Transform:  # fmt: skip
     """ZeRO-2: gradients reduce-scattered every micro-step and accumulated as shards.
 
@@ -180,7 +193,7 @@ def zero2(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
 
 def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | None = None, loss_scale: Any = None,
           clip: float | None = None, skip_nonfinite: bool = True, offload: Any = None,
-          hybrid: bool | tuple[str, str] = False, qgz: bool = False, qwz: bool = False,
+          hybrid: bool | tuple[str, str] = False, qgz: bool | tuple[str, str] = False, qwz: bool = False,
           *, average: Average | None = None, hpz: bool | tuple[str, str] = False,
           qwz_frozen: bool = False) -> Transform:  # fmt: skip
     """ZeRO-3: compute parameters also sharded at rest; the step gathers one unit at a time inside the forward and
@@ -190,7 +203,8 @@ def zero3(optimizer: Optimizer, accumulate: int = 1, precision: str | Policy | N
     forward and the backward (`qwz_frozen`: the frozen parameters' too); `hpz=True` (or a pair `(replicate_axis,
     shard_axis)`) keeps, after each unit's forward gather over every rank, a secondary copy sharded over the
     `shard` axis, from which the backward gathers the unit again within that axis only (hpZ: bitwise the same
-    step); with `qgz` too, the gradients are reduced within `shard` first, then across `replicate`.
+    step); with `qgz` too, the gradients are reduced within `shard` first (fp32), then across `replicate` (int8), as
+    with `qgz=("replicate", "shard")` without hpZ.
 
     Example:
         >>> import fzero

@@ -7,6 +7,7 @@ instead of `4 block`: 3.9x fewer at block 256.
 
 - `quantized_reduce_scatter()` (qgZ): every rank quantizes the chunk of its gradient bound for each rank, an
   `all_to_all` delivers them, and each rank dequantizes its `n` chunks and averages them in fp32, in rank order.
+  With `levels` (ZeRO++'s hierarchical form, over nodes): fp32 within a node, int8 only across nodes.
 - `quantized_gather()` (qwZ): the updated master shards are quantized, all-gathered as int8 with their scales, and
   dequantized into the compute parameters of the next forward (the master parameters stay exact).
 
@@ -65,17 +66,19 @@ def _rank_mean(received: Tensor) -> Tensor:
 
 
 def _two_level_mean(mesh: Mesh, x: Tensor, block: int, levels: tuple[str, str]) -> Tensor:
-    """qgZ over every rank of a 2-D mesh in two exchanges, inner axis first (ZeRO++'s hierarchical all-to-all):
-    this rank's 1-D chunk (rank `i S + j`'s is chunk `i S + j`) of the mean over all `W = R S` ranks. The chunks
-    are reordered first so that the inner exchange hands rank `j` of each group the `R` chunks `i S + j` (summed
-    over the group), and the outer one hands rank `i` its own of those: only `1/S` of the buffer crosses the outer
-    axis."""
+    """qgZ over every rank of a 2-D mesh in two exchanges, inner axis first (ZeRO++'s hierarchical all-to-all, 0.19.8
+    `runtime/comm/coalesced_collectives.py` `all_to_all_quant_reduce`): this rank's 1-D chunk (rank `i S + j`'s is
+    chunk `i S + j`) of the mean over all `W = R S` ranks. The chunks are reordered first so that the inner exchange,
+    a full-precision (fp32) reduce-scatter within the node, hands rank `j` of each node the node's mean of the `R`
+    chunks `i S + j`, and the outer one, int8 across nodes, hands rank `i` its own of those: only `1/S` of the buffer
+    crosses the outer axis, and only there is it quantized."""
     outer, inner = levels
     r, s = mesh.size(outer), mesh.size(inner)
-    y = x.unflatten(-1, (r, s, -1)).transpose(-3, -2).flatten(-3)  # chunks in (j, i) order
-    for axis in (inner, outer):  # (an axis of one rank exchanges nothing: its chunk stays exact)
-        y = _quantized_mean(mesh, y, block, axis) if mesh.size(axis) > 1 else y.float()
-    return y
+    y = x.unflatten(-1, (r, s, -1)).transpose(-3, -2).flatten(-3).float()  # chunks in (j, i) order
+    if s > 1:
+        y = mesh.reduce_scatter(y, "mean", axis=inner)
+    # (one node: nothing crosses, nothing is quantized: the plain fp32 reduce-scatter)
+    return _quantized_mean(mesh, y, block, outer) if r > 1 else y
 
 
 def quantized_reduce_scatter(
@@ -96,17 +99,19 @@ def quantized_reduce_scatter(
     a second quantized exchange and a quantized all-gather, each adding at most `M' / 254` where `M'` bounds the
     values quantized (`M' <= M (1 + 1/254)`, `M` the largest `|x|` on any rank), so the total error is at most
     `e1 + 2 M (1 + 1/254) / 254 <= 3.01 M / 254`. With `quantize_replicate=False` the replicate all-reduce is
-    fp32 and averages the groups' errors: `e1`'s bound with the max over every rank. With `levels` (two quantized
-    exchanges, the second of the first's means, each at most `M (1 + 1/254)`): `e1 + M (1 + 1/254) / 254`, `e1`
-    over the inner group.
+    fp32 and averages the groups' errors: `e1`'s bound with the max over every rank. With `levels`, one quantized
+    exchange, across `outer`, of the inner groups' fp32 means `y_i`: `(1/R) sum_i max|y_{i,b}| / 254` (at most
+    `M / 254`), plus fp32's rounding of the two means; with one outer group (one node) the result is bitwise the
+    plain fp32 `reduce_scatter()`.
 
     Args:
       block: elements per scale.
       axis, replicate: as for `reduce_scatter` (hybrid sharding).
       quantize_replicate: communicate the replicate all-reduce in int8 too (default), else fp32.
-      levels: `(outer, inner)` axes of a 2-D mesh, for parameters sharded over every rank (`axis=None`): reduce in
-        two exchanges, within `inner` first, so that only `1/size(inner)` of the gradient crosses `outer` (ZeRO++'s
-        hierarchical qgZ, used with hpZ: `fzero.zero3(..., qgz=True, hpz=True)`).
+      levels: `(outer, inner)` axes of a 2-D mesh (`outer` the nodes, `inner` a node's ranks), for parameters
+        sharded over every rank (`axis=None`): reduce in two exchanges, in fp32 within `inner` first, then int8
+        across `outer`, so that only `1/size(inner)` of the gradient crosses `outer`, and only that is quantized
+        (ZeRO++'s hierarchical qgZ: `fzero.zero3(..., qgz=("replicate", "shard"))`, or `qgz=True` with hpZ).
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"quantized_reduce_scatter(block=...) needs an int >= 1, got {block!r}")
