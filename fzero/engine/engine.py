@@ -71,6 +71,7 @@ from .hyperparams import HyperParams
 from .lifecycle import Lifecycle
 from .model_save import ModelSave
 from .module_sync import ModuleSync
+from .parameters import ParameterAccess
 from .reporting import Reporting
 
 __all__ = ["Engine"]
@@ -84,6 +85,7 @@ class Engine(
     ConfigAccessors,
     HyperParams,
     Reporting,
+    ParameterAccess,
     ModuleSync,
     CheckpointMethods,
     Accumulation,

@@ -13,6 +13,11 @@ one unit (twice: the module's tensors and the unit's flat buffers) on top of the
 
 Modules that own buffers but no parameter are materialised with the first unit.
 
+A model built partitioned (DeepSpeed's `zero.Init`, `fzero.deepspeed.zero`) holds each parameter's values as a
+`Partition` (this rank's `ceil(numel / world)` elements of it, DeepSpeed's per-parameter partition) behind an empty
+stand-in; `partitioned_parameters` builds the state's shards from those, one unit at a time (`partitioned`,
+`shapes_shown`).
+
 Example:
     >>> import torch, fzero
     >>> with torch.device("meta"):
@@ -26,16 +31,32 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from ..layout import Layout, dtype_of, flatten
-from ..mesh import Mesh
+from ..mesh import Mesh, RankMesh
 
-__all__ = ["replicated_parameters", "sharded_parameters"]
+__all__ = [
+    "Partition",
+    "broadcast_tensors",
+    "external_parameters",
+    "gather_partitions",
+    "partition_of",
+    "partitioned",
+    "partitioned_parameters",
+    "replicated_parameters",
+    "shapes_shown",
+    "sharded_parameters",
+]
+
+PARTITION = "_fzero_partition"  # the attribute of a parameter that holds its `Partition`
+EXTERNAL = "_external_params"  # DeepSpeed's: a module's {id: parameter} it uses without owning them
 
 
 def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -229,3 +250,182 @@ def _broadcast_units(mesh: Mesh, layout: Layout, flat: Tensor) -> Tensor:
             part = flat[..., layout.unit_slice(i)]
             part.copy_(mesh.broadcast(part, src=0))
     return flat
+
+
+class Partition:
+    """One parameter's values cut across the ranks as DeepSpeed's `zero.Init` cuts them: the flattened tensor,
+    zero-padded to `world * n` elements (`n = ceil(numel / world)`), rank `r` keeping elements `[r * n, (r + 1) * n)`.
+    The parameter itself holds an empty stand-in meanwhile.
+
+    Attributes:
+      mesh: the ranks it is cut across, as this rank sees them.
+      shard: this rank's `n` elements (DeepSpeed's `param.ds_tensor`).
+      shape: the parameter's shape.
+      version: the parameter's version counter when its stand-in was set: an in-place write to the stand-in (which
+        holds nothing, so the write is lost) moves it.
+    """
+
+    def __init__(self, mesh: RankMesh, shard: Tensor, shape: tuple[int, ...], version: int = 0) -> None:
+        self.mesh, self.shard, self.shape, self.version = mesh, shard, shape, version
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def cut(cls, mesh: RankMesh, full: Tensor, device: torch.device | str | None = None) -> Partition:
+        """This rank's partition of `full` (every rank passes the same value), kept on `device` (default: `full`'s)."""
+        n = -(-full.numel() // mesh.world)
+        shard = torch.zeros(n, dtype=full.dtype, device=device or full.device)
+        piece = _piece(full.numel(), n, mesh.rank)
+        with torch.no_grad():
+            shard[: piece.stop - piece.start].copy_(full.detach().reshape(-1)[piece])
+        return cls(mesh, shard, tuple(full.shape))
+
+    def assign(self, full: Tensor) -> None:
+        """Keep this rank's part of the new full value `full` (the same on every rank).
+
+        Raises:
+          ValueError: `full` does not have the parameter's shape.
+        """
+        if tuple(full.shape) != self.shape:
+            raise ValueError(f"a partitioned parameter of shape {self.shape} cannot take a value of shape "
+                             f"{tuple(full.shape)}: its shape is fixed once it is partitioned")  # fmt: skip
+        n, rank = self.shard.numel(), self.mesh.rank
+        piece = _piece(self.numel, n, rank)
+        with torch.no_grad():
+            self.shard.zero_()
+            self.shard[: piece.stop - piece.start].copy_(full.detach().reshape(-1)[piece])
+
+
+def _piece(numel: int, n: int, rank: int) -> slice:
+    """Rank `rank`'s elements of a flattened tensor of `numel` elements cut into chunks of `n` (empty past the end)."""
+    return slice(min(rank * n, numel), min((rank + 1) * n, numel))
+
+
+def partition_of(param: Tensor) -> Partition | None:
+    """The `Partition` a parameter built partitioned holds its values in, or None."""
+    return getattr(param, PARTITION, None)
+
+
+def partitioned(model: nn.Module) -> bool:
+    """Whether any parameter of `model` was built partitioned."""
+    return any(partition_of(p) is not None for p in model.parameters())
+
+
+def gather_partitions(parts: Sequence[Partition]) -> list[Tensor]:
+    """The full values of `parts` (cut across the same ranks), with one all-gather per dtype and device."""
+    out: list[Tensor | None] = [None] * len(parts)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, part in enumerate(parts):
+        groups.setdefault((part.shard.dtype, part.shard.device), []).append(i)
+    for members in groups.values():
+        mesh = parts[members[0]].mesh
+        sizes = [parts[i].shard.numel() for i in members]
+        total = sum(sizes)
+        rows = mesh.all_gather(torch.cat([parts[i].shard for i in members])).view(mesh.world, total)
+        start = 0
+        for i, size in zip(members, sizes, strict=True):
+            full = rows[:, start : start + size].reshape(-1)[: parts[i].numel]
+            out[i] = full.view(parts[i].shape).clone()
+            start += size
+    return cast(list[Tensor], out)
+
+
+def broadcast_tensors(mesh: Mesh, tensors: Sequence[Tensor], src: int) -> list[Tensor]:
+    """Rank `src`'s values of `tensors` (the same shapes and dtypes on every rank) on every rank, with one broadcast
+    per dtype and device."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    for members in groups.values():
+        parts = [tensors[i].detach().reshape(-1) for i in members]
+        flat = mesh.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts), src=src)
+        start = 0
+        for i in members:
+            n = tensors[i].numel()
+            out[i] = flat[start : start + n].view(tensors[i].shape)
+            start += n
+    return cast(list[Tensor], out)
+
+
+@contextlib.contextmanager
+def shapes_shown(model: nn.Module) -> Iterator[None]:
+    """Inside, each partitioned parameter is replaced, in its module, by a `meta` parameter of its real shape (tied
+    ones by one), so that what reads only shapes and dtypes (`fzero.layout.from_module`) sees the model's."""
+    twins: dict[int, nn.Parameter] = {}
+    saved: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                part = partition_of(p) if p is not None else None
+                if part is None:
+                    continue
+                assert p is not None  # (a partition belongs to a parameter)
+                if id(p) not in twins:
+                    meta = torch.empty(part.shape, dtype=p.dtype, device="meta")
+                    twins[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
+                saved.append((module, name, p))
+                module._parameters[name] = twins[id(p)]
+        yield
+    finally:
+        for module, name, p in reversed(saved):
+            module._parameters[name] = p
+
+
+def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
+    """Each rank's shard of the trainable and of the frozen parameters, and the buffers, of a model built
+    partitioned (`Partition`): one unit at a time, each of its parameters all-gathered from its partition (one
+    all-gather per unit) into the unit's flat buffer, of which this rank keeps its shard. Parameters not partitioned
+    (made outside `zero.Init`) are taken as they are, rank 0's values broadcast. The model is left as it is.
+
+    Args:
+      model: the module (its parameters' values in their partitions or in themselves, none on `meta`).
+      layout: its layout (`fzero.layout.from_module` under `shapes_shown`).
+      mesh: the mesh the state is for.
+
+    Returns:
+      `(shard, frozen, buffers)`, as `sharded_parameters` returns them.
+
+    Raises:
+      ValueError: a parameter that is neither partitioned nor materialised (on `meta`); it names it.
+    """
+    named = dict(model.named_parameters())
+    meta = [n for n, p in named.items() if p.is_meta and partition_of(p) is None]
+    if meta:
+        raise ValueError(f"init: parameters {meta[:8]} are on the meta device and were not built under zero.Init; "
+                         "materialise them, or build the whole model under zero.Init")  # fmt: skip
+    spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
+    shards: list[Tensor | None] = [None for _ in spaces]
+    for unit_index in range(len(layout.units)):
+        for space, lay in enumerate(spaces):
+            unit = lay.units[unit_index]
+            leaves = [leaf for leaf in lay.leaves if leaf.unit == unit_index]
+            flat = torch.zeros(unit.size, dtype=dtype_of(lay.dtype))
+            parts = [partition_of(named[leaf.name]) for leaf in leaves]
+            gathered = iter(gather_partitions([p for p in parts if p is not None]))
+            with torch.no_grad():
+                for leaf, part in zip(leaves, parts, strict=True):
+                    value = next(gathered) if part is not None else named[leaf.name].detach()
+                    start = leaf.offset - unit.start
+                    flat[start : start + leaf.numel].copy_(value.reshape(-1))
+            flat = mesh.replicate(flat)
+            if any(p is None for p in parts):  # values made on each rank: rank 0's (a partition's are agreed)
+                flat = mesh.broadcast(flat, src=0)
+            piece = mesh.local_shard(flat, axis=lay.axis)
+            if shards[space] is None:
+                shards[space] = piece.new_empty(*piece.shape[:-1], lay.shard_numel)
+            cast(Tensor, shards[space])[..., lay.unit_shard_slice(unit_index)].copy_(piece)
+    module_buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        buffers = {s.name: mesh.broadcast(mesh.replicate(module_buffers[s.name].detach().clone()), src=0)
+                   for s in layout.buffers}  # fmt: skip
+    assert all(x is not None for x in shards)  # (a layout has units)
+    return cast(Tensor, shards[0]), shards[1] if len(shards) > 1 else None, buffers
+
+
+def external_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """`(module path, parameter)` for each parameter registered as used in the forward of a module that does not
+    own it (DeepSpeed's `register_external_parameter`, which fills the module's `_external_params`)."""
+    return [(path, p) for path, m in model.named_modules() for p in getattr(m, EXTERNAL, {}).values()]

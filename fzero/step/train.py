@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,11 +40,18 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from ..layout import Layout, from_module, unflatten, unshard
+from ..layout import ROOT_UNIT, Layout, from_module, unflatten, unshard
 from ..mesh import Mesh
 from ..mesh.ranks import check_batch, ranks_of, stacks
 from ..sharding.bind import bound
-from ..sharding.construct import replicated_parameters, sharded_parameters
+from ..sharding.construct import (
+    external_parameters,
+    partitioned,
+    partitioned_parameters,
+    replicated_parameters,
+    shapes_shown,
+    sharded_parameters,
+)
 from ..sharding.units import Abandoned, GatherPolicy, frozen_shard, sharded_backward
 from ..state import TrainState, count, rng
 from ..storage import in_memory
@@ -82,7 +90,11 @@ def init(
     Args:
       model: the module; its trainable parameters must share one floating dtype (and so must its frozen ones). On
         the `meta` device (e.g. built under `with torch.device("meta"):`) it is constructed sharded, unit by unit,
-        with `initializer`: the full model never exists on a rank (stages 1-3).
+        with `initializer`: the full model never exists on a rank (stages 1-3). Built under DeepSpeed's
+        `zero.Init` (`fzero.deepspeed.zero.Init`: each parameter's values in a per-parameter partition), it is
+        constructed from the partitions one unit at a time, likewise (`fzero.sharding.construct`); the model is
+        left as it is. A parameter registered with `register_external_parameter` for a module outside its unit
+        goes to the root unit (gathered through the step).
       tx: the transform (e.g. `fzero.zero2(fzero.adamw(3e-4))`).
       mesh: `SimMesh(world=W)` or `DistMesh()`.
       units: how parameters group into units (see `fzero.layout.from_module`; e.g. `fzero.layout.BySize(n)` for a
@@ -96,27 +108,32 @@ def init(
     if not isinstance(tx, Transform):
         raise TypeError(f"tx must be an fzero Transform (e.g. fzero.zero2(...)), got {type(tx).__name__}")
     axis = tx.axis  # the chain's sharding axis (hybrid sharding; docs/hybrid.md), None: every rank
-    layout = from_module(model, world=sharding_world(mesh, axis), align=align, units=units)
+    built = partitioned(model)  # built under zero.Init: the values are in per-parameter partitions
+    layout = _layout(model, sharding_world(mesh, axis), align, units, built)
     layout = layout if axis is None else layout.on_axis(axis)
     frozen_layout = layout.frozen_layout
     meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
-    if meta:
+    if built:
+        params, frozen, buffers = partitioned_parameters(model, layout, mesh)
+    elif meta:
         params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
     else:
         params, frozen, buffers = replicated_parameters(model, layout, mesh)
+    presharded = meta or built
     start = [Flow(None, params, None)]
     del params  # the chain holds the only reference: a sharding chain frees the full buffer before its state is made
     stream = _seed(mesh, seed)
     with torch.no_grad():
-        flow, tx_state = apply_init(tx, start.pop(), Context(mesh, layout, presharded=meta, seed=int(stream)))
-    if meta and not flow.sharded:
-        raise ValueError("init: a meta-device model can only be constructed sharded under a chain with "
-                         "reduce_scatter() (zero1, zero2, zero3)")  # fmt: skip
+        flow, tx_state = apply_init(tx, start.pop(), Context(mesh, layout, presharded=presharded, seed=int(stream)))
+    if presharded and not flow.sharded:
+        what = "a model built under zero.Init" if built else "a meta-device model"
+        raise ValueError(f"init: {what} can only be constructed sharded under a chain with reduce_scatter() "
+                         "(zero1, zero2, zero3; DeepSpeed's zero.Init is for ZeRO stage 3)")  # fmt: skip
     compute_dtype = flow.compute.dtype if flow.compute is not None else flow.params.dtype
     plan = plan_of(tx, sharded=flow.sharded, world=layout.world, stacked=stacks(mesh), compute_dtype=compute_dtype)
     if frozen is not None:
         assert frozen_layout is not None  # (frozen parameters have one)
-        frozen = _frozen_at_rest(mesh, frozen_layout, frozen, plan.sharded_at_rest, meta)
+        frozen = _frozen_at_rest(mesh, frozen_layout, frozen, plan.sharded_at_rest, presharded)
     if plan.sharded_at_rest and plan.gather == "lazy":  # stage 3
         unit_reducer(tx)  # it reduces unit by unit with the chain's reduction: say now if it cannot
         _warn_single_unit(layout)
@@ -126,6 +143,27 @@ def init(
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, frozen, buffers, stream, layout, frozen_dtype, plan
     )
+
+
+def _layout(model: nn.Module, world: int, align: int, units: Any, built: bool) -> Layout:
+    """The model's layout; a parameter registered as used in the forward of a module outside its unit
+    (`register_external_parameter`) goes to the root unit, which stays gathered through the step."""
+    external = external_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}  # (the parameters themselves, not shapes_shown's twins)
+    with shapes_shown(model) if built else contextlib.nullcontext():
+        layout = from_module(model, world=world, align=align, units=units)
+        unit_of = {leaf.name: lay.units[leaf.unit].name for lay in (layout, layout.frozen_layout) if lay is not None
+                   for leaf in lay.leaves}  # fmt: skip
+        moved = set()
+        for path, p in external:
+            name = names.get(id(p))
+            unit = unit_of.get(name or "", ROOT_UNIT)
+            if name is not None and unit != ROOT_UNIT and path != unit and not path.startswith(unit + "."):
+                moved.add(name)
+        if not moved:
+            return layout
+        return from_module(model, world=world, align=align,
+                           units=lambda n: ROOT_UNIT if n in moved else unit_of[n])  # fmt: skip
 
 
 def _seed(mesh: Mesh, seed: int | None) -> Tensor:
