@@ -42,7 +42,13 @@ def config(trainer: str, name: str, world: int) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL // world // micro,
         "gradient_accumulation_steps": gas,
-        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": name != "frozen-z3"},
+        # (DeepSpeed's memory-efficient linear would replace torch.nn.functional.linear for the rest of the process,
+        # fzero's runs included)
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_gather_16bit_weights_on_model_save": name != "frozen-z3",
+            "memory_efficient_linear": False,
+        },
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
         "steps_per_print": 10**9,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).parent.parent / "docs"
-PAGES = ["offload.md", "transformers.md", "transforms.md"]
+PAGES = ["deepspeed.md", "offload.md", "transformers.md", "transforms.md"]
 
 
 def blocks(page: str) -> list[str]:

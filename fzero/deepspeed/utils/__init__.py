@@ -40,17 +40,12 @@ __all__ = [
 ]
 
 # imported from `.tensor_fragment` when first asked for
-_TENSOR_FRAGMENT = (
-    "safe_get_full_fp32_param",
-    "safe_get_full_grad",
-    "safe_get_full_optimizer_state",
-    "safe_set_full_fp32_param",
-    "safe_set_full_optimizer_state",
-    "safe_get_local_fp32_param",
-    "safe_get_local_grad",
-    "safe_get_local_optimizer_state",
-    "safe_set_local_fp32_param",
-    "safe_set_local_optimizer_state",
+_TENSOR_FRAGMENT = tuple(
+    """
+    safe_get_full_fp32_param safe_get_full_grad safe_get_full_optimizer_state safe_set_full_fp32_param
+    safe_set_full_optimizer_state safe_get_local_fp32_param safe_get_local_grad safe_get_local_optimizer_state
+    safe_set_local_fp32_param safe_set_local_optimizer_state
+    """.split()
 )
 
 _LEAF = ("fzero gathers whole units (each nn.ModuleList child, or subtrees of a size: fzero.layout.BySize), never "

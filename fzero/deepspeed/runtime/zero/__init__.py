@@ -6,30 +6,14 @@ May import: every package (it is part of `fzero.deepspeed`, the top layer).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ...refusal import refuse
-from ...zero import (
-    UNSUPPORTED,
-    GatheredParameters,
-    Init,
-    ZeroParamStatus,
-    ZeroParamType,
-    is_zero_param,
-    register_external_parameter,
-    unregister_external_parameter,
-)
+from ...zero import UNSUPPORTED
+from . import partition_parameters
+from .partition_parameters import *  # noqa: F403 (DeepSpeed's package imports its names from this module)
 
-__all__ = [
-    "GatheredParameters",
-    "Init",
-    "ZeroParamStatus",
-    "ZeroParamType",
-    "is_zero_param",
-    "register_external_parameter",
-    "unregister_external_parameter",
-]
+__all__ = partition_parameters.__all__
 
 _ENGINE = "DeepSpeed's ZeRO engine internals: fzero's engine is fzero.deepspeed.DeepSpeedEngine"
 _UNSUPPORTED: dict[str, str] = {
@@ -47,6 +31,4 @@ _UNSUPPORTED: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "partition_parameters":
-        return importlib.import_module(f"{__name__}.partition_parameters")
     return refuse(__name__, name, _UNSUPPORTED)

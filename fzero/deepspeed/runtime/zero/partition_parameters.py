@@ -9,26 +9,10 @@ import importlib
 from typing import Any
 
 from ...refusal import refuse
-from ...zero import (
-    UNSUPPORTED,
-    GatheredParameters,
-    Init,
-    ZeroParamStatus,
-    ZeroParamType,
-    is_zero_param,
-    register_external_parameter,
-    unregister_external_parameter,
-)
+from ...zero import UNSUPPORTED, Init, ZeroParamStatus, ZeroParamType, gathered
+from ...zero.gathered import *  # noqa: F403 (GatheredParameters, register_external_parameter, ...)
 
-__all__ = [
-    "GatheredParameters",
-    "Init",
-    "ZeroParamStatus",
-    "ZeroParamType",
-    "is_zero_param",
-    "register_external_parameter",
-    "unregister_external_parameter",
-]
+__all__ = [*gathered.__all__, "Init", "ZeroParamStatus", "ZeroParamType"]
 
 _INTERNAL = "DeepSpeed's own partitioning machinery: fzero gathers by unit in its engine (fzero.sharding)"
 _UNSUPPORTED: dict[str, str] = {
