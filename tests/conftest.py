@@ -10,6 +10,9 @@ settings.register_profile(
     "dev", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True)
+# scripts/isa-matrix: the same tests again under slower, portable kernels, on a smaller fixed set of examples (the
+# bounds are what it checks there, the breadth of the examples is the ci run's)
+settings.register_profile("isa", parent=settings.get_profile("ci"), max_examples=6)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
