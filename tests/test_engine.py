@@ -331,8 +331,9 @@ def test_errors_are_clear():
         engine.optimizer.step()
     with pytest.raises(ValueError, match="requires a model"):
         fzero.initialize(config=cfg)
-    with pytest.raises(ConfigError, match="no optimizer"):
-        fzero.initialize(model=mlp([5, 3], 0), config={"train_batch_size": 4})
+    forward_only, *_ = fzero.initialize(model=mlp([5, 3], 0), config={"train_batch_size": 4})  # no optimizer
+    with pytest.raises(RuntimeError, match="built without an optimizer"):  # (tests/test_engine_forward_only.py)
+        forward_only.step()
     model = mlp([5, 7, 3], 0)
     with pytest.raises(ValueError, match="'2.weight' \\(and 1 more\\) requires grad but is in no param group"):
         fzero.initialize(model=model, model_parameters=list(model.parameters())[:2], config=cfg)

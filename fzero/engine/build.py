@@ -3,6 +3,15 @@
 In order: the model on its device (its initial master weights rounded where the setup says), the optimizer and the
 ZeRO transform chain around it, the engine (which initialises the training state from the model), then the
 scheduler object and the data loader. Everything here reads the `Setup`; nothing goes back to the arguments.
+
+Without an optimizer (`Setup.forward_only`: DeepSpeed-Chat's reference, reward and EMA models) the engine runs
+forwards only. It holds what a training engine of the same config holds for its parameters (the ZeRO stage's
+parameter shards or full parameters, the compute copy in the compute dtype, and, under bf16 / fp16, the fp32 master
+weights the state is built around) but no optimizer moments: its optimizer is stateless SGD (an empty momentum
+buffer and a count) that never runs, since `engine.backward` and `engine.step` refuse. `engine(x)` (with or without
+gradients enabled: its outputs are never differentiable in the parameters, and no micro-step is kept), `eval()`,
+`module_state_dict()`, `save_16bit_model` and the gathered reads work as on any engine;
+`initialize` returns None as the optimizer (DeepSpeed's engine has none at stage 0 either).
 """
 
 from __future__ import annotations
@@ -45,7 +54,9 @@ def build(setup: Setup) -> tuple[Engine, Any, Any, Any]:
         scheduler = SchedulerView(engine, cfg["scheduler"]["type"])
     engine.lr_scheduler = scheduler  # DeepSpeed's attributes: what initialize returns
     engine.training_dataloader = _dataloader(setup.training_data, cfg, mesh, setup.collate_fn)
-    return engine, setup.optimizer, engine.training_dataloader, scheduler
+    engine.forward_only = setup.forward_only  # (backward and step refuse on it; forwards keep no micro-step)
+    optimizer = None if setup.forward_only else setup.optimizer  # (the engine keeps its view for its bookkeeping)
+    return engine, optimizer, engine.training_dataloader, scheduler
 
 
 def _dataloader(data: Any, cfg: Config, mesh: Mesh, collate_fn: Any) -> Any:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -70,9 +70,11 @@ from .counters import EngineCounters
 from .hyperparams import HyperParams
 from .lifecycle import Lifecycle
 from .model_save import ModelSave
+from .module_calls import ModuleCalls
 from .module_sync import ModuleSync
 from .parameters import ParameterAccess
 from .reporting import Reporting
+from .throughput import ThroughputTimer
 
 __all__ = ["Engine"]
 
@@ -91,6 +93,7 @@ class Engine(
     Accumulation,
     ModelSave,
     Lifecycle,
+    ModuleCalls,
     nn.Module,
 ):
     """The DeepSpeed-compatible training engine (built by `fzero.initialize`).
@@ -151,9 +154,14 @@ class Engine(
         self.inside_no_sync_ctxt = False
         self.lr_scheduler: Any = None
         self.training_dataloader: Any = None
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
+        self._calls = 0  # engine calls running: the module's own calls inside them are the engine's
+        self.forward_only = False  # (fzero.engine.build sets it where no optimizer was given)
         self.monitor = self._make_monitor(printer)
         self._sync_module()
         self._sync_view()
+        if self.state.plan.stage == 3:
+            self._watch_outside_calls(model)
 
     # ------------------------------------------------------------------------------------------ DeepSpeed accessors
     # DeepSpeed's counters, read and set as attributes (they live in `self.counters`)
@@ -195,24 +203,36 @@ class Engine(
     # ------------------------------------------------------------------------------------- forward, backward, step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward with the current compute parameters (see the module docstring for `no_grad`)."""
+        return self._call(self.module, args, kwargs)
+
+    def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` (the module, or one of its methods: `__getattr__`) as the engine runs a forward:
+        with gradients, in the open micro-step (opened if none); without, on the state's parameters."""
         t0 = time.perf_counter()
         if self.config["fp16"]["auto_cast"]:
             args, kwargs = self._policy.cast_to_compute((args, kwargs))
-        if not torch.is_grad_enabled() and self._micro is None:
-            return self._forward_without_grad(args, kwargs)
-        if self._t_step is None:
-            self._t_step = t0
-        if self._micro is None:
-            self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
-            if self.inside_no_sync_ctxt:  # its backwards add their gradients locally; the chain reduces them once
-                self._micro.per_unit = False
-            self._micro.open_engine(self.module, self._compute())
-        with record_function("fzero.forward"):
-            try:  # (the micro-step's tensors are bound into the module: `MicroStep.open_engine`)
-                out = self.module(*args, **kwargs)
-            except Exception as e:
-                self._fail(self._micro, e)
-                raise
+        self._calls += 1
+        try:
+            if (self.forward_only or not torch.is_grad_enabled()) and self._micro is None:
+                # (an engine that cannot step keeps no micro-step: its outputs are not differentiable in its
+                # parameters, as its backward is refused)
+                return self._forward_without_grad(fn, args, kwargs)
+            if self._t_step is None:
+                self._t_step = t0
+            if self._micro is None:
+                self._micro = MicroStep(self.state, self.tx, self.mesh, self._gather_policy)
+                if self.inside_no_sync_ctxt:  # its backwards add their gradients locally; the chain reduces them once
+                    self._micro.per_unit = False
+                self._micro.open_engine(self.module, self._compute())
+                self.tput_timer.start()
+            with record_function("fzero.forward"):
+                try:  # (the micro-step's tensors are bound into the module: `MicroStep.open_engine`)
+                    out = fn(*args, **kwargs)
+                except Exception as e:
+                    self._fail(self._micro, e)
+                    raise
+        finally:
+            self._calls -= 1
         self._times["forward"] += time.perf_counter() - t0
         return out
 
@@ -224,7 +244,7 @@ class Engine(
         self._grad = self._loss = None
         micro.fail(error)
 
-    def _forward_without_grad(self, args: Any, kwargs: Any) -> Any:
+    def _forward_without_grad(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
         updates them (a train-mode BatchNorm), nothing else changed."""
         state, module = self.state, self.module
@@ -244,7 +264,7 @@ class Engine(
         try:
             try:
                 with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
-                    out = module(*args, **kwargs)  # (bound just above: no functional_call to swap them in again)
+                    out = fn(*args, **kwargs)  # (bound just above: no functional_call to swap them in again)
             except Exception as e:
                 if gathering is not None and not isinstance(e, CollectiveError):  # the others' gathers pair with them
                     gathering.complete(abandoned=True)
@@ -274,7 +294,19 @@ class Engine(
 
         Returns:
           The loss divided by the accumulation steps (or the loss, with `scale_wrt_gas=False`), for logging.
+
+        Raises:
+          RuntimeError: the engine was built without an optimizer (DeepSpeed asserts "must provide optimizer during
+            init in order to use backward").
         """
+        # (`forward_only` is set by fzero.engine.build. DeepSpeed's bf16 stage-0 engine accepts this backward and
+        # keeps gradients that no step can apply; refused here, as DeepSpeed's other engines refuse it)
+        if self.forward_only:
+            raise RuntimeError(
+                'engine.backward(loss): this engine was built without an optimizer (no "optimizer" block in the '
+                'config and none passed to initialize): it runs forwards only; add an "optimizer" block or pass '
+                "optimizer= to initialize to train it"
+            )
         t0 = time.perf_counter()
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
@@ -323,7 +355,18 @@ class Engine(
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End the micro-step: the chain accumulates its gradients and, on the boundary, updates the parameters.
-        Where the script set the boundary False, its backward ended the micro-step already: nothing to do."""
+        Where the script set the boundary False, its backward ended the micro-step already: nothing to do.
+
+        Raises:
+          RuntimeError: the engine was built without an optimizer (DeepSpeed asserts "must provide optimizer during
+            init in order to use step").
+        """
+        if self.forward_only:
+            raise RuntimeError(
+                'engine.step(): this engine was built without an optimizer (no "optimizer" block in the config and '
+                'none passed to initialize): it runs forwards only; add an "optimizer" block or pass optimizer= '
+                "to initialize to train it"
+            )
         if self.inside_no_sync_ctxt:
             raise RuntimeError(
                 "It is illegal to call Engine.step() inside no_sync context manager (as in DeepSpeed): leave it, "
@@ -371,6 +414,7 @@ class Engine(
             self._end_global_step(metrics, applied, skipped, lr_kwargs)
         self._sync_module()
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary)
 
     def _take_grads(self, micro: MicroStep) -> Tensor:
         grads: Tensor | None

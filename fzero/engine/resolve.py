@@ -60,6 +60,8 @@ class Setup:
       client_scheduler: the client's lr scheduler (the engine steps it after every applied update), or None.
       training_data, collate_fn: the data loader's dataset (None: no loader) and its `collate_fn`.
       printer: where the engine's console lines go.
+      forward_only: no optimizer was configured or passed (`spec` is then `FORWARD_ONLY`, `optimizer` a view of
+        it that `initialize` does not return): the engine runs forwards only (`forward_only_spec`).
     """
 
     model: nn.Module
@@ -77,6 +79,7 @@ class Setup:
     training_data: Any
     collate_fn: Any
     printer: Any
+    forward_only: bool = False
 
 
 def resolve(
@@ -103,15 +106,21 @@ def resolve(
     """
     device = accelerator.device()
     cfg, mesh = _config_and_mesh(config, mesh)
-    spec, opt, groups, momentum = _optimizer(model, cfg, optimizer, model_parameters)
-    spec, client_scheduler = _schedule(cfg, spec, opt, groups, lr_scheduler)
+    forward_only = optimizer is None and cfg["optimizer"] is None
+    opt: OptimizerView | torch.optim.Optimizer
+    if forward_only:
+        spec, opt, groups, momentum = _forward_only(model, cfg, lr_scheduler)
+        client_scheduler = None
+    else:
+        spec, opt, groups, momentum = _optimizer(model, cfg, optimizer, model_parameters)
+        spec, client_scheduler = _schedule(cfg, spec, opt, groups, lr_scheduler)
     policy = build_policy(cfg)
     round_to = None
     if cfg["fzero_precision"]["round_initial_master"] and cfg.precision != "fp32":
         round_to = cast(torch.dtype, policy.compute_dtype)  # (bf16 / fp16: set)
     return Setup(
         model, cfg, mesh, device, spec, opt, tuple(groups), momentum, policy, round_to, cfg.offload,
-        client_scheduler, training_data, collate_fn, printer,
+        client_scheduler, training_data, collate_fn, printer, forward_only,
     )  # fmt: skip
 
 
@@ -195,6 +204,40 @@ def _optimizer(
         )
     spec, groups = _client(model, optimizer)
     return spec, optimizer, groups, "betas"  # (DeepSpeed reads a client optimizer's momentum from its betas)
+
+
+# A stateless optimizer (SGD without momentum keeps an empty buffer and a count) whose updates never run: a
+# forward-only engine's state then holds no optimizer moments.
+FORWARD_ONLY = OptimizerSpec(
+    "sgd", 0.0, {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}, 0.0
+)
+
+
+def _forward_only(
+    model: nn.Module, cfg: Config, lr_scheduler: Any
+) -> tuple[OptimizerSpec, OptimizerView, list[dict[str, Any]], str]:
+    """The setup of an engine built without an optimizer (DeepSpeed-Chat's reference, reward and EMA models): the
+    stateless `FORWARD_ONLY` spec, and a view of it (learning rate 0) for the engine's own bookkeeping.
+
+    DeepSpeed 0.19.8 accepts such an engine at stages 0 and 3 (runtime/engine.py:681-687: no optimizer, a bf16
+    wrapper around a `DummyOptim`, or stage 3's `DeepSpeedZeRoOffload`) and asserts "zero stage {1, 2} requires an
+    optimizer" at stages 1-2 (engine.py:2659); fzero builds it at every stage, since without updates stages 1-2
+    hold the same full parameters as stage 0. A scheduler is refused: DeepSpeed silently builds none without an
+    optimizer (engine.py:681), so the config's block or the client's scheduler would do nothing.
+
+    Raises:
+      ConfigError: the config has a `scheduler` block, or a client `lr_scheduler` was passed.
+    """
+    if cfg["scheduler"] is not None or lr_scheduler is not None:
+        what = 'the config\'s "scheduler" block' if cfg["scheduler"] is not None else "lr_scheduler="
+        raise ConfigError(
+            "scheduler",
+            f'{what} without an optimizer: an engine built without an optimizer (no "optimizer" block in the '
+            "config and none passed to initialize) runs forwards only and has no learning rate to schedule; add an "
+            '"optimizer" block (or pass optimizer=) to train, or drop the scheduler',
+        )
+    view = OptimizerView([{"params": trainable_params(model)}], {"lr": 0.0, **FORWARD_ONLY.hypers}, FORWARD_ONLY.kind)
+    return FORWARD_ONLY, view, view.param_groups, "momentum"
 
 
 def _client(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[OptimizerSpec, list[dict[str, Any]]]:
