@@ -84,6 +84,9 @@ def case(deepspeed: Any, trainer: str, stage: int, rank: int) -> dict[str, Any]:
     timer = engine.tput_timer
     out["timer"] = [timer.epoch_count, timer.micro_step_count, timer.global_step_count]
     out["timer_average_positive"] = timer.avg_samples_per_sec() > 0
+    with torch.no_grad():  # the module called directly (DeepSpeed-Chat's actor.module.generate), no gradients
+        out["direct"] = hexes(engine.module.forward_value(x))
+        out["engine"] = hexes(engine.forward_value(x))
     if trainer == "fzero" and stage == 3:
         try:
             engine.module(x)

@@ -39,6 +39,13 @@ def test_the_throughput_timer_counts_as_deepspeeds(results, stage):
     assert fz["timer_average_positive"] and ds["timer_average_positive"]
 
 
-def test_a_stage3_module_called_outside_the_engine_is_a_named_error(results):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_module_called_directly_without_gradients_is_deepspeeds(results, stage):
+    ds, fz = results[f"deepspeed-z{stage}"], results[f"fzero-z{stage}"]
+    assert fz["direct"] == fz["engine"] == ds["direct"] == ds["engine"]
+
+
+def test_a_stage3_module_called_outside_the_engine_with_gradients_is_a_named_error(results):
     message = results["fzero-z3"]["outside"]
-    assert "called outside its engine at ZeRO stage 3" in message and "engine.generate(...)" in message
+    assert "called outside its engine, with gradients enabled, at ZeRO stage 3" in message
+    assert "engine.generate(...)" in message and "torch.no_grad()" in message

@@ -41,9 +41,10 @@ and hence the LR schedule advance only on applied updates.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -247,6 +248,13 @@ class Engine(
     def _forward_without_grad(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """A forward outside any micro-step (evaluation): the state's parameters, buffers updated as the forward
         updates them (a train-mode BatchNorm), nothing else changed."""
+        with self._evaluation_binding():
+            return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _evaluation_binding(self) -> Iterator[None]:
+        """Inside, the module holds the state's parameters (at stage 3 gathered unit by unit as its submodules
+        run) and copies of its buffers, which the state takes at the end."""
         state, module = self.state, self.module
         buffers = {k: v.clone() for k, v in state.buffers.items()}
         gathering, compute = None, self._compute()
@@ -264,7 +272,7 @@ class Engine(
         try:
             try:
                 with bound(module, named):  # (the parameters' own attributes too: `carry_attributes`)
-                    out = fn(*args, **kwargs)  # (bound just above: no functional_call to swap them in again)
+                    yield  # (bound: the forward runs the module itself, no functional_call to swap them in again)
             except Exception as e:
                 if gathering is not None and not isinstance(e, CollectiveError):  # the others' gathers pair with them
                     gathering.complete(abandoned=True)
@@ -276,7 +284,6 @@ class Engine(
                 gathering.close()
         if buffers:
             self.state = state.replace(buffers=buffers)
-        return out
 
     def scale(self, loss: Tensor) -> Tensor:
         """`loss` times the current loss scale, for a manual `scale(loss).backward()` (fp16); `step()` then uses

@@ -9,16 +9,21 @@ so that `engine.backward(loss)` finds the forward a method ran. Attributes that 
 submodule, the config) come back as they are.
 
 At stage 3 the module's parameters are empty between the engine's calls (DeepSpeed's too; its hooks gather them
-around any call). A direct call (`engine.module(x)`, `engine.module.generate(...)`) would fail deep inside a layer
-("'weight' must be 2-D"); fzero raises, before the forward, an error saying where the values are.
+around any call). A direct call (`engine.module(x)`, `engine.module.generate(...)`) under `torch.no_grad()` runs
+on the engine's parameters, gathered unit by unit as in the engine's own evaluation forward (DeepSpeed-Chat's actor
+generates this way); with gradients it would compute gradients the engine never sees, and is an error saying what
+to call instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from .parameters import ZeroParamStatus
@@ -54,22 +59,40 @@ class ModuleCalls:
         return value
 
     def _watch_outside_calls(self, module: nn.Module) -> None:
-        """At stage 3: make a call of `module` outside the engine, while its parameters are partitioned, an error
-        naming what to do (the hook holds the engine weakly: it keeps no engine alive)."""
+        """At stage 3: a call of `module` outside the engine, while its parameters are partitioned, runs on the
+        engine's parameters without gradients (DeepSpeed-Chat's `actor.module.generate(...)`), and with gradients
+        is an error naming what to do. The hooks hold the engine weakly: they keep no engine alive."""
         engine = weakref.ref(self)
+        open_calls: list[contextlib.AbstractContextManager[None] | None] = []
 
-        def check(mod: nn.Module, args: Any) -> None:
+        def before(mod: nn.Module, args: Any) -> None:
             owner = engine()
             if owner is None or owner._calls > 0:  # type: ignore[attr-defined]  # (inside engine(...) or a method)
+                if open_calls:  # a call nested in one `before` bound: `after` leaves that binding open
+                    open_calls.append(None)
                 return
-            for p in mod.parameters():
-                if getattr(p, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE:
-                    raise RuntimeError(
-                        f"{type(mod).__name__} was called outside its engine at ZeRO stage 3, where its parameters "
-                        "are partitioned (this one is empty here): call it through the engine, engine(...) for the "
-                        "forward, engine.<method>(...) for its other methods (engine.generate(...) for "
-                        "engine.module.generate(...)), or gather it first with deepspeed.zero.GatheredParameters("
-                        "engine.module.parameters())"
-                    )
+            if not any(getattr(p, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE for p in mod.parameters()):
+                return  # (gathered by GatheredParameters, or nothing partitioned)
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{type(mod).__name__} was called outside its engine, with gradients enabled, at ZeRO stage 3, "
+                    "where its parameters are partitioned and only the engine's forward trains them: call "
+                    "engine(...) for the forward, engine.<method>(...) for its other methods (engine.generate(...) "
+                    "for engine.module.generate(...)); under torch.no_grad() a direct call runs on the engine's "
+                    "parameters"
+                )
+            binding = owner._evaluation_binding()  # type: ignore[attr-defined]
+            binding.__enter__()
+            open_calls.append(binding)
+            owner._calls += 1  # type: ignore[attr-defined]
 
-        self._outside_hook = module.register_forward_pre_hook(check)
+        def after(mod: nn.Module, args: Any, output: Any) -> None:
+            owner = engine()
+            binding = open_calls.pop() if open_calls else None
+            if owner is None or binding is None:
+                return  # (the engine's own call, or one nested in a bound call)
+            owner._calls -= 1  # type: ignore[attr-defined]
+            binding.__exit__(*sys.exc_info())  # (an exception in flight: the gathering is abandoned)
+
+        self._outside_hooks = (module.register_forward_pre_hook(before),
+                               module.register_forward_hook(after, always_call=True))  # fmt: skip
