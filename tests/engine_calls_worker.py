@@ -109,5 +109,11 @@ def run(rank: int, world: int, out_dir: str) -> None:
 
     trainers = (("deepspeed", deepspeed), ("fzero", fzero.deepspeed))
     results = {f"{name}-z{stage}": case(module, name, stage, rank) for stage in (2, 3) for name, module in trainers}
+    with deepspeed.zero.Init(config_dict_or_path=config(3), mem_efficient_linear=False):
+        built = Critic()  # partitioned by DeepSpeed itself (transformers' HfDeepSpeedConfig with deepspeed installed)
+    try:
+        fzero.deepspeed.initialize(model=built, model_parameters=built.parameters(), config=config(3))
+    except ValueError as e:
+        results["deepspeed_partitioned"] = str(e)
     report(rank, out_dir, results)
     process_group.shutdown()

@@ -49,3 +49,10 @@ def test_a_stage3_module_called_outside_the_engine_with_gradients_is_a_named_err
     message = results["fzero-z3"]["outside"]
     assert "called outside its engine, with gradients enabled, at ZeRO stage 3" in message
     assert "engine.generate(...)" in message and "torch.no_grad()" in message
+
+
+def test_a_model_partitioned_by_deepspeed_itself_is_refused_by_name(results):
+    """Its parameters are empty stand-ins whose values are in DeepSpeed's partitions: never trained as empty."""
+    message = results["deepspeed_partitioned"]
+    assert message.startswith("parameter 'layers.0.weight' was partitioned by DeepSpeed itself")
+    assert "fzero.deepspeed.zero.Init" in message

@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .parameters import ZeroParamStatus
 
@@ -71,7 +71,7 @@ class ModuleCalls:
                 if open_calls:  # a call nested in one `before` bound: `after` leaves that binding open
                     open_calls.append(None)
                 return
-            if not any(getattr(p, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE for p in mod.parameters()):
+            if not any(map(_absent, mod.parameters())):
                 return  # (gathered by GatheredParameters, or nothing partitioned)
             if torch.is_grad_enabled():
                 raise RuntimeError(
@@ -96,3 +96,11 @@ class ModuleCalls:
 
         self._outside_hooks = (module.register_forward_pre_hook(before),
                                module.register_forward_hook(after, always_call=True))  # fmt: skip
+
+
+def _absent(param: Tensor) -> bool:
+    """Whether a stage-3 parameter's values are not in it now: partitioned across the ranks, or (offloaded) kept
+    only in the engine's state."""
+    if getattr(param, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE:
+        return True
+    return param.numel() == 0 and getattr(param, "ds_numel", 0) > 0

@@ -420,7 +420,7 @@ def from_module(
     Raises:
       TypeError: a parameter is not floating point (integer data belongs in a buffer), or the trainable (or the
         frozen) parameters have mixed dtypes.
-      ValueError: the model has no trainable parameters.
+      ValueError: the model has no trainable parameters, or a parameter was partitioned by DeepSpeed itself.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
@@ -437,6 +437,13 @@ def from_module(
             raise TypeError(
                 f"parameter {name!r} has dtype {p.dtype}; fzero trains floating-point parameters only. "
                 "Integer or boolean data belongs in a buffer (module.register_buffer)."
+            )
+        if hasattr(p, "ds_tensor") and callable(getattr(p, "all_gather", None)):
+            raise ValueError(
+                f"parameter {name!r} was partitioned by DeepSpeed itself (built under the deepspeed package's "
+                "zero.Init, as transformers' HfDeepSpeedConfig or from_pretrained at ZeRO-3 does when deepspeed is "
+                "installed): it holds an empty stand-in, and its values are in DeepSpeed's partitions, which fzero "
+                "does not read. Build the model normally or under fzero.deepspeed.zero.Init"
             )
         (trainable if p.requires_grad else frozen).append((name, tuple(p.shape), p.dtype))
     if not trainable:
