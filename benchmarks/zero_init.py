@@ -13,8 +13,10 @@ which exist whole from its `__init__` until they are cut, a few times over on th
 
 Measured (2 gloo processes on the 2-core CPU machine; 16 layers, d 512: 50.7M parameters, 193 MiB; a rank's
 partitions 97 MiB, `fc` 4 MiB), per rank, over its resident set before construction: under `zero.Init` the
-construction peaked at 113 MiB (its partitions plus 16 MiB: four times `fc`: the module's own tensors, rank 0's values
-sent and received, the cut) and held 103 MiB after it; a normal construction 196 MiB. `initialize` (stage 3: master,
+construction peaked at 111 MiB (its partitions plus 14 MiB; the bound, partitions plus `fc`, is 101: the module's own
+tensors, one parameter's received copy and its cut account for 2.5 `fc`, the rest is not accounted for; it was 113
+while a module's parameters were broadcast as one concatenated copy) and held 103 MiB after it; a normal
+construction 196 MiB. `initialize` (stage 3: master,
 compute copy and Adam's moments, sharded) then peaked at 395 MiB from the partitions (they are dropped once the state
 holds the values) and 496 MiB from the normal model; both runs hold 297-298 MiB after it.
 """

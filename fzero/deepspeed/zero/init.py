@@ -255,14 +255,13 @@ class Init:
                     "deepspeed.zero.GatheredParameters(param, modifier_rank=0)"
                 )
         fresh = [p for p in module.parameters(recurse=False) if partition_of(p) is None and not p.is_meta]
-        if not fresh:
-            return
-        with torch.no_grad():
-            values = [p.detach() if self.round_to is None else p.detach().to(self.round_to).to(p.dtype) for p in fresh]
-            if self.mesh.world > 1:  # rank 0's values, as DeepSpeed's: the ranks agree whatever their seeds
-                values = broadcast_tensors(self.mesh, values, src=0)
-        for p, value in zip(fresh, values, strict=True):
+        for p in fresh:  # one at a time: at most one parameter's received copy exists beside the module's own
+            with torch.no_grad():
+                value = p.detach() if self.round_to is None else p.detach().to(self.round_to).to(p.dtype)
+                if self.mesh.world > 1:  # rank 0's values, as DeepSpeed's: the ranks agree whatever their seeds
+                    (value,) = broadcast_tensors(self.mesh, [value], src=0)
             part = Partition.cut(self.mesh, value, self.device)
+            del value
             if self.pin:
                 part.shard = part.shard.pin_memory()
             setattr(p, PARTITION, part)
