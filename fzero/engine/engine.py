@@ -306,14 +306,9 @@ class Engine(
           RuntimeError: the engine was built without an optimizer (DeepSpeed asserts "must provide optimizer during
             init in order to use backward").
         """
-        # (`forward_only` is set by fzero.engine.build. DeepSpeed's bf16 stage-0 engine accepts this backward and
-        # keeps gradients that no step can apply; refused here, as DeepSpeed's other engines refuse it)
-        if self.forward_only:
-            raise RuntimeError(
-                'engine.backward(loss): this engine was built without an optimizer (no "optimizer" block in the '
-                'config and none passed to initialize): it runs forwards only; add an "optimizer" block or pass '
-                "optimizer= to initialize to train it"
-            )
+        # (DeepSpeed's bf16 stage-0 engine accepts this backward and keeps gradients that no step can apply;
+        # refused here, as DeepSpeed's other engines refuse it)
+        self._check_trainable("engine.backward(loss)")
         t0 = time.perf_counter()
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
@@ -355,6 +350,14 @@ class Engine(
         out = loss.detach()
         return out / gas if scale_wrt_gas else out
 
+    def _check_trainable(self, what: str) -> None:
+        if self.forward_only:  # (set by fzero.engine.build)
+            raise RuntimeError(
+                f'{what}: this engine was built without an optimizer (no "optimizer" block in the config and none '
+                'passed to initialize): it runs forwards only; add an "optimizer" block or pass optimizer= to '
+                "initialize to train it"
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the current micro-step's gradients and forwards (DeepSpeed's `engine.zero_grad()`)."""
         self._discard_micro_step()
@@ -368,12 +371,7 @@ class Engine(
           RuntimeError: the engine was built without an optimizer (DeepSpeed asserts "must provide optimizer during
             init in order to use step").
         """
-        if self.forward_only:
-            raise RuntimeError(
-                'engine.step(): this engine was built without an optimizer (no "optimizer" block in the config and '
-                'none passed to initialize): it runs forwards only; add an "optimizer" block or pass optimizer= '
-                "to initialize to train it"
-            )
+        self._check_trainable("engine.step()")
         if self.inside_no_sync_ctxt:
             raise RuntimeError(
                 "It is illegal to call Engine.step() inside no_sync context manager (as in DeepSpeed): leave it, "
