@@ -108,6 +108,11 @@ class Engine(
       step_metrics: the last `step()`'s metrics, as the functional step reports them (`fzero.train_step`: `loss`,
         `applied`, `skipped`, `grad_norm`, `comm`, `io`, `speculation`, ...); None before the first.
       lr_scheduler, training_dataloader: the scheduler and data loader `initialize` returned (None without).
+      tput_timer: DeepSpeed's throughput timer (`fzero.engine.throughput`).
+      forward_only: built without an optimizer: forwards only (`fzero.engine.build`).
+
+    A name the engine does not have is looked up on the module, and the module's methods run as the engine's
+    forward (`fzero.engine.module_calls`).
     """
 
     def __init__(
