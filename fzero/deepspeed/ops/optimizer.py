@@ -137,3 +137,25 @@ class FunctionalOptimizer(torch.optim.Optimizer):
             if t is not w:
                 t.copy_(w)
         state["step"] = int(state["step"]) + 1
+
+
+class FusedOptimizer(FunctionalOptimizer):
+    """DeepSpeed's `FusedAdam` and `FusedLion`: `step` refuses the arguments DeepSpeed dropped, with its message.
+
+    Attributes:
+      dropped_step_arguments: DeepSpeed's message for them.
+    """
+
+    dropped_step_arguments = ""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, grads: Any = None, output_params: Any = None, scale: Any = None,
+             grad_norms: Any = None, grad_scaler: Any = None) -> Any:  # fmt: skip
+        """torch's `step(closure)`; DeepSpeed's deprecated arguments are refused as DeepSpeed refuses them.
+
+        Raises:
+          RuntimeError: `grads`, `output_params`, `scale` or `grad_norms` given (DeepSpeed's message).
+        """
+        if any(p is not None for p in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError(self.dropped_step_arguments)
+        return super().step(closure)

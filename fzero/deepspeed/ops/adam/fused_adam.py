@@ -5,16 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
-
 from ....optim import AdamState
-from ..optimizer import FunctionalOptimizer
+from ..optimizer import FusedOptimizer
 from .cpu_adam import adam_params
 
 __all__ = ["FusedAdam"]
 
 
-class FusedAdam(FunctionalOptimizer):
+class FusedAdam(FusedOptimizer):
     """DeepSpeed's `deepspeed.ops.adam.FusedAdam`: Adam, or with `adam_w_mode` (the default) AdamW, in one pass over
     memory, with DeepSpeed's signature and defaults.
 
@@ -41,6 +39,10 @@ class FusedAdam(FunctionalOptimizer):
     optimizer_type = "Adam"
     state_keys = ("exp_avg", "exp_avg_sq")
     state_type = AdamState
+    dropped_step_arguments = (
+        "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and "
+        "call step() with no arguments."
+    )
 
     def __init__(
         self,
@@ -66,16 +68,3 @@ class FusedAdam(FunctionalOptimizer):
 
     def config_params(self, group: Mapping[str, Any]) -> dict[str, Any]:
         return adam_params(group, self.adam_w_mode)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None, grads: Any = None, output_params: Any = None, scale: Any = None,
-             grad_norms: Any = None, grad_scaler: Any = None) -> Any:  # fmt: skip
-        """torch's `step(closure)`; DeepSpeed's deprecated arguments are refused as DeepSpeed refuses them.
-
-        Raises:
-          RuntimeError: `grads`, `output_params`, `scale` or `grad_norms` given (DeepSpeed's message).
-        """
-        if any(p is not None for p in (grads, output_params, scale, grad_norms)):
-            raise RuntimeError("FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
-                               "and call step() with no arguments.")  # fmt: skip
-        return super().step(closure)

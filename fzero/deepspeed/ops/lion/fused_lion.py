@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
-
 from ....optim import LionState
-from ..optimizer import FunctionalOptimizer, number
+from ..optimizer import FusedOptimizer, number
 
 __all__ = ["FusedLion", "lion_params"]
 
 
-class FusedLion(FunctionalOptimizer):
+class FusedLion(FusedOptimizer):
     """DeepSpeed's `deepspeed.ops.lion.FusedLion`, with DeepSpeed's signature and defaults.
 
     Its update is what the config's `{"type": "Lion"}` block runs: `fzero.lion` (DeepSpeed's FusedLion arithmetic,
@@ -32,6 +30,7 @@ class FusedLion(FunctionalOptimizer):
     optimizer_type = "Lion"
     state_keys = ("exp_avg",)
     state_type = LionState
+    dropped_step_arguments = "FusedLion has been updated."
 
     def __init__(
         self,
@@ -46,18 +45,6 @@ class FusedLion(FunctionalOptimizer):
 
     def config_params(self, group: Mapping[str, Any]) -> dict[str, Any]:
         return lion_params(group)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None, grads: Any = None, output_params: Any = None, scale: Any = None,
-             grad_norms: Any = None, grad_scaler: Any = None) -> Any:  # fmt: skip
-        """torch's `step(closure)`; DeepSpeed's deprecated arguments are refused as DeepSpeed refuses them.
-
-        Raises:
-          RuntimeError: `grads`, `output_params`, `scale` or `grad_norms` given (DeepSpeed's message).
-        """
-        if any(p is not None for p in (grads, output_params, scale, grad_norms)):
-            raise RuntimeError("FusedLion has been updated.")
-        return super().step(closure)
 
 
 def lion_params(group: Mapping[str, Any]) -> dict[str, Any]:
