@@ -261,12 +261,13 @@ def test_in_place_ops_on_unit_outputs():
 def test_single_big_unit_warns():
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))  # 1.05M elements
     with pytest.warns(UserWarning, match=r"unit '<root>' holds 100% of the parameters.*BySize"):
-        fzero.init(model, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))
+        fzero.init(model, fzero.zero3(fzero.adamw()), fzero.SimMesh(2), units="module_list")
     with pytest.warns(UserWarning, match=r"unit '<root>' holds 100%"):  # a unit bigger than any module
         fzero.init(model, fzero.zero3(fzero.adamw()), fzero.SimMesh(2), units=fzero.layout.BySize(10**6))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fzero.init(model, fzero.zero3(fzero.adamw()), fzero.SimMesh(2), units=fzero.layout.BySize(100_000))
+        fzero.init(model, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))  # the default: module by module here
         fzero.init(model, fzero.zero2(fzero.adamw()), fzero.SimMesh(2))  # only stage 3 gathers per unit
 
 

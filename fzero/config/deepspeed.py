@@ -158,7 +158,12 @@ ZERO = Section(
         "offload_param": Field(OFFLOAD_PARAM),
         "sub_group_size": Field(Int(1), 1_000_000_000, effect=MOOT),
         "stage3_prefetch_bucket_size": Field(Int(0), 50_000_000, effect=GATHER),
-        "stage3_param_persistence_threshold": Field(Int(0), 100_000, effect="units this small stay gathered"),
+        "stage3_param_persistence_threshold": Field(
+            Int(0),
+            100_000,
+            effect="units this small stay gathered; modules this small join the unit around them where "
+            "fzero.layout.Auto picks units module by module (a model without an nn.ModuleList)",
+        ),
         "stage3_model_persistence_threshold": Field(Int(0), INT_MAX, effect=MOOT),
         "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect="bounds the gathered elements alive"),
         "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=REUSE),

@@ -53,6 +53,7 @@ from torch.profiler import record_function
 
 from ..config import Config
 from ..config.build import build_gather_policy, build_policy
+from ..layout import Auto
 from ..mesh import CollectiveError, Mesh
 from ..mesh.ranks import rank_view
 from ..optim import Hyper
@@ -144,7 +145,10 @@ class Engine(
         self._device = device or next(model.parameters()).device
         self._policy = policy if policy is not None else build_policy(config)
         self._gather_policy = build_gather_policy(config).on(mesh)
-        self.state: TrainState = init(model, tx, mesh)
+        # DeepSpeed's granularity where the ModuleList rule would leave one unit most of the model: each module of
+        # at least the persistence threshold (DeepSpeed keeps smaller parameters gathered) a unit
+        units = Auto(max(1, int(config["zero_optimization"]["stage3_param_persistence_threshold"])))
+        self.state: TrainState = init(model, tx, mesh, units=units)
         self.counters = EngineCounters()
         self._micro: MicroStep | None = None
         self._gathered = None

@@ -6,7 +6,8 @@ invariants that every other module and every checkpoint relies on; they are kept
 A `Layout` is static, pure and serialisable: names, shapes, dtypes and offsets, never values.
 
 Trainable parameters are grouped into **units** (by default one per child of each `nn.ModuleList`, plus one for
-everything else): the unit is what ZeRO-3 gathers at once. Three orders of the same elements exist:
+everything else, or module by module for a model without one: `fzero.layout.units`): the unit is what ZeRO-3
+gathers at once. Three orders of the same elements exist:
 
 - *unit-major* (the **full** buffer, length `numel`): units end to end, in order of first appearance; inside a
   unit, parameters in `named_parameters()` order, each starting at a multiple of `align` elements, then zero
@@ -46,8 +47,9 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from .units import ROOT_UNIT, Auto, BySize, unit_policy
+
 __all__ = [
-    "BySize",
     "Layout",
     "Leaf",
     "TensorSpec",
@@ -61,8 +63,6 @@ __all__ = [
     "unflatten",
     "unshard",
 ]
-
-ROOT_UNIT = "<root>"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -241,20 +241,6 @@ def _plain(value: object) -> object:
     return value
 
 
-@dataclass(frozen=True)
-class BySize:
-    """A size-based unit policy (FSDP's size-based auto-wrap): visiting modules children first, a module whose
-    parameters not yet in a unit number at least `min_numel` elements becomes a unit with all of them; what is
-    left belongs to the root unit. For models without an `nn.ModuleList` (a CNN's stages and blocks).
-    """
-
-    min_numel: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 1:
-            raise ValueError(f"BySize(min_numel=...) needs an int >= 1, got {self.min_numel!r}")
-
-
 def make_layout(
     params: Sequence[tuple[str, Sequence[int], torch.dtype]],
     *,
@@ -336,72 +322,12 @@ def make_layout(
     )
 
 
-def module_list_units(model: nn.Module) -> Callable[[str], str]:
-    """The default unit policy: each child of an `nn.ModuleList` (the outermost, if nested) is a unit; every
-    other parameter belongs to the root unit."""
-    prefixes = sorted(
-        (f"{name}.{child}." if name else f"{child}.")
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for child, _ in module.named_children()
-    )
-
-    def unit_of(param: str) -> str:
-        for prefix in prefixes:  # sorted, so an outer list's child precedes the lists nested in it
-            if param.startswith(prefix):
-                return prefix[:-1]
-        return ROOT_UNIT
-
-    return unit_of
-
-
-def size_units(model: nn.Module, min_numel: int) -> Callable[[str], str]:
-    """The `BySize(min_numel)` policy (see `BySize`): parameters (trainable and frozen, tied ones once) counted
-    children first; a module other than the root whose not-yet-assigned elements reach `min_numel` becomes a
-    unit."""
-    assigned: dict[str, str] = {}
-    seen: set[int] = set()
-
-    def visit(prefix: str, module: nn.Module) -> list[tuple[str, int]]:
-        """The (name, numel) of the parameters under `module` not yet in a unit."""
-        loose: list[tuple[str, int]] = []
-        for child_name, child in module.named_children():
-            loose += visit(f"{prefix}.{child_name}" if prefix else child_name, child)
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                loose.append((f"{prefix}.{name}" if prefix else name, p.numel()))
-        if prefix and sum(n for _, n in loose) >= min_numel:
-            assigned.update((name, prefix) for name, _ in loose)
-            return []
-        return loose
-
-    visit("", model)
-    return lambda name: assigned.get(name, ROOT_UNIT)
-
-
-def _unit_policy(model: nn.Module, units: str | BySize | Callable[[str], str] | None) -> Callable[[str], str]:
-    if units is None or units == "module_list":
-        return module_list_units(model)
-    if units == "single":
-        return lambda name: ROOT_UNIT
-    if units == "param":
-        return lambda name: name
-    if isinstance(units, BySize):
-        return size_units(model, units.min_numel)
-    if callable(units):
-        return units
-    raise ValueError(
-        f"units must be None, 'module_list', 'single', 'param', fzero.layout.BySize(n) or a callable, got {units!r}"
-    )
-
-
 def from_module(
     model: nn.Module,
     *,
     world: int,
     align: int = 16,
-    units: str | BySize | Callable[[str], str] | None = None,
+    units: str | BySize | Auto | Callable[[str], str] | None = None,
     dtype: torch.dtype | None = None,
 ) -> Layout:
     """Lay out a module's parameters; works on a `meta`-device model (only shapes and dtypes are read).
@@ -413,9 +339,10 @@ def from_module(
     Args:
       model: the module.
       world, align, dtype: see `make_layout`.
-      units: how parameters group into units: None or `"module_list"` (each child of an `nn.ModuleList`, plus the
-        root unit), `BySize(n)` (module subtrees of at least `n` elements), `"single"`, `"param"` (one unit per
-        parameter), or a callable from a parameter's name to its unit's name.
+      units: how parameters group into units (`fzero.layout.units`): None (`Auto()`: each child of an
+        `nn.ModuleList`, or module by module where that would leave one unit holding most of the model),
+        `"module_list"`, `BySize(n)` (module subtrees of at least `n` elements), `"single"`, `"param"` (one unit
+        per parameter), or a callable from a parameter's name to its unit's name.
 
     Raises:
       TypeError: a parameter is not floating point (integer data belongs in a buffer), or the trainable (or the
@@ -449,7 +376,7 @@ def from_module(
     if not trainable:
         what = "frozen parameters only" if frozen else "no parameters"
         raise ValueError(f"{type(model).__name__} has {what}: there is nothing to train")
-    unit_of = _unit_policy(model, units)
+    unit_of = unit_policy(model, units)
     unit_names = list(dict.fromkeys(unit_of(name) for name, p in model.named_parameters()))
     frozen_layout = None
     if frozen:

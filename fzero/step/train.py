@@ -97,8 +97,9 @@ def init(
         goes to the root unit (gathered through the step).
       tx: the transform (e.g. `fzero.zero2(fzero.adamw(3e-4))`).
       mesh: `SimMesh(world=W)` or `DistMesh()`.
-      units: how parameters group into units (see `fzero.layout.from_module`; e.g. `fzero.layout.BySize(n)` for a
-        model without an `nn.ModuleList`).
+      units: how parameters group into units (`fzero.layout.units`). Default `fzero.layout.Auto()`: each child of
+        an `nn.ModuleList`, or, where that would leave one unit holding most of the model, module by module (every
+        module of 100,000 elements or more). E.g. `fzero.layout.BySize(n)`, `"module_list"`, a callable.
       align: padding quantum per rank, in elements.
       initializer: for a `meta` model: run on every module, children first, as `model.apply(initializer)` would
         (e.g. a Hugging Face model's `_init_weights`); see `fzero.sharding.construct.sharded_parameters`.
@@ -200,7 +201,8 @@ def _warn_single_unit(layout: Layout) -> None:
         warnings.warn(
             f"stage 3: unit {layout.units[biggest].name!r} holds {sizes[biggest] / total:.0%} of the parameters, so "
             "gathering one unit at a time saves little memory; split the model into more units, e.g. "
-            "fzero.init(..., units=fzero.layout.BySize(n)) for a model without an nn.ModuleList",
+            "fzero.init(..., units=fzero.layout.BySize(n)) with n under that unit's largest module, or a callable "
+            "naming each parameter's unit",
             stacklevel=3,
         )
 

@@ -1,0 +1,149 @@
+"""The default unit choice (`fzero.layout.Auto`): the `nn.ModuleList` children, or module by module where those
+would leave one unit holding most of the model (an `nn.Sequential`, a CNN). Stage 3 then gathers a fraction of the
+model at once, and trains to the same parameters, bitwise, as the same layers in a `ModuleList` and as one unit:
+gradients, their mean over ranks and AdamW are elementwise, so the layout changes no element's arithmetic (no
+clipping here: the gradient norm's summation order follows the layout)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fzero
+from fzero.layout import ROOT_UNIT, Auto, unit_policy
+from tests.real_models import assert_bitwise
+
+WIDTH = 512  # four bias-free layers of 512 x 512: 2**20 elements, the smallest model the rule splits
+
+
+def sequential(layers: int, norm: bool = False, seed: int = 0) -> nn.Sequential:
+    """`layers` bias-free Linear + ReLU (a LayerNorm after each with `norm`), no ModuleList."""
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(WIDTH, WIDTH, bias=False), nn.ReLU()] + ([nn.LayerNorm(WIDTH)] if norm else [])
+    return nn.Sequential(*mods)
+
+
+class Listed(nn.Module):
+    """The same modules in an `nn.ModuleList`: the rule's own units."""
+
+    def __init__(self, seq: nn.Sequential) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(seq)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _loss(model: nn.Module):
+    def loss_fn(params, batch):
+        return ((torch.func.functional_call(model, params, (batch["x"],)) - batch["y"]) ** 2).mean()
+
+    return loss_fn
+
+
+def _train(model: nn.Module, units, steps: int = 2, seed: int = 1):
+    mesh, tx = fzero.SimMesh(2), fzero.zero3(fzero.adamw(1e-2))
+    g = torch.Generator().manual_seed(seed)
+    state = fzero.init(model, tx, mesh, units=units)
+    step = fzero.train_step(model, _loss(model), tx, mesh)
+    for _ in range(steps):
+        batch = {"x": torch.randn(2, 3, WIDTH, generator=g), "y": torch.randn(2, 3, WIDTH, generator=g)}
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+@settings(max_examples=3, deadline=None)
+@given(layers=st.integers(4, 6), norm=st.booleans())
+def test_sequential_units_are_its_modules_and_train_bitwise(layers, norm):
+    """Each Linear a unit (a LayerNorm, under the 100,000-element minimum, stays in the root unit, gathered for the
+    step as DeepSpeed keeps small parameters); the gathered peak at most two units' worth (one computing, one
+    prefetched, plus the root); the parameters bitwise the ModuleList model's and the one-unit run's."""
+    seq = sequential(layers, norm)
+    psi = WIDTH * WIDTH * layers
+    state, metrics = _train(seq, None)
+    linears = {str(i) for i, m in enumerate(seq) if isinstance(m, nn.Linear)}
+    assert {u.name for u in state.layout.units} == linears | ({ROOT_UNIT} if norm else set())
+    root = 2 * WIDTH * layers if norm else 0
+    assert metrics["gathered_peak"] <= 2 * WIDTH * WIDTH + root <= (psi + root) / 2
+    listed, _ = _train(Listed(sequential(layers, norm)), "module_list")
+    assert len(listed.layout.units) == layers * (2 if norm else 1)  # the list's children that own parameters
+    with pytest.warns(UserWarning, match="holds 100% of the parameters"):
+        one, _ = _train(sequential(layers, norm), "single")
+    got = fzero.state_dict(state)
+    assert_bitwise({f"layers.{k}": v for k, v in got.items()}, fzero.state_dict(listed))
+    assert_bitwise(got, fzero.state_dict(one))
+
+
+class CNN(nn.Module):
+    """Convolution stages without a ModuleList, BatchNorm between (1.2M elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 128, 3, padding=1)
+        self.stages = nn.Sequential(*(nn.Sequential(nn.Conv2d(128, 128, 3, padding=1), nn.BatchNorm2d(128),
+                                                    nn.ReLU()) for _ in range(8)))  # fmt: skip
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+def test_cnn_units_follow_its_convolutions():
+    """A CNN: each 128-channel convolution a unit; what is under 100,000 elements (the stem, the BatchNorms, the
+    head) in the root unit, gathered for the step."""
+    unit_of = unit_policy(CNN(), None)
+    assert {unit_of(n) for n, _ in CNN().named_parameters()} == {ROOT_UNIT} | {f"stages.{i}.0" for i in range(8)}
+    assert unit_of("stages.3.1.weight") == unit_of("stem.weight") == ROOT_UNIT
+
+
+def test_models_with_a_module_list_keep_its_units():
+    """HF GPT-2 (its blocks in a ModuleList, the embeddings under half the model) and small models: unchanged."""
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000))
+    auto, by_list = unit_policy(gpt2, None), unit_policy(gpt2, "module_list")
+    assert all(auto(n) == by_list(n) for n, _ in gpt2.named_parameters())
+    small = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))  # under 2**20 elements: one unit, as before
+    assert {unit_policy(small, None)(n) for n, _ in small.named_parameters()} == {ROOT_UNIT}
+
+
+def test_auto_min_numel_and_the_warning():
+    """`Auto(n)`: modules under n elements join the unit around them; where even modules leave one unit most of
+    the model (one big Linear), init warns; a bad n is an error naming the policy."""
+    seq = sequential(4, norm=True)
+    each = unit_policy(seq, Auto(1))
+    assert len({each(n) for n, _ in seq.named_parameters()}) == 8  # every Linear and LayerNorm
+    big = nn.Sequential(nn.Linear(2048, 1024), nn.Linear(1024, 8))
+    with pytest.warns(UserWarning, match=r"unit '0' holds 100% of the parameters"):
+        fzero.init(big, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))
+    with pytest.raises(ValueError, match=r"Auto\(min_numel=...\) needs an int >= 1, got 0"):
+        Auto(0)
+
+
+def test_engine_units_from_the_persistence_threshold():
+    """The shell picks units as DeepSpeed's granularity: `stage3_param_persistence_threshold` is the smallest
+    module with a unit of its own (0: every module owning parameters); it trains (one process: its gathering on
+    two is benchmarks/stage3_memory.py's)."""
+    for threshold, count in ((100_000, 5), (0, 8)):
+        config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": threshold},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
+        seq = sequential(4, norm=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine, *_ = fzero.initialize(model=seq, model_parameters=seq.parameters(), config=config,
+                                          printer=lambda line: None)  # fmt: skip
+        assert len(engine.state.layout.units) == count
+        x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(2))
+        loss = (engine(x) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        assert torch.isfinite(loss) and engine.global_steps == 1
