@@ -376,9 +376,10 @@ def shapes_shown(model: nn.Module) -> Iterator[None]:
 
 def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
     """Each rank's shard of the trainable and of the frozen parameters, and the buffers, of a model built
-    partitioned (`Partition`): one unit at a time, each of its parameters all-gathered from its partition (one
-    all-gather per unit) into the unit's flat buffer, of which this rank keeps its shard. Parameters not partitioned
-    (made outside `zero.Init`) are taken as they are, rank 0's values broadcast. The model is left as it is.
+    partitioned (`Partition`) or in memory (`fzero.init` under a chain that shards): one unit at a time, each of
+    its parameters all-gathered from its partition (one all-gather per unit) into the unit's flat buffer, of which
+    this rank keeps its shard. Parameters not partitioned (made outside `zero.Init`) are taken as they are, rank 0's
+    values broadcast. The model is left as it is.
 
     Args:
       model: the module (its parameters' values in their partitions or in themselves, none on `meta`).

@@ -57,6 +57,7 @@ from ..state import TrainState, count, rng
 from ..storage import in_memory
 from ..transforms import Context, Flow, Transform, apply_init, gather_params, plan_of, shard_params, unit_reducer
 from ..transforms.collective import sharding_world
+from ..transforms.planning import shards
 from .microstep import MicroStep, compute_params, frozen_params, named_tensors, scaled
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
@@ -83,9 +84,10 @@ def init(
     (load `fzero.state_dict(state)` into it when you want its parameters). So the model's own parameters are a
     second copy the steps never read: `model.to("meta")` after `init` frees them (the steps, `eval_step` and
     `fzero.state_dict` work from the state's), or build the model on `meta` to begin with. On `DistMesh`, rank 0's
-    values are broadcast so all ranks start equal. On the way, besides the model, `init` holds at most one full flat
-    copy of the parameters and this rank's shard of them (stages 1-3; the flat copy is freed before the optimizer's
-    state is made), or the state itself where that is larger.
+    values are broadcast so all ranks start equal (parameters and buffers). On the way, besides the model, `init`
+    holds this rank's shard and one unit's flat buffer under a chain that shards (stages 1-3: the shard is made unit
+    by unit, `fzero.sharding.construct.partitioned_parameters`), one full flat copy under one that does not (stage
+    0), or the state itself where that is larger.
 
     Args:
       model: the module; its trainable parameters must share one floating dtype (and so must its frozen ones). On
@@ -114,13 +116,15 @@ def init(
     layout = layout if axis is None else layout.on_axis(axis)
     frozen_layout = layout.frozen_layout
     meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
-    if built:
+    # a model in memory under a sharding chain: its shard made unit by unit too (no full flat copy at init's peak)
+    in_units = built or (not meta and shards(tx))
+    if in_units:
         params, frozen, buffers = partitioned_parameters(model, layout, mesh)
     elif meta:
         params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
     else:
         params, frozen, buffers = replicated_parameters(model, layout, mesh)
-    presharded = meta or built
+    presharded = meta or in_units
     start = [Flow(None, params, None)]
     del params  # the chain holds the only reference: a sharding chain frees the full buffer before its state is made
     stream = _seed(mesh, seed)

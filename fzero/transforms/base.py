@@ -209,6 +209,8 @@ class Does(NamedTuple):
         `fzero.gather`); None: it does not.
       gather_spec: how its lazily gathered units travel (`fzero.sharding.gathered_unit.GatherSpec`: quantized,
         re-gathered from a secondary copy).
+      shards: its `init` shards the parameters and takes them already sharded (`Context.presharded`), so
+        `fzero.init` may construct the shard unit by unit instead of cutting a full copy.
     """
 
     accumulates: int = 0
@@ -216,6 +218,7 @@ class Does(NamedTuple):
     updates: bool = False
     gathers: str | None = None
     gather_spec: GatherSpec = EXACT
+    shards: bool = False
 
 
 class Transform(NamedTuple):

@@ -314,7 +314,8 @@ def reduce_scatter(
         return reduce(x, ctx)
 
     unit.takes_pieces = True  # type: ignore[attr-defined]  # (`fzero.layout.pieces`)
-    return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis, per_rank=False)
+    return Transform(init, update, "reduce_scatter", unit, reduces=True, axis=axis, does=Does(shards=True),
+                     per_rank=False)  # fmt: skip
 
 
 def sharding_world(mesh: Mesh, axis: str | None) -> int:

@@ -15,7 +15,7 @@ import torch
 from ..state.plan import EXACT, GatherMode, Plan, Role
 from .base import Transform
 
-__all__ = ["plan_of", "transform_at"]
+__all__ = ["plan_of", "shards", "transform_at"]
 
 
 def _leaves(tx: Transform, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Transform]]:
@@ -25,6 +25,12 @@ def _leaves(tx: Transform, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[s
         return
     for name, child in tx.children:
         yield from _leaves(child, (*path, name))
+
+
+def shards(tx: Transform) -> bool:
+    """Whether chain `tx` has a transform whose `init` shards the parameters and takes them presharded
+    (`Does.shards`: `reduce_scatter()`, stages 1-3), so `fzero.init` can construct the shard unit by unit."""
+    return any(t.does.shards for _, t in _leaves(tx))
 
 
 def transform_at(tx: Transform, path: tuple[str, ...] | None) -> Transform:

@@ -149,7 +149,8 @@ def quantized_reduce_scatter(
     def unit(grads: Tensor, index: int, ctx: Context) -> Tensor:
         return reduce(grads, ctx)
 
-    return Transform(init, update, "quantized_reduce_scatter", unit, reduces=True, axis=axis, per_rank=False)
+    return Transform(init, update, "quantized_reduce_scatter", unit, reduces=True, axis=axis,
+                     does=Does(shards=True), per_rank=False)  # fmt: skip
 
 
 def _reduce_scatter(axis: str | None, replicate: str | None) -> Transform:
