@@ -276,8 +276,6 @@ def test_batch_triad_matches_deepspeed(tbs, mb, gas, world):
 
 # ------------------------------------------------------------------------------------------- unsupported features
 UNSUPPORTED = [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "x"}}},
-     "zero_optimization.offload_param.device"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
      "zero_optimization.offload_optimizer.super_offload"),
     ({"aio": {"use_gds": True}}, "aio.use_gds"),

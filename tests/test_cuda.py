@@ -198,3 +198,13 @@ def test_train_command_wants_a_gpu_per_process(capsys):
         cli.main(["train", "--nproc", str(gpus + 1), "--steps", "1"])
     assert info.value.code == 2
     assert f"--nproc {gpus + 1}: CUDA sees {gpus} GPU(s)" in capsys.readouterr().err
+
+
+def test_offload_param_nvme_is_refused_on_the_gpu(tmp_path):
+    """Stage 3's units read from swap files are not moved to the device yet: the config says so by name."""
+    from fzero.config import UnsupportedConfigError, parse_config
+
+    param = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": param}}
+    with pytest.raises(UnsupportedConfigError, match="offload_param.device: 'nvme' with an accelerator"):
+        parse_config(cfg, world=1)

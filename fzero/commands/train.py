@@ -76,8 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--offload-optimizer", choices=("none", "cpu", "nvme"),
       help="where the master weights and optimizer state live: host memory ('cpu', as --offload) or swap files "
       "under --nvme-path ('nvme', ZeRO-Infinity's optimizer tier)")  # fmt: skip
-    a("--offload-param", choices=("none", "cpu", "nvme"), help="parameter offload (not implemented yet: refused)")
-    a("--nvme-path", metavar="DIR", help="an existing directory for the swap files of --offload-optimizer nvme")
+    a("--offload-param", choices=("none", "cpu", "nvme"),
+      help="stage 3: where the compute parameters live between uses ('nvme': swap files under --nvme-path, read one "
+      "unit ahead; 'cpu': host memory, where a CPU run keeps them anyway)")  # fmt: skip
+    a("--nvme-path", metavar="DIR", help="an existing directory for the swap files of the NVMe tiers")
     a("--config", metavar="DS_CONFIG_JSON", help="a DeepSpeed JSON config: the base the flags override")
     a("--batch", type=_int(1), help=f"sequences per rank per micro-step (default {d['batch']})")
     a("--accumulate", type=_int(1), help="micro-steps per optimizer step (default 1)")

@@ -77,19 +77,26 @@ class Config:
 
     @property
     def offload_policy(self) -> str | Offload | None:
-        """`shard_update`'s `offload`: None, "cpu", or the NVMe tier (`fzero.Offload`) from `offload_optimizer`
-        and `aio`."""
+        """`shard_update`'s `offload`: None, "cpu", or an `fzero.Offload` from `offload_optimizer`, `offload_param`
+        (stage 3) and `aio`. With the optimizer on NVMe the compute copy (`offload_param: nvme`) goes in its files,
+        under its `nvme_path`; with the optimizer in memory or on the CPU it goes in files of its own under
+        `offload_param.nvme_path`, with that block's `buffer_count` (as DeepSpeed, which swaps parameters with the
+        `offload_param` block's settings)."""
         zero, aio = self.values["zero_optimization"], self.values["aio"]
-        off = zero["offload_optimizer"]
+        off, par = zero["offload_optimizer"], zero["offload_param"]
         speculate = off["super_offload"]
-        if off["device"] != "nvme":
-            if speculate:
-                return Offload("cpu", speculate=True)
-            return "cpu" if off["device"] == "cpu" else None
-        params = "nvme" if zero["stage"] == 3 and zero["offload_param"]["device"] == "nvme" else None
-        return Offload("nvme", params=params, path=off["nvme_path"], buffers=off["buffer_count"],
-                       threads=aio["intra_op_parallelism"], block_size=aio["block_size"],
-                       speculate=speculate)  # fmt: skip
+        params = "nvme" if zero["stage"] == 3 and par["device"] == "nvme" else None
+        io = {"threads": aio["intra_op_parallelism"], "block_size": aio["block_size"]}
+        if off["device"] == "nvme":
+            return Offload("nvme", params=params, path=off["nvme_path"], buffers=off["buffer_count"],
+                           speculate=speculate, **io)  # fmt: skip
+        optimizer = "cpu" if off["device"] == "cpu" else None
+        if params is not None:
+            return Offload(optimizer, params=params, path=par["nvme_path"], buffers=par["buffer_count"],
+                           speculate=speculate, **io)  # fmt: skip
+        if speculate:
+            return Offload("cpu", speculate=True)
+        return optimizer
 
     @property
     def gradient_clipping(self) -> float:

@@ -21,6 +21,8 @@ def _legacy_offload(value: Any) -> dict[str, Any] | None:
 
 
 NVME_TIER = "device 'nvme': fzero.Offload's"
+# offload_param's own settings count where the optimizer is not on NVMe (with it, the compute copy goes in its files)
+PARAM_TIER = "device 'nvme' with offload_optimizer.device not 'nvme': fzero.Offload's"
 PIPELINED = "no effect: the NVMe tier always reads ahead and writes behind (fzero.storage.Store)"
 
 
@@ -58,8 +60,14 @@ OFFLOAD_OPTIMIZER = Section(
 OFFLOAD_PARAM = Section(
     {
         "device": Field(Str(("none", "cpu", "nvme")), "none"),
-        "nvme_path": Field(Nullable(Str()), None, effect="device 'nvme': the files go with the optimizer's"),
-        "buffer_count": Field(Int(0), 5, effect="no effect: the compute shard is read one unit ahead"),
+        "nvme_path": Field(
+            Nullable(Str()), None, effect=f"{PARAM_TIER} path (with it the files go with the optimizer's)"
+        ),
+        "buffer_count": Field(
+            Int(0),
+            5,
+            effect=f"{PARAM_TIER} buffers: staging sets of the compute copy's writes (>= 3); reads: one unit ahead",
+        ),
         "buffer_size": Field(Int(0), 100_000_000, effect="no effect: each unit is read into a buffer of its size"),
         "max_in_cpu": Field(Int(0), 1_000_000_000, effect="no effect"),
         "pin_memory": Field(Bool(), True, effect="no effect: host buffers are pinned whenever an accelerator is"),
@@ -71,7 +79,15 @@ OFFLOAD_PARAM = Section(
 
 def check_offload(zero: dict[str, Any], path: str) -> None:
     """What fzero can do of an `offload_param` (DeepSpeed reads it at stage 3 only, and so does fzero) and of
-    `super_offload`."""
+    `super_offload`.
+
+    Args:
+      zero: the validated `zero_optimization` block.
+      path: its key path, for the errors.
+
+    Raises:
+      ConfigError, UnsupportedConfigError: naming the key at fault.
+    """
     param, optimizer = zero["offload_param"]["device"], zero["offload_optimizer"]["device"]
     if zero["offload_optimizer"]["super_offload"]:
         key = f"{path}.offload_optimizer.super_offload"
@@ -87,9 +103,14 @@ def check_offload(zero: dict[str, Any], path: str) -> None:
     if param == "cpu" and accelerator.name() == "cuda":
         what = "'cpu' with an accelerator (the compute shard copied to the device unit by unit) is not implemented"
         raise UnsupportedConfigError(key, f"{what} (not supported); on a CPU-only machine it lives there already")
-    if param == "nvme" and optimizer != "nvme":
-        raise UnsupportedConfigError(key, "'nvme' without offload_optimizer.device 'nvme' is not supported: fzero "
-                                     "keeps the compute shard in the optimizer's swap files")  # fmt: skip
+    if param == "nvme" and accelerator.name() == "cuda":
+        raise UnsupportedConfigError(key, "'nvme' with an accelerator is not implemented (not supported): the units "
+                                     "read from the swap files are not yet moved to the device")  # fmt: skip
+    count = zero["offload_param"]["buffer_count"]
+    if param == "nvme" and optimizer != "nvme" and count < 3:  # (its own store's pipeline: see OFFLOAD_PARAM)
+        raise ConfigError(f"{path}.offload_param.buffer_count", f"must be at least 3 with device 'nvme' and "
+                          f"offload_optimizer.device {optimizer!r} (the staging sets of the compute copy's write "
+                          f"pipeline, fzero.Offload's buffers), got {count}")  # fmt: skip
 
 
 def _aio_checks(values: dict[str, Any], path: str) -> None:

@@ -12,6 +12,15 @@ so the NVMe run equals the in-memory one bit for bit. The compute copy (what the
 chunk by chunk as the chunks come out of the optimizer: into memory, or with `Offload(params="nvme")` into the same
 store, where stage 3's gathering reads it one unit ahead (`fzero.storage.UnitReader`).
 
+`Offload(None | "cpu", params="nvme", path=...)` is ZeRO-Infinity's `offload_param` alone: the master parameters and
+the optimizer's state stay in memory (device or host), and a store of one leaf, the compute copy, holds stage 3's
+compute shard (`compute_init`). The update writes it chunk by chunk: in the store's pipeline as each chunk comes out
+of the optimizer (`disk_update`, a donated update on the CPU: the same `RangeUpdate` as the NVMe tier's, on the
+in-memory buffers' ranges), or, where the optimizer runs on the whole shard (a pure step, whole-tensor optimizers,
+master weights on an accelerator), cast from the new master just after it (`write_compute`). Either way the copy is
+bitwise the in-memory run's (`.to(compute dtype)`, which the native kernel's fused copy-out equals), and memory holds
+no more of it than the staging buffers.
+
 Memory held for the tier: `buffers x chunk x (bytes per element of the store's leaves)`, for any model size
 (docs/offload.md).
 """
@@ -21,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -30,10 +40,20 @@ from torch import Tensor
 from ..optim import Optimizer
 from ..storage import Offloaded, Store, Task
 
-__all__ = ["Offload", "RangeUpdate", "nvme_init", "nvme_update", "offload_of"]
+__all__ = [
+    "Offload",
+    "RangeUpdate",
+    "compute_init",
+    "disk_update",
+    "nvme_init",
+    "nvme_update",
+    "offload_of",
+    "write_compute",
+]
 
 DEVICES = (None, "cpu", "nvme")
 COMPUTE = "compute"  # the compute copy's leaf in the store, with `Offload(params="nvme")`
+Stream = Callable[[Task, dict[str, Tensor]], None]  # `Store.stream`'s work on one chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +62,14 @@ class Offload:
 
     Attributes:
       optimizer: None (with the gradients), `"cpu"` (host memory) or `"nvme"` (swap files under `path`).
-      params: None, or `"nvme"` (stage 3, with `optimizer="nvme"`): the compute parameters' shard also lives in
-        the swap files (written by the update in the same pass as the master), and each unit is read from them,
-        one unit ahead, when the forward or the backward gathers it (ZeRO-Infinity's `offload_param`).
-      path: the directory the swap files go in (`"nvme"`; it must exist): each process makes its own scratch
-        directory there and removes it on exit.
+      params: None, or `"nvme"`: the compute parameters' shard lives in swap files under `path` (written by the
+        update as the new master comes out of the optimizer: with `optimizer="nvme"` in the optimizer's own files,
+        else in a store of its own), and each unit is read from them, one unit ahead, when the forward or the
+        backward gathers it (ZeRO-Infinity's `offload_param`, stage 3's). The master parameters and the optimizer
+        state stay where `optimizer` says. Stages 1-3 with `optimizer="nvme"`; otherwise stage 3 (and stages 1-2
+        without accumulation: their windows keep the gathered parameters in memory).
+      path: the directory the swap files go in (`"nvme"` either way; it must exist): each process makes its own
+        scratch directory there and removes it on exit.
       buffers: staging sets of the pipeline (at least 3).
       chunk: elements per pipeline stage (a multiple of 4096).
       threads: I/O threads.
@@ -81,14 +104,14 @@ class Offload:
             raise ValueError(f"Offload: optimizer must be None, 'cpu' or 'nvme', got {self.optimizer!r}")
         if self.params not in (None, "nvme"):
             raise ValueError(f"Offload: params must be None or 'nvme', got {self.params!r}")
-        if self.params == "nvme" and self.optimizer != "nvme":
-            raise ValueError("Offload(params='nvme') keeps the compute shard in the optimizer's swap files: it needs "
-                             "optimizer='nvme' too")  # fmt: skip
         if self.speculate and self.optimizer is None:
             raise ValueError("Offload(speculate=True) speculates the offloaded optimizer's step: it needs "
                              "optimizer='cpu' or 'nvme'")  # fmt: skip
         if self.optimizer == "nvme" and self.path is None:
             raise ValueError("Offload('nvme') needs a directory for its swap files: Offload('nvme', path=...)")
+        if self.params == "nvme" and self.path is None:
+            raise ValueError("Offload(params='nvme') needs a directory for its swap files: Offload(..., "
+                             "params='nvme', path=...)")  # fmt: skip
         for name, low in (("buffers", 3), ("chunk", 4096), ("threads", 1), ("block_size", 4096)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -120,6 +143,23 @@ def _names(state: Any, probe: Tensor | Offloaded) -> tuple[list[Any], list[str |
     return leaves, names
 
 
+def _store(offload: Offload, dtypes: dict[str, torch.dtype], rows: tuple[int, ...], pieces: tuple[int, ...],
+           stacked: bool) -> Store:  # fmt: skip
+    """A store of the leaves `dtypes` for the ranks `rows`, each row cut into `pieces`, with `offload`'s settings."""
+    return Store(offload.path, dtypes, rows, pieces, stacked=stacked, chunk=offload.chunk, buffers=offload.buffers,
+                 threads=offload.threads, block_size=offload.block_size, direct=offload.direct)  # fmt: skip
+
+
+def piece_of(x: Tensor, task: Task) -> Tensor:
+    """Task `task`'s range of `x` (one row `[n]`, or rows `[rows, n]`), a view."""
+    return (x[task.row] if x.ndim == 2 else x)[task.start : task.stop]
+
+
+def take_io(store: Store) -> dict[str, int]:
+    """The bytes `store` read and wrote since the last call, per rank (the ledger's unit)."""
+    return {k: v // len(store.rows) for k, v in store.take_io().items()}
+
+
 def nvme_init(
     optimizer: Optimizer,
     params: Tensor,
@@ -129,10 +169,12 @@ def nvme_init(
     compute_dtype: torch.dtype,
 ) -> tuple[Offloaded, Any, Offloaded | None]:
     """Write `params` (this rank's master buffer, or a `SimMesh`'s `[world, n]`) and the optimizer's initial state
-    to a new store (and, with `offload.params`, the compute copy in `compute_dtype`); the handles to them: the
-    master parameters, the state with its per-element leaves offloaded (the rest, e.g. Adam's step count, stays a
-    tensor), and the compute copy's (None when it stays in memory)."""
-    stacked = params.ndim == 2
+    to a new store (and, with `offload.params`, the compute copy in `compute_dtype`).
+
+    Returns:
+      The handles: the master parameters, the state with its per-element leaves offloaded (the rest, e.g. Adam's
+      step count, stays a tensor), and the compute copy's (None when it stays in memory).
+    """
     probe = params[..., :1]
     state = optimizer.init(probe)
     leaves, names = _names(state, probe)
@@ -141,12 +183,10 @@ def nvme_init(
         dtypes[COMPUTE] = compute_dtype
     if len(dtypes) != 1 + (offload.params == "nvme") + sum(n is not None for n in names):
         raise ValueError(f"optimizer state leaves {names} do not have distinct names")
-    store = Store(offload.path, dtypes, rows, pieces, stacked=stacked, chunk=offload.chunk, buffers=offload.buffers,
-                  threads=offload.threads, block_size=offload.block_size, direct=offload.direct)  # fmt: skip
-    flat = params.reshape(len(rows), -1) if stacked else params.reshape(1, -1)
+    store = _store(offload, dtypes, rows, pieces, params.ndim == 2)
 
     def fill(task: Task, views: dict[str, Tensor]) -> None:
-        chunk = flat[task.row, task.start : task.stop]
+        chunk = piece_of(params, task)
         views["params"].copy_(chunk)
         if COMPUTE in views:
             views[COMPUTE].copy_(chunk)
@@ -169,8 +209,12 @@ def nvme_update(
     kw: dict[str, Any],
     compute_dtype: torch.dtype | None,
 ) -> tuple[Offloaded, Any, Tensor | Offloaded, dict[str, int]]:
-    """One update through the store: returns the new master handle, the new state, the compute copy (in memory,
-    on the gradients' device, or its handle where the store keeps it) and the bytes read and written per rank."""
+    """One update through the store.
+
+    Returns:
+      The new master handle, the new state, the compute copy (in memory, on the gradients' device, or its handle
+      where the store keeps it) and the bytes read and written per rank.
+    """
     store = params.store
     if "tensors" in kw:
         raise ValueError("an optimizer that needs whole parameter tensors (Lamb, Muon) cannot run on the chunks of "
@@ -179,18 +223,131 @@ def nvme_update(
     compute = None if COMPUTE in store.leaves else torch.empty(params.shape, dtype=cdt)
     piece = RangeUpdate(optimizer, state, params, kw, cdt, None if compute is None else compute.reshape(-1))
     check_offloaded(piece.handles, store)
-    device, g, width = grads.device, grads.reshape(-1), piece.width
+    # the compute copy is only written here (the step's gathers read the input's version)
+    written = store.stream(piece.handles, update_step(piece, grads))
+    # since the last update: the gathers' reads of the compute copy, this update's transfers
+    io = take_io(store)
+    new_state = piece.state_after(written)
+    return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(grads.device), io
+
+
+def update_step(piece: RangeUpdate, grads: Tensor, memory: dict[str, Tensor] | None = None) -> Stream:
+    """The pipeline's work for one update.
+
+    Args:
+      piece: the update of one range.
+      grads: the gradients (shaped like the master; on any device: each task's range is copied to the CPU).
+      memory: the leaves that are not on disk (the master, the optimizer's per-element state), by leaf name: the
+        views of their task's range are added to the staging views.
+
+    Returns:
+      `compute(task, views)` for `Store.stream` / `stream_units`.
+    """
+    g = grads.reshape(-1)
 
     def step(task: Task, views: dict[str, Tensor]) -> None:
-        a = task.row * width + task.start
+        for n, x in (memory or {}).items():
+            views[n] = piece_of(x, task)
+        a = task.row * piece.width + task.start
         piece(task, views, g[a : a + task.size].cpu())
 
-    # the compute copy is only written here (the step's gathers read the input's version)
-    written = store.stream(piece.handles, step)
-    # since the last update: the gathers' reads of the compute copy, this update's transfers; per rank (the ledger's)
-    io = {k: v // len(store.rows) for k, v in store.take_io().items()}
-    new_state = piece.state_after(written)
-    return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(device), io
+    return step
+
+
+def cast_into(params: Tensor) -> Stream:
+    """The pipeline's work that writes the compute copy from the master `params` (any device): each task's range
+    cast into the compute leaf's staging view (rounded to nearest even: `.to`'s bytes)."""
+
+    def fill(task: Task, views: dict[str, Tensor]) -> None:
+        views[COMPUTE].copy_(piece_of(params, task))
+
+    return fill
+
+
+def compute_init(
+    params: Tensor, offload: Offload, rows: tuple[int, ...], pieces: tuple[int, ...], compute_dtype: torch.dtype
+) -> Offloaded:
+    """`Offload(params="nvme")` beside an optimizer in memory: a new store of the compute copy alone.
+
+    Args:
+      params: the master parameters (this rank's buffer, or a `SimMesh`'s `[world, n]`; on any device).
+      offload: the policy (its path, buffers, chunk, threads, ...).
+      rows, pieces: the ranks whose rows `params` holds, and each unit's element count in a row.
+      compute_dtype: the compute copy's dtype.
+
+    Returns:
+      The handle of the copy's first version, `params` cast chunk by chunk.
+    """
+    store = _store(offload, {COMPUTE: compute_dtype}, rows, pieces, params.ndim == 2)
+    try:
+        out = write_compute(store, params, None)
+    except BaseException:
+        store.close()
+        raise
+    store.take_io()  # (the metrics count the steps' transfers)
+    return out
+
+
+def write_compute(store: Store, params: Tensor, keep: Offloaded | None) -> Offloaded:
+    """Write a new version of the compute copy, cast from the master chunk by chunk (through the staging buffers:
+    no copy of the whole in memory), written behind.
+
+    Args:
+      store: the compute copy's store (`compute_init`'s).
+      params: the new master (this rank's buffer, or a `SimMesh`'s `[world, n]`; on any device).
+      keep: the step's input version, which stays readable (the other slot is written), or None.
+
+    Returns:
+      The new version's handle.
+    """
+    return _new_compute(store, keep, cast_into(params))
+
+
+def _new_compute(store: Store, keep: Offloaded | None, fill: Stream) -> Offloaded:
+    """A new version of the compute copy in `store`, beside `keep`: `fill` run on each chunk, written behind."""
+    version, slot = store.begin(keep=keep)
+    crcs = store.stream_units({}, fill, range(len(store.pieces)), version, slot)
+    return store.finish(version, slot, crcs)[COMPUTE]
+
+
+def disk_copy(compute: Any) -> Offloaded:
+    """The state's compute copy, checked to be the handle of a store of its own (`compute_init`'s).
+
+    Raises:
+      ValueError: it is not (a chain that keeps the gathered parameters through an accumulation window, which then
+        stand in the state where the handle was; a state made with another offload policy).
+    """
+    if not isinstance(compute, Offloaded) or set(compute.store.leaves) != {COMPUTE}:
+        what = type(compute).__name__ if not isinstance(compute, Offloaded) else "leaf of the optimizer's store"
+        raise ValueError(f"shard_update: Offload(params='nvme') with the optimizer in memory keeps the compute copy "
+                         f"in swap files of its own, but this state's compute parameters are a {what}: a chain that "
+                         "keeps them gathered through an accumulation window (zero1, zero2 with accumulate > 1) holds "
+                         "them in memory instead (use zero3, the stage DeepSpeed's offload_param is for, or "
+                         "Offload('nvme', params='nvme')), or the state was made with another offload "
+                         "policy")  # fmt: skip
+    return compute
+
+
+def disk_update(
+    optimizer: Optimizer, grads: Tensor, state: Any, params: Tensor, kw: dict[str, Any], compute: Offloaded
+) -> tuple[Tensor, Any, Offloaded, dict[str, int]]:
+    """A donated update of an in-memory master range by range, in the pipeline of the compute copy's store: each
+    range's copy goes into the staging buffers as it comes out of the optimizer (its fused copy-out, or a cast)
+    and is written behind while the next range is updated.
+
+    Args:
+      optimizer, kw: as for `shard_update`'s update (the gradients prepared: `grads` on any device).
+      grads, state, params: the gradients, the optimizer's state and the master (`state` and `params` on the CPU,
+        updated in place).
+      compute: the compute copy's input version (it stays readable).
+
+    Returns:
+      The parameters and the state (updated in place), the new compute copy's handle, the bytes read and written
+      per rank.
+    """
+    piece = RangeUpdate(optimizer, state, params, kw, compute.dtype, None)
+    new = _new_compute(compute.store, compute, update_step(piece, grads, piece.handles))
+    return params, piece.state_after(piece.handles), new, take_io(compute.store)
 
 
 def check_offloaded(handles: dict[str, Any], store: Store) -> None:

@@ -14,6 +14,10 @@ when an accelerator is present. Each step the gradient shard is copied to the ho
 (non-blocking), the optimizer runs on each piece as soon as it has arrived, and each piece of the compute copy
 goes back to the gradients' device (non-blocking) while the next is computed: the copies overlap the CPU work.
 On a CPU-only machine the copies are no-ops and the same loop runs.
+
+`Offload(None | "cpu", params="nvme")` (ZeRO-Infinity's `offload_param` without the optimizer on disk): the update
+runs as above, and the compute copy goes to its swap files chunk by chunk instead of into memory
+(`fzero.transforms.offload`: `disk_update`, `write_compute`), where stage 3's gathering reads it.
 """
 
 from __future__ import annotations
@@ -33,8 +37,21 @@ from ..optim.groups import ParamGroups, Resolved, Segments, segments
 from ..optim.tensors import Tensors, rank_ordered_total, tensors_of
 from ..storage import Offloaded
 from .base import Context, Does, Flow, Transform
-from .offload import COMPUTE, Offload, RangeUpdate, keep, nvme_init, nvme_update, offload_of
-from .speculate import MemoryTarget, Speculation, StoreTarget
+from .offload import (
+    COMPUTE,
+    Offload,
+    RangeUpdate,
+    compute_init,
+    disk_copy,
+    disk_update,
+    keep,
+    nvme_init,
+    nvme_update,
+    offload_of,
+    take_io,
+    write_compute,
+)
+from .speculate import MemoryTarget, Speculation, StoreTarget, Update
 
 __all__ = ["shard_update"]
 
@@ -71,7 +88,8 @@ def shard_update(
       dtype: the master dtype (the policy's `param_dtype`).
       offload: `"cpu"` keeps the master parameters and the optimizer state in CPU memory and runs the optimizer
         there (use `fzero.cpu_adamw`: the native kernel); `fzero.Offload("nvme", path=...)` keeps them in swap
-        files on disk (ZeRO-Infinity; `fzero.transforms.offload`); None keeps them where the gradients are.
+        files on disk (ZeRO-Infinity; `fzero.transforms.offload`); None keeps them where the gradients are. An
+        `Offload` with `params="nvme"` (any `optimizer`) keeps the compute copy of a sharded chain in swap files.
       compute_dtype: the dtype of the compute copy `gather` will make (the policy's `compute_dtype`; must equal
         `gather`'s). When it differs from the master dtype and the optimizer has the `"out"` feature, the
         optimizer writes the copy in its own pass and `gather` only communicates it. Under offload the copy (in
@@ -118,16 +136,19 @@ class _ShardUpdate:
             optimizer, dtype, offload, compute_dtype, chunk,
         )  # fmt: skip
         self.offload = offload.optimizer
+        # the compute copy on disk, the master in memory: the update's copy goes to a store of its own
+        self.to_disk = offload.params == "nvme" and offload.optimizer != "nvme"
 
     def init(self, flow: Flow, ctx: Context) -> tuple[Flow, Any]:
         group_segments(self.optimizer, ctx, flow.params, flow.sharded)  # resolve the groups now: errors at init
         params = flow.params if self.dtype is None else flow.params.to(self.dtype)
-        if self.offload is None:
-            return flow._replace(params=params, compute=None), self.optimizer.init(params)
-        master = _host(params, pin=params.device.type != "cpu" and _pinned())
         if self.policy.params == "nvme" and not flow.sharded:
             raise ValueError("Offload(params='nvme') keeps this rank's shard of the compute parameters on disk; this "
                              "chain does not shard them (stage 0): use stages 1-3")  # fmt: skip
+        if self.offload is None:
+            compute = self._compute_store(params, ctx, flow.sharded) if self.to_disk else None
+            return flow._replace(params=params, compute=compute), self.optimizer.init(params)
+        master = _host(params, pin=params.device.type != "cpu" and _pinned())
         if self.offload == "nvme":
             cdt = self.compute_dtype or master.dtype
             handle, state, on_disk = nvme_init(self.optimizer, master, self.policy, _files(ctx, master),
@@ -136,8 +157,18 @@ class _ShardUpdate:
             # compute copy, and what else looks at the state (checkpoints, state_dict, state_bytes) knows handles
             compute = flow.params.to(cdt) if on_disk is None else cast(Tensor, on_disk)
             return flow._replace(params=cast(Tensor, handle), compute=compute), state
-        compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
+        if self.to_disk:
+            compute = self._compute_store(master, ctx, flow.sharded)
+        else:
+            compute = flow.params.to(self.compute_dtype or master.dtype)  # on the parameters' device, in this form
         return flow._replace(params=master, compute=compute), self.optimizer.init(master)
+
+    def _compute_store(self, master: Tensor, ctx: Context, sharded: bool) -> Tensor:
+        """`Offload(params="nvme")` beside an optimizer in memory: the compute copy's first version, `master` cast,
+        in a store of its own (its handle, which stands where the tensor would)."""
+        cdt = self.compute_dtype or master.dtype
+        handle = compute_init(master, self.policy, _files(ctx, master), _pieces_of(ctx, master, sharded), cdt)
+        return cast(Tensor, handle)
 
     def prepare(self, grads: Tensor, factor: float, dtype: torch.dtype) -> tuple[Tensor, dict[str, Any]]:
         """The gradients to hand the optimizer, and its keywords: the factor and the cast to the master `dtype`
@@ -181,6 +212,8 @@ class _ShardUpdate:
             compute = None if COMPUTE in params.store.leaves else torch.empty(params.shape, dtype=cdt)
             piece = RangeUpdate(self.optimizer, state, params, kw, cdt, None if compute is None else compute.view(-1))
             target = StoreTarget(piece, prepare, compute)
+        elif self.to_disk:  # the compute copy is written to disk once the speculation is taken (`_update`)
+            target = _MasterTarget(RangeUpdate(self.optimizer, state, params, kw, dtype, None), prepare, slices)
         else:
             target = MemoryTarget(RangeUpdate(self.optimizer, state, params, kw, cdt, None), prepare, cdt, slices)
         return Speculation(target, params, state, factor, slices, acc, k)
@@ -202,11 +235,19 @@ class _ShardUpdate:
         speculation = flow.info.speculation
         taken = None if speculation is None else speculation.take(flow, state)
         if taken is not None:  # computed during the backward, and what it assumed holds
-            flow = flow._replace(params=taken.params, compute=taken.compute).with_info(applied=True)
-            return (flow if taken.io is None else flow.with_metrics(io={"nvme": taken.io})), taken.state
+            params, state, copy, io = taken
+            if self.to_disk:  # the new master is in memory: its compute copy goes to disk now, chunk by chunk
+                old = disk_copy(flow.compute)
+                copy, io = write_compute(old.store, params, old), take_io(old.store)
+            flow = flow._replace(params=params, compute=copy).with_info(applied=True)
+            return (flow if io is None else flow.with_metrics(io={"nvme": io})), state
         grads, kw = self.prepare(flow.gradients("shard_update"), flow.info.grad_factor, flow.params.dtype)
         kw.update(self.keywords(ctx, flow.params, flow.sharded))
         compute: Tensor | None
+        if self.to_disk:
+            params, state, on_disk, io = self._update_to_disk(flow, grads, state, kw, ctx)
+            flow = flow._replace(params=params, compute=cast(Tensor, on_disk)).with_info(applied=True)
+            return flow.with_metrics(io={"nvme": io}), state
         if self.offload == "nvme":
             handle = cast(Offloaded, flow.params)
             new, state, copy, io = nvme_update(self.optimizer, grads, state, handle, kw, self.compute_dtype)
@@ -228,6 +269,45 @@ class _ShardUpdate:
         if reuse and not fused and cdt != params.dtype:
             compute = cast(Tensor, old).copy_(params)  # the rounding `gather`'s cast would make (to nearest even)
         return flow._replace(params=params, compute=compute).with_info(applied=True), state
+
+    def _update_to_disk(self, flow: Flow, grads: Tensor, state: Any, kw: dict[str, Any], ctx: Context
+                        ) -> tuple[Tensor, Any, Any, dict[str, int]]:  # fmt: skip
+        """The update of a master in memory whose compute copy is on disk (`Offload(None | "cpu", params="nvme")`):
+        a donated update on the CPU runs range by range in the copy's write pipeline, each range's copy written as
+        it comes out of the optimizer; any other (pure, whole-tensor optimizers, the master on an accelerator) runs
+        as in memory, the copy cast from the new master just after it, chunk by chunk.
+
+        Returns:
+          The new master and state, the compute copy's new handle, the bytes read and written per rank.
+        """
+        old = disk_copy(flow.compute)
+        params = flow.params
+        if ctx.donate and "tensors" not in kw and params.device.type == "cpu":
+            return disk_update(self.optimizer, grads, state, params, kw, old)
+        if self.offload == "cpu":
+            params, state, _ = _offload_update(self.optimizer, grads, state, params, kw, ctx.donate, None,
+                                               self.chunk, copy_back=False)  # fmt: skip
+        else:
+            params, state = self.optimizer.update(grads, state, params, donate=ctx.donate, **kw)
+        return params, state, write_compute(old.store, params, old), take_io(old.store)
+
+
+class _MasterTarget(MemoryTarget):
+    """A speculative update of a master in host memory whose compute copy is on disk (`Offload("cpu",
+    params="nvme")`): `MemoryTarget`'s new buffers, without a compute copy of its own (the update writes it to disk
+    from the new master once the speculation is taken).
+
+    Args:
+      piece: the update of one range, its compute dtype the master's (so that the copy is the master itself).
+      prepare, slices: as for `MemoryTarget`.
+    """
+
+    def __init__(self, piece: RangeUpdate, prepare: Any, slices: Sequence[slice]) -> None:
+        super().__init__(piece, prepare, piece.handles["params"].dtype, slices)
+
+    def result(self) -> Update:
+        """The new master and state (no copy to the gradients' device)."""
+        return Update(self.new["params"], self.piece.state_after(self.new), None, None)
 
 
 def _files(ctx: Context, params: Tensor) -> tuple[int, ...]:
@@ -299,9 +379,11 @@ def _offload_update(
     donate: bool,
     compute_dtype: torch.dtype | None,
     chunk: int,
+    copy_back: bool = True,
 ) -> tuple[Tensor, Any, Tensor]:
     """The offloaded update: `params` and `state` on the host, `grads` on their device; returns the new
-    parameters, the new state, and the compute copy on the gradients' device.
+    parameters, the new state, and the compute copy on the gradients' device (with `copy_back=False`, the new
+    parameters themselves, on the host: the caller writes the copy elsewhere).
 
     With `donate`, the shard is updated in place piece by piece, so each piece's optimizer work overlaps the
     transfers of the others; a pure step runs the optimizer once on the whole shard (its outputs are fresh
@@ -318,7 +400,7 @@ def _offload_update(
 
     host_g, events = _to_host(grads, pieces, pin)
     out = torch.empty(n, dtype=cdt, pin_memory=pin) if fused_out else None
-    compute = torch.empty(n, dtype=cdt, device=device) if remote else None
+    compute = torch.empty(n, dtype=cdt, device=device) if remote and copy_back else None
 
     def send(new_params: Tensor, a: int, b: int) -> None:
         """Piece [a, b) of the compute copy to the device (non-blocking; ordered before later device work)."""
