@@ -1,6 +1,6 @@
-"""The CUDA path: the stages, the engine and ZeRO-Offload on a GPU, over NCCL (a group of one: NCCL refuses two ranks
-on one device, so these tests need only one GPU), against torch's AdamW on the same GPU. Skipped without CUDA; CI
-has none (docs/engine.md, "On a GPU", says where they last ran)."""
+"""The CUDA path: the stages, the engine, ZeRO-Offload and the compute shard on NVMe on a GPU, over NCCL (a group
+of one: NCCL refuses two ranks on one device, so these tests need only one GPU), against torch's AdamW on the same
+GPU. Skipped without CUDA; CI has none (docs/engine.md, "On a GPU", says where they last ran)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 
 import fzero
 from fzero.host import process_group
+from fzero.storage import in_memory
 from tests import engine_worker
 from tests.bounds import assert_adam_close
-from tests.support import lm_batches, lm_loss, reference_run, tiny_gpt
+from tests.support import differing, lm_batches, lm_loss, reference_run, tiny_gpt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -134,8 +135,8 @@ def test_engine_overlap_on_cuda(nccl, stage):
     assert r["differ"] == {} and r["global_steps"] == 3, r
 
 
-def _engine_run(stage: int, offload: bool, model, batches):
-    zero: dict = {"stage": stage}
+def _engine_run(stage: int, offload: bool, model, batches, **zero_keys):
+    zero: dict = {"stage": stage, **zero_keys}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {
@@ -200,11 +201,58 @@ def test_train_command_wants_a_gpu_per_process(capsys):
     assert f"--nproc {gpus + 1}: CUDA sees {gpus} GPU(s)" in capsys.readouterr().err
 
 
-def test_offload_param_nvme_is_refused_on_the_gpu(tmp_path):
-    """Stage 3's units read from swap files are not moved to the device yet: the config says so by name."""
-    from fzero.config import UnsupportedConfigError, parse_config
+def _on_host(tensors: dict) -> dict:
+    return {k: v.cpu() for k, v in tensors.items()}
 
+
+def _stage3(mesh, model, batches, optimizer, offload):
+    """Stage 3, bf16 compute, one step per batch of this rank's: the last state and each step's metrics."""
+    tx = fzero.zero3(optimizer, precision="bf16", offload=offload)
+    state = fzero.init(model, tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    metrics = []
+    for batch in batches:
+        state, m = step(state, batch)
+        metrics.append(m)
+    return state, metrics
+
+
+@pytest.mark.parametrize("optimizer", [None, "cpu", "nvme"])
+def test_offload_param_nvme_on_cuda_equals_memory(nccl, tmp_path, optimizer):
+    """Stage 3 with this rank's compute shard in swap files (`Offload(optimizer, params="nvme")`) over NCCL: each
+    unit is read into host memory, copied to the GPU and gathered there; bitwise the same run with the shard in
+    memory on the GPU. The reference's update is the same arithmetic: torch's ops on the GPU for a master with the
+    gradients (`None`: no offload), the C kernel on the host for a master in host memory or on disk
+    (`offload="cpu"`: the kernel is elementwise, so the NVMe tier's chunks change nothing)."""
+    model = tiny_gpt(17).cuda()
+    batches = _rank_batches(model, STEPS, 18)
+
+    def opt():
+        return fzero.adamw(LR, weight_decay=0.1) if optimizer is None else fzero.cpu_adamw(LR, weight_decay=0.1)
+
+    want, want_metrics = _stage3(nccl, copy.deepcopy(model), batches, opt(), None if optimizer is None else "cpu")
+    offload = fzero.Offload(optimizer, params="nvme", path=str(tmp_path), chunk=4096)
+    got, metrics = _stage3(nccl, copy.deepcopy(model), batches, opt(), offload)
+    assert type(got.compute).__name__ == "Offloaded" and want.compute.is_cuda
+    assert all(m["io"]["nvme"]["read"] > 0 for m in metrics)  # every step's units came from the files
+    assert [float(m["loss"]) for m in metrics] == [float(m["loss"]) for m in want_metrics]
+    assert torch.equal(in_memory(got.compute), want.compute.cpu())  # the copy on disk: the in-memory one's bytes
+    assert differing(_on_host(fzero.state_dict(want, nccl)), _on_host(fzero.state_dict(got, nccl))) == []
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_engine_offload_param_nvme_on_cuda(nccl, tmp_path, offload):
+    """`offload_param: {"device": "nvme"}` from a DeepSpeed config on the GPU (no longer refused), the optimizer on
+    the GPU or (`offload_optimizer: cpu`) on the host: bitwise the same engine with the compute shard in memory,
+    through training and an evaluation forward (under `no_grad`: the units read, copied to the GPU, freed)."""
+    model = tiny_gpt(19).cuda()
+    batches = _rank_batches(model, STEPS, 20)
+    want = _engine_run(3, offload, copy.deepcopy(model), batches)
     param = {"device": "nvme", "nvme_path": str(tmp_path)}
-    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": param}}
-    with pytest.raises(UnsupportedConfigError, match="offload_param.device: 'nvme' with an accelerator"):
-        parse_config(cfg, world=1)
+    got = _engine_run(3, offload, copy.deepcopy(model), batches, offload_param=param)
+    assert type(got.state.compute).__name__ == "Offloaded" and want.state.compute.is_cuda
+    assert torch.equal(in_memory(got.state.compute), want.state.compute.cpu())
+    assert differing(_on_host(want.module_state_dict()), _on_host(got.module_state_dict())) == []
+    with torch.no_grad():
+        out, want_out = got(batches[0]["x"]), want(batches[0]["x"])
+    assert out.is_cuda and torch.equal(out, want_out)

@@ -103,9 +103,6 @@ def check_offload(zero: dict[str, Any], path: str) -> None:
     if param == "cpu" and accelerator.name() == "cuda":
         what = "'cpu' with an accelerator (the compute shard copied to the device unit by unit) is not implemented"
         raise UnsupportedConfigError(key, f"{what} (not supported); on a CPU-only machine it lives there already")
-    if param == "nvme" and accelerator.name() == "cuda":
-        raise UnsupportedConfigError(key, "'nvme' with an accelerator is not implemented (not supported): the units "
-                                     "read from the swap files are not yet moved to the device")  # fmt: skip
     count = zero["offload_param"]["buffer_count"]
     if param == "nvme" and optimizer != "nvme" and count < 3:  # (its own store's pipeline: see OFFLOAD_PARAM)
         raise ConfigError(f"{path}.offload_param.buffer_count", f"must be at least 3 with device 'nvme' and "

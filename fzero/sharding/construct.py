@@ -399,11 +399,13 @@ def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
                          "materialise them, or build the whole model under zero.Init")  # fmt: skip
     spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
     shards: list[Tensor | None] = [None for _ in spaces]
+    # the shard where the parameters are (a model on the GPU, a zero.Init stand-in made on it)
+    device = next((p.device for p in named.values() if not p.is_meta), torch.device("cpu"))
     for unit_index in range(len(layout.units)):
         for space, lay in enumerate(spaces):
             unit = lay.units[unit_index]
             leaves = [leaf for leaf in lay.leaves if leaf.unit == unit_index]
-            flat = torch.zeros(unit.size, dtype=dtype_of(lay.dtype))
+            flat = torch.zeros(unit.size, dtype=dtype_of(lay.dtype), device=device)
             parts = [partition_of(named[leaf.name]) for leaf in leaves]
             gathered = iter(gather_partitions([p for p in parts if p is not None]))
             with torch.no_grad():

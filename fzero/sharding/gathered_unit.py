@@ -117,8 +117,9 @@ class Spaces:
       live_elements: the elements gathered into buffers of their own now (a `FULL` space counts nothing).
       peak: the most `live_elements` so far.
       source: where the trainable units' shard pieces come from when the shard is not in memory (offloaded to
-        disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values;
-        `shards` then holds an empty placeholder of the compute dtype (the autograd leaf).
+        disk: `fzero.storage.UnitReader`): `source(unit)` is every rank's piece of the unit as per-rank values, on
+        the step's compute device; `shards` then holds an empty placeholder of the compute dtype on that device
+        (the autograd leaf, and what the units' buffers are made like: `fzero.sharding.units.on_disk`).
       gather_spec: how `RESHARD` units travel (`GatherSpec`: int8 gathers, hpZ's secondary copies).
       kept_elements, kept_peak: the elements of hpZ secondary copies this rank holds now / at most so far.
     """

@@ -9,6 +9,7 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,15 @@ from .gathered_unit import EXACT, GatherSpec, Phase
 from .policy import GatherPolicy
 from .schedule import Abandoned, Gatherer
 
-__all__ = ["Abandoned", "GatherPolicy", "UnitGathering", "frozen_shard", "on_disk", "sharded_backward"]
+__all__ = [
+    "Abandoned",
+    "GatherPolicy",
+    "UnitGathering",
+    "compute_device",
+    "frozen_shard",
+    "on_disk",
+    "sharded_backward",
+]
 
 
 def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -40,14 +49,30 @@ def _kept_to_end(layout: Layout, compute: Tensor, reader: UnitReader | None, kee
     return keep or (reader is None and layout.is_full(compute))
 
 
-def on_disk(compute: Any, depth: int, local: bool = False) -> tuple[Tensor, UnitReader | None]:
-    """A compute shard offloaded to disk as an empty placeholder of its dtype (per rank, or with `local` this
-    rank's alone: the autograd leaf the units hang from) and the reader its units come from, `depth` units ahead;
-    any other shard as it is, and None."""
+def compute_device(model: nn.Module, frozen: Tensor | None = None) -> torch.device:
+    """The device a step computes on, for a compute shard on disk (an `Offloaded` has none but the host): the
+    frozen shard's (in memory, where the units are gathered), else that of the model's first parameter or buffer
+    off the `meta` device (`fzero.init` leaves the model where it is; the engine's module keeps its emptied
+    parameters on its device), else the CPU."""
+    if frozen is not None:
+        return frozen.device
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")
+
+
+def on_disk(
+    compute: Any, depth: int, local: bool = False, device: torch.device | None = None
+) -> tuple[Tensor, UnitReader | None]:
+    """A compute shard offloaded to disk as an empty placeholder of its dtype on `device` (default: the CPU), the
+    step's compute device (per rank, or with `local` this rank's alone: the autograd leaf the units hang from; the
+    units are gathered into buffers like it), and the reader its units come from, `depth` units ahead, each put on
+    `device`; any other shard as it is, and None."""
     if not isinstance(compute, Offloaded):
         return compute, None
     shape = (compute.shape[0], 0) if compute.ndim == 2 and not local else (0,)
-    return torch.empty(shape, dtype=compute.dtype), UnitReader(compute, depth)
+    return torch.empty(shape, dtype=compute.dtype, device=device), UnitReader(compute, depth, device)
 
 
 class UnitGathering:
@@ -83,7 +108,8 @@ class UnitGathering:
         gather_spec: GatherSpec = EXACT,
     ) -> None:
         ranks = one_rank(mesh)
-        compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True)
+        device = compute_device(model, frozen)
+        compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True, device=device)
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
         reuse = _kept_to_end(layout, compute, self._reader, keep)
@@ -188,7 +214,7 @@ def sharded_backward(
       `policy.timings`, `unit_times`.
     """
     ranks = ranks_of(mesh)
-    compute, reader = on_disk(shards[0], max(1, policy.prefetch))
+    compute, reader = on_disk(shards[0], max(1, policy.prefetch), device=compute_device(model, shards[1]))
     reuse = _kept_to_end(layout, compute, reader, keep)
     reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
     outs, peak, kept, times, gathered = [], 0, 0, None, []
