@@ -18,7 +18,8 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   unit's reduction overlapped with the backward on a mesh of several processes; the model moved to `meta` after
   `fzero.init`, which copies its parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
   `GatherPolicy(overlap_reduce=False)`), `fzero-zeroN-fresh` (stages 0-2: the same, every step-sized buffer fresh:
-  `fzero.scratch.disabled()`) and `fzero-engine-zeroN` (`fzero.initialize`, the config's defaults);
+  `fzero.scratch.disabled()`) and `fzero-engine-zeroN` (`fzero.initialize`, the config's defaults; its module's
+  parameters then views of the state's at stages 0-2, empty at stage 3: no fzero trainer keeps the model's copy);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
   of 2 consecutive ranks standing for a node): `fzero-hybrid3` (`zero3(hybrid=True)`: sharded over `shard`,
   averaged over `replicate`), and sharded over all ranks `fzero-hpz3` (`hpz=True`), `fzero-qwz3` (`qwz=True`),
@@ -63,7 +64,6 @@ at every size. A memory worker that dies is named and its cell left empty rather
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import datetime
 import functools
@@ -99,7 +99,7 @@ Step = Callable[[dict[str, torch.Tensor]], None]
 
 
 def make_model(n_layer: int = CFG.n_layer) -> GPT:
-    """The benchmark's model, `CFG` with `n_layer` blocks (seed 0, an untied head)."""
+    """The benchmark's model, `CFG` with `n_layer` blocks (seed 0, an untied head); equal at every call: no copies."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(CFG, n_layer=n_layer))
     model.head.weight = nn.Parameter(torch.randn(CFG.vocab_size, CFG.d_model) * 0.02)  # untied: 27.3M at 6 layers
@@ -345,7 +345,7 @@ def step_ledger(
 ) -> dict[str, dict[str, int]]:
     """One step's ledger (after one warm-up step) of a fresh `name` trainer on `grid_mesh()`, this rank's."""
     mesh = grid_mesh()
-    step = trainers()[name](copy.deepcopy(make_model(n_layer)), precision, mesh=mesh)
+    step = trainers()[name](make_model(n_layer), precision, mesh=mesh)
     step(data[0])
     with mesh.record() as ledger:
         step(data[1 % len(data)])
@@ -362,7 +362,7 @@ def build_all(names: list[str], precision: str, n_layer: int = CFG.n_layer) -> t
     steps, skipped = {}, {}
     for name in names:
         try:
-            steps[name] = trainers()[name](copy.deepcopy(make_model(n_layer)), precision)
+            steps[name] = trainers()[name](make_model(n_layer), precision)
         except ImportError as e:  # DeepSpeed not installed
             skipped[name] = f"not installed ({e.name})"
     return steps, skipped
