@@ -488,10 +488,11 @@ def _check_last(layout: Layout, x: Tensor, what: str) -> None:
 
 
 def to_rank_major(layout: Layout, x: Tensor) -> Tensor:
-    """Permute the last dimension from unit-major to rank-major (a view when there is one unit)."""
+    """Permute the last dimension from unit-major to rank-major (`x` itself when there is one unit or one rank:
+    the two orders are then the same)."""
     _check_last(layout, x, "to_rank_major")
     lead, w = x.shape[:-1], layout.world
-    if len(layout.units) == 1:
+    if len(layout.units) == 1 or w == 1:
         return x
     parts = [x[..., layout.unit_slice(i)].unflatten(-1, (w, -1)) for i in range(len(layout.units))]
     return torch.cat(parts, dim=-1).reshape(*lead, layout.numel)
@@ -501,7 +502,7 @@ def to_unit_major(layout: Layout, x: Tensor) -> Tensor:
     """Inverse of `to_rank_major`."""
     _check_last(layout, x, "to_unit_major")
     lead, w = x.shape[:-1], layout.world
-    if len(layout.units) == 1:
+    if len(layout.units) == 1 or w == 1:
         return x
     by_rank = x.unflatten(-1, (w, layout.shard_numel))
     parts = [by_rank[..., layout.unit_shard_slice(i)].flatten(-2) for i in range(len(layout.units))]
