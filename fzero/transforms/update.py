@@ -237,8 +237,8 @@ class _ShardUpdate:
         if taken is not None:  # computed during the backward, and what it assumed holds
             params, state, copy, io = taken
             if self.to_disk:  # the new master is in memory: its compute copy goes to disk now, chunk by chunk
-                old = disk_copy(flow.compute)
-                copy, io = write_compute(old.store, params, old), take_io(old.store)
+                stored = disk_copy(flow.compute)
+                copy, io = write_compute(stored.store, params, stored), take_io(stored.store)
             flow = flow._replace(params=params, compute=copy).with_info(applied=True)
             return (flow if io is None else flow.with_metrics(io={"nvme": io})), state
         grads, kw = self.prepare(flow.gradients("shard_update"), flow.info.grad_factor, flow.params.dtype)
