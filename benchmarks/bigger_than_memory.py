@@ -16,7 +16,7 @@ The cap of each process is its share of the training state (`fzero.state_bytes`:
 i.e. master, Adam's moments and the compute copy) divided by `--ratio`. It is enforced by a cgroup-v1 memory
 controller where this machine lets us make one (`/sys/fs/cgroup/memory/...`, `memory.limit_in_bytes`: the kernel
 kills a process that goes over), and always by the process itself: a thread samples its `RssAnon` every 5 ms and
-exits with an error if it ever exceeds the cap (`benchmarks/offload.py`'s `PeakRss`). The runs' losses must be the
+exits with an error if it ever exceeds the cap (`benchmarks/procmem.py`'s `PeakRss`). The runs' losses must be the
 same numbers, bit for bit.
 """
 
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from offload import PeakRss, rss_anon  # (this directory: benchmarks/offload.py)
+from procmem import PeakRss, rss_anon  # (this directory: benchmarks/procmem.py)
 
 CGROUP = Path("/sys/fs/cgroup/memory")
 

@@ -51,7 +51,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from typing import Any
@@ -62,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from procmem import PeakRss, rss_anon  # (this directory)
 
 import fzero
 from fzero.examples.gpt import GPT, GPTConfig, corpus_tokens, gpt_loss, sample_batch
@@ -115,44 +115,6 @@ def proc_io() -> dict[str, int]:
             key, _, value = line.partition(":")
             out[key.strip()] = int(value)
     return out
-
-
-def rss_anon() -> int:
-    """This process's anonymous resident memory in bytes (RssAnon of /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class PeakRss:
-    """The peak RssAnon: sampled every `interval` seconds by a thread, and on every `sample()`. With a `cap` (bytes),
-    a sample above it ends the process at once (exit 3) with a message: a memory-capped run that checks itself."""
-
-    def __init__(self, interval: float = 0.005, cap: int | None = None) -> None:
-        self.cap = cap
-        self.peak = rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
-        self._thread.start()
-
-    def _run(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            self.sample()
-
-    def sample(self) -> None:
-        now = rss_anon()
-        self.peak = max(self.peak, now)
-        if self.cap is not None and now > self.cap:
-            print(f"RssAnon {now / 2**20:.0f} MiB over the cap {self.cap / 2**20:.0f} MiB", file=sys.stderr)
-            os._exit(3)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-        return self.peak
 
 
 def crc32_speed() -> float:

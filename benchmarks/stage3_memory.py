@@ -90,7 +90,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -101,6 +100,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (read by DeepSpeed at import, 
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from procmem import PeakRss, proc_status  # (this directory)
 from torch import nn
 
 MiB = 2**20
@@ -146,15 +146,6 @@ def machine() -> str:
     )
 
 
-def status(key: str) -> int:
-    """A /proc/self/status field (kB) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def live_tensor_bytes() -> int:
     """Bytes of the CPU tensors the garbage collector reaches (and their `.grad`s), each storage once: what the
     program holds, as against what the allocator keeps resident."""
@@ -181,21 +172,16 @@ def reset_peak() -> None:
         f.write("5")
 
 
-class Sampler:
-    """RssAnon's peak per phase: a thread samples it every `interval` seconds; `phase()` and `sample()` read it too."""
+class Sampler(PeakRss):
+    """RssAnon's peak per phase: `PeakRss`'s thread, each sample counted in the current phase, which `phase()`
+    ends and reads."""
 
     def __init__(self, interval: float) -> None:
         self.name, self.peaks, self.at_end = "start", {}, {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
-        self._thread.start()
-
-    def _run(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            self.sample()
+        super().__init__(interval)
 
     def sample(self) -> int:
-        now, name = status("RssAnon"), self.name
+        now, name = super().sample(), self.name
         self.peaks[name] = max(self.peaks.get(name, 0), now)
         return now
 
@@ -205,12 +191,11 @@ class Sampler:
         self.name = name
         self.sample()
 
-    def stop(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._thread.join()
-        self.phase("end")
+    def stop(self) -> int:
+        if not self._stop.is_set():
+            super().stop()
+            self.phase("end")
+        return self.peak
 
 
 def build_model(layers: int, width: int) -> nn.Sequential:
@@ -243,7 +228,7 @@ def train(args: Any, lib: str, layers: int, width: int, config: dict, rank: int,
         import fzero
 
         initialize = fzero.initialize
-    start_rss, start_anon = status("VmRSS"), status("RssAnon")
+    start_rss, start_anon = proc_status("VmRSS"), proc_status("RssAnon")
     reset_peak()
     result.update(start=start_rss, start_anon=start_anon)
     sampler = Sampler(args.interval)
@@ -286,9 +271,8 @@ def train(args: Any, lib: str, layers: int, width: int, config: dict, rank: int,
         return engine
     finally:
         sampler.stop()
-        result.update(
-            hwm=status("VmHWM"), rss=status("VmRSS"), anon=status("RssAnon"), peaks=sampler.peaks, at_end=sampler.at_end
-        )
+        hwm, rss, anon = (proc_status(key) for key in ("VmHWM", "VmRSS", "RssAnon"))
+        result.update(hwm=hwm, rss=rss, anon=anon, peaks=sampler.peaks, at_end=sampler.at_end)
 
 
 def _write(out: str, name: str, result: dict[str, Any]) -> None:
