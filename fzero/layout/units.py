@@ -21,13 +21,13 @@ collectives a step makes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-__all__ = ["ROOT_UNIT", "Auto", "BySize", "module_list_units", "size_units", "unit_policy"]
+__all__ = ["ROOT_UNIT", "Auto", "BySize", "concentrated", "module_list_units", "size_units", "unit_policy"]
 
 ROOT_UNIT = "<root>"
 _AUTO_MODEL_NUMEL = 1 << 20  # below a million elements, memory is not what the units are for: the ModuleList rule
@@ -113,14 +113,21 @@ def size_units(model: nn.Module, min_numel: int) -> Callable[[str], str]:
     return lambda name: assigned.get(name, ROOT_UNIT)
 
 
-def concentrated(model: nn.Module, unit_of: Callable[[str], str]) -> bool:
-    """Whether one unit of `unit_of` holds more than half of the elements of `model` (tied parameters once, frozen
-    ones included), a model of at least 2**20 elements: where gathering unit by unit saves little memory."""
+def concentrated(sizes: Mapping[str, int]) -> str | None:
+    """The unit that holds more than half of a model of at least 2**20 elements, given every unit's element count
+    (trainable and frozen, tied parameters once), or None: where gathering unit by unit saves little memory."""
+    total = sum(sizes.values())
+    biggest = max(sizes, key=sizes.__getitem__, default=None)
+    return biggest if biggest is not None and total >= _AUTO_MODEL_NUMEL and sizes[biggest] > total / 2 else None
+
+
+def _sizes(model: nn.Module, unit_of: Callable[[str], str]) -> dict[str, int]:
+    """Each unit's element count under `unit_of` (tied parameters once, frozen ones included)."""
     sizes: dict[str, int] = {}
     for name, p in model.named_parameters():
-        sizes[unit_of(name)] = sizes.get(unit_of(name), 0) + p.numel()
-    total = sum(sizes.values())
-    return total >= _AUTO_MODEL_NUMEL and max(sizes.values(), default=0) > total / 2
+        unit = unit_of(name)
+        sizes[unit] = sizes.get(unit, 0) + p.numel()
+    return sizes
 
 
 def unit_policy(model: nn.Module, units: str | BySize | Auto | Callable[[str], str] | None) -> Callable[[str], str]:
@@ -133,7 +140,7 @@ def unit_policy(model: nn.Module, units: str | BySize | Auto | Callable[[str], s
         units = Auto()
     if isinstance(units, Auto):
         by_list = module_list_units(model)
-        return size_units(model, units.min_numel) if concentrated(model, by_list) else by_list
+        return size_units(model, units.min_numel) if concentrated(_sizes(model, by_list)) else by_list
     if units == "module_list":
         return module_list_units(model)
     if units == "single":

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from ..layout import ROOT_UNIT, Layout, from_module, unflatten, unshard
+from ..layout.units import concentrated
 from ..mesh import Mesh
 from ..mesh.ranks import check_batch, ranks_of, stacks
 from ..sharding.bind import bound
@@ -190,20 +191,17 @@ def _frozen_at_rest(mesh: Mesh, frozen_layout: Layout, frozen: Tensor, sharded: 
     return frozen
 
 
-_WARN_NUMEL = 1 << 20  # below a million elements, memory is not what stage 3 is for: no warning
-
-
 def _warn_single_unit(layout: Layout) -> None:
-    """Stage 3 saves memory only when no unit holds most of the model: say so when one does (models of a million
-    elements or more)."""
-    sizes = [u.numel for u in layout.units]
+    """Stage 3 saves memory only when no unit holds most of the model: say so when one does (the rule
+    `fzero.layout.Auto` splits by: models of 2**20 elements or more)."""
+    sizes = {u.name: u.numel for u in layout.units}
     if layout.frozen_layout is not None:
-        sizes = [a + u.numel for a, u in zip(sizes, layout.frozen_layout.units, strict=True)]
-    total = sum(sizes)
-    biggest = max(range(len(sizes)), key=sizes.__getitem__)
-    if total >= _WARN_NUMEL and sizes[biggest] > total / 2:
+        sizes = {name: n + u.numel for (name, n), u in zip(sizes.items(), layout.frozen_layout.units, strict=True)}
+    biggest = concentrated(sizes)
+    if biggest is not None:
+        share = sizes[biggest] / sum(sizes.values())
         warnings.warn(
-            f"stage 3: unit {layout.units[biggest].name!r} holds {sizes[biggest] / total:.0%} of the parameters, so "
+            f"stage 3: unit {biggest!r} holds {share:.0%} of the parameters, so "
             "gathering one unit at a time saves little memory; split the model into more units, e.g. "
             "fzero.init(..., units=fzero.layout.BySize(n)) with n under that unit's largest module, or a callable "
             "naming each parameter's unit",
