@@ -46,21 +46,23 @@ def optimizer(groups: bool, kill_at: int | None = None) -> fzero.Optimizer:
 
 
 def train(*, stage=3, world=2, precision=None, micro=1, steps=3, offload=None, groups=False, state=None, start=0,
-          mesh=None, rank=None, opt=None, save=None, clip=None, hits=None):  # fmt: skip
+          mesh=None, rank=None, opt=None, save=None, clip=None, hits=None, donate=False, metrics=None):  # fmt: skip
     """`steps` steps of the tiny GPT from `state` (default: a fresh one), batches from step `start`; with `rank`,
     on a `DistMesh` (its rows of each batch); with `save`, a checkpoint `(directory, after step)`; `hits` collects
-    the speculation's outcomes."""
+    the speculation's outcomes, `metrics` each step's metrics; `donate`: the step's (`fzero.train_step`)."""
     model = tiny_gpt(0)
     tx = PRESETS[stage](opt or optimizer(groups), accumulate=micro, precision=precision, offload=offload, clip=clip)
     mesh = mesh or fzero.SimMesh(world)
     state = state if state is not None else fzero.init(model, tx, mesh)
-    step = fzero.train_step(model, lm_loss(model), tx, mesh)
+    step = fzero.train_step(model, lm_loss(model), tx, mesh, donate=donate)
     losses, io = [], []
     batches = lm_batches(tiny_gpt(0), world, micro, 2, steps + start, 7)[start * micro :]
     for i, batch in enumerate(batches):
         state, m = step(state, batch if rank is None else {k: v[rank] for k, v in batch.items()})
         losses.append(float(m["loss"]))
         io.append(m.get("io"))
+        if metrics is not None:
+            metrics.append(m)
         if hits is not None and "speculation" in m:
             hits.append(m["speculation"]["hit"])
         if save is not None and (i + 1) == save[1] * micro:

@@ -18,27 +18,17 @@ import torch.nn.functional as F
 
 import fzero
 from fzero.storage import in_memory
-from tests.support import differing, lm_batches, lm_loss, tiny_gpt
+from tests.nvme_worker import optimizer, train
+from tests.support import differing, lm_batches, tiny_gpt
 
-PRESETS = {2: fzero.zero2, 3: fzero.zero3}
 CLIP = 1.0  # the first step's gradient norm is 1.54, the next ones below 1: one miss, then hits
 
 
-def run(*, offload=None, precision=None, micro=1, steps=2, donate=False, opt=None, clip=None, state=None, start=0,
-        world=2, stage=3):  # fmt: skip
-    """`steps` steps of the tiny GPT at `stage` on a `SimMesh(world)`; the state, the losses, each step's metrics."""
-    model = tiny_gpt(0)
-    spec = fzero.param_groups({"*.bias": {"weight_decay": 0.0}})
-    tx = PRESETS[stage](opt or fzero.cpu_adamw(1e-2, weight_decay=0.1, groups=spec), accumulate=micro,
-                     precision=precision, offload=offload, clip=clip)  # fmt: skip
-    mesh = fzero.SimMesh(world)
-    state = state if state is not None else fzero.init(model, tx, mesh)
-    step = fzero.train_step(model, lm_loss(model), tx, mesh, donate=donate)
-    losses, metrics = [], []
-    for batch in lm_batches(tiny_gpt(0), world, micro, 2, steps + start, 7)[start * micro :]:
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-        metrics.append(m)
+def run(**kw):
+    """`nvme_worker.train` (the tiny GPT on a `SimMesh`, AdamW with parameter groups unless `opt`): the state, the
+    losses, each step's metrics."""
+    metrics: list = []
+    state, losses, _ = train(groups=True, metrics=metrics, **kw)
     return state, losses, metrics
 
 
@@ -113,8 +103,7 @@ def test_checkpoint_round_trip(tmp_path):
     fzero.save(disk, tmp_path / "ck-disk")
     fzero.save(mem, tmp_path / "ck-mem")
     for source, target in (("ck-disk", offload), ("ck-disk", None), ("ck-mem", offload)):
-        tx = fzero.zero3(fzero.cpu_adamw(1e-2, weight_decay=0.1, groups=fzero.param_groups(
-            {"*.bias": {"weight_decay": 0.0}})), precision="bf16", offload=target)  # fmt: skip
+        tx = fzero.zero3(optimizer(groups=True), precision="bf16", offload=target)
         like = fzero.init(tiny_gpt(0), tx, fzero.SimMesh(2))
         state, extra = fzero.load(tmp_path / source, like)
         assert extra["step"] == 2
