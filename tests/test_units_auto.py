@@ -16,7 +16,7 @@ from torch import nn
 
 import fzero
 from fzero.layout import ROOT_UNIT, Auto, unit_policy
-from tests.real_models import assert_bitwise
+from tests.real_models import assert_bitwise, train
 
 WIDTH = 512  # four bias-free layers of 512 x 512: 2**20 elements, the smallest model the rule splits
 
@@ -51,14 +51,10 @@ def _loss(model: nn.Module):
 
 
 def _train(model: nn.Module, units, steps: int = 2, seed: int = 1):
-    mesh, tx = fzero.SimMesh(2), fzero.zero3(fzero.adamw(1e-2))
+    """`real_models.train` at stage 3 (AdamW, 2 simulated ranks) on `steps` batches of 3 random rows a rank."""
     g = torch.Generator().manual_seed(seed)
-    state = fzero.init(model, tx, mesh, units=units)
-    step = fzero.train_step(model, _loss(model), tx, mesh)
-    for _ in range(steps):
-        batch = {"x": torch.randn(2, 3, WIDTH, generator=g), "y": torch.randn(2, 3, WIDTH, generator=g)}
-        state, metrics = step(state, batch)
-    return state, metrics
+    batches = [{k: torch.randn(2, 3, WIDTH, generator=g) for k in ("x", "y")} for _ in range(steps)]
+    return train(model, batches, "zero3", loss=_loss, units=units)
 
 
 @settings(max_examples=3, deadline=None)
