@@ -2,8 +2,9 @@
 
 - `resume`: a rank of a real gloo group: trains, saves mid-run, resumes from the files, and writes what it got;
   also loads a checkpoint the parent saved at another world size. Run by `tests/test_checkpoint_dist.py`.
-- ``python -m tests.ckpt_worker save-loop ROOT``: saves a large-ish state again and again, printing each finished
-  save, until it is killed (`tests/test_checkpoint_faults.py` kills it with SIGKILL at random moments).
+- ``python -m tests.ckpt_worker save-loop ROOT [background]``: saves a large-ish state again and again, printing each
+  finished save, until it is killed (`tests/test_checkpoint_faults.py` and `test_checkpoint_background.py` kill it
+  with SIGKILL at random moments).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def resume(rank: int, world: int, out_dir: str) -> None:
             tensors = {f"straight/{k}": v for k, v in straight.items() if k != "head.weight"}
             tensors |= {f"resumed/{k}": v for k, v in again.items() if k != "head.weight"}
             save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out_dir}/{preset}.st")
+    background(rank, world, out_dir, mesh)
     # failures reach every rank: none hangs in a collective, all raise the same kind of error
     outcomes = []
     try:
@@ -97,8 +99,27 @@ def resume(rank: int, world: int, out_dir: str) -> None:
     process_group.shutdown()
 
 
-def save_loop(root: str) -> None:
-    """Save states whose every parameter equals the save's index, forever."""
+def background(rank: int, world: int, out_dir: str, mesh: fzero.DistMesh) -> None:
+    """A background save at stage 3 while 3 donated steps overwrite the state (and gather and reduce over the
+    group meanwhile): rank 0 keeps the state at the call and after the steps, for the parent to compare."""
+    model = tiny_gpt(0)
+    tx = fzero.zero3(fzero.adamw(1e-2))
+    step = fzero.train_step(model, lm_loss(model), tx, mesh, donate=True)
+    data = lm_batches(model, world, 1, 2, 5, 3)
+    state = train(fzero.init(model, tx, mesh), step, data[:2], 0, rank)
+    handle = fzero.save(state, f"{out_dir}/background", mesh=mesh, data_position=2, blocking=False)
+    at_call = fzero.state_dict(state, mesh)
+    state = train(state, step, data, 2, rank)
+    handle.wait()
+    after = fzero.state_dict(state, mesh)
+    if rank == 0:
+        tensors = {f"at_call/{k}": v for k, v in at_call.items()} | {f"after/{k}": v for k, v in after.items()}
+        save_file({k: v.contiguous() for k, v in tensors.items() if "head" not in k}, f"{out_dir}/background.st")
+
+
+def save_loop(root: str, background: bool = False) -> None:
+    """Save states whose every parameter equals the save's index, forever (`background`: each save in the
+    background, overwriting the state's buffers in place while it writes, as a donated step would)."""
     torch.set_num_threads(1)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
     tx = fzero.zero2(fzero.adamw(1e-3))
@@ -106,11 +127,17 @@ def save_loop(root: str) -> None:
     i = int(fzero.checkpoint.read_latest(root).removeprefix("s")) + 1 if fzero.checkpoint.read_latest(root) else 0
     while True:
         state = state.replace(params=torch.full_like(state.params, float(i)))
-        fzero.save(state, root, tag=f"s{i}", data_position=i, overwrite=True)  # killed after its rename, before latest
+        if not background:
+            fzero.save(state, root, tag=f"s{i}", data_position=i, overwrite=True)  # killed after its rename
+        else:
+            handle = fzero.save(state, root, tag=f"s{i}", data_position=i, overwrite=True, blocking=False)
+            while not handle.done():
+                state.params.fill_(-1.0)  # the staged copy is what is written
+            handle.wait()
         print("saved", i, flush=True)
         i += 1
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "save-loop":
-        save_loop(sys.argv[2])
+        save_loop(sys.argv[2], background=sys.argv[3:] == ["background"])

@@ -1,7 +1,8 @@
 """Checkpoints over a real gloo group of 2 processes: save-resume is bitwise the uninterrupted run (each rank's
 own generator restored, a stage-1 save in the middle of an accumulation included), a checkpoint of world 3 loads
 into world 2 and trains as a `SimMesh(2)` does, a 2-process checkpoint loads in one process, and an error on one
-rank (a damaged file only it verifies, a tag only rank 0 sees exists) is raised on both."""
+rank (a damaged file only it verifies, a tag only rank 0 sees exists) is raised on both; a background save holds the
+state at its call while donated steps run, and resumes to the same state."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fzero.checkpoint import named_leaves
 from tests import ckpt_worker
 from tests.ckpt_worker import CASES, batches, train
 from tests.spawn import spawn
-from tests.support import lm_loss, tiny_gpt
+from tests.support import lm_batches, lm_loss, tiny_gpt
 from tests.test_checkpoint import assert_same
 
 WORLD = 2
@@ -60,5 +61,26 @@ def test_dist_resume_and_reshard(tmp_path):
             assert lines[0].startswith("CheckpointError:") and "moved-zero3/step6 already exists" in lines[0]
             assert lines[1].startswith("CorruptCheckpointError:")
             assert "rank-00001-of-00002.safetensors: checksum mismatch" in lines[1]
+        # the background save the workers took while 3 donated steps ran: the state at the call, bitwise, and
+        # resuming from it in one process gives the workers' state after the steps (a SimMesh(2) is their run)
+        got = load_file(tmp_path / "background.st")
+        tx = fzero.zero3(fzero.adamw(1e-2))
+        mesh = fzero.SimMesh(WORLD)
+        resumed, extra = fzero.load(tmp_path / "background", fzero.init(model, tx, mesh))
+        assert extra["data_position"] == 2
+        params = fzero.state_dict(resumed)
+        assert_same({k: params[k] for k in got_names(got, "at_call")}, strip(got, "at_call"))
+        data = lm_batches(model, WORLD, 1, 2, 5, 3)
+        resumed = train(resumed, fzero.train_step(model, lm_loss(model), tx, mesh), data, 2, None)
+        params = fzero.state_dict(resumed)
+        assert_same({k: params[k] for k in got_names(got, "after")}, strip(got, "after"))
     finally:
         torch.set_num_threads(threads)
+
+
+def got_names(got: dict, prefix: str) -> list[str]:
+    return [k.removeprefix(f"{prefix}/") for k in got if k.startswith(f"{prefix}/")]
+
+
+def strip(got: dict, prefix: str) -> dict:
+    return {k.removeprefix(f"{prefix}/"): v for k, v in got.items() if k.startswith(f"{prefix}/")}

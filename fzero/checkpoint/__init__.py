@@ -22,6 +22,7 @@ import optree
 
 from . import errors
 from .atomic import read_latest, resolve
+from .background import SaveHandle
 from .consolidate import consolidate, write_consolidated
 from .errors import *  # noqa: F403  (every error is public: `__all__` takes `errors.__all__`)
 from .hybrid import expand_hybrid, hybrid_mesh, shard_group
@@ -39,6 +40,7 @@ __all__ = [
     "VERSION",
     "Checkpoint",
     "Manifest",
+    "SaveHandle",
     "consolidate",
     "load",
     "named_leaves",

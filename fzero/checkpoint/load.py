@@ -15,7 +15,7 @@ import optree
 from torch import Tensor
 
 from ..storage import Offloaded, Store
-from . import rng
+from . import background, rng
 from .coord import Coordinator
 from .hybrid import GroupCoordinator, expand_hybrid, hybrid_mesh, shard_group
 from .reader import Checkpoint
@@ -98,6 +98,7 @@ def load(
     Raises:
       CheckpointNotFoundError, CorruptCheckpointError, CheckpointVersionError, IncompatibleCheckpointError.
     """
+    background.wait_pending(directory)  # a background save to it in flight ends first
     hybrid = hybrid_mesh(like, mesh)
     if hybrid is not None and getattr(like, "simulated", False):
         # load into its first shard group, then copy that to every replica

@@ -8,11 +8,14 @@ one process writes every rank's file.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ from .safetensors_io import TensorSpec, write_safetensors
 from .sources import MemorySource, decide_storage
 from .tree import FlatState, flatten_state
 
-__all__ = ["save"]
+__all__ = ["Job", "save", "write"]
 
 
 def _json(value: Any, name: str) -> Any:
@@ -60,15 +63,25 @@ def _precision(flat: FlatState, roles: dict[str, Any]) -> dict[str, str | None]:
     return {"master": master.dtype if master else None, "compute": compute.dtype if compute else None}
 
 
+RngState = tuple[dict[str, torch.Tensor], dict[str, str]]
+Coord = Coordinator | GroupCoordinator
+
+
 def _write_rank(
-    directory: Path, source: MemorySource, rank: int, world: int, with_rng: bool, meta: dict[str, str], fsync: bool
+    directory: Path,
+    source: MemorySource,
+    rank: int,
+    world: int,
+    rng_state: RngState | None,
+    meta: dict[str, str],
+    fsync: bool,
 ) -> FileInfo:
     entries = [e for e in source.entries.values() if e.in_file(rank)]
     specs = [TensorSpec(e.key, dtype_of(e.dtype), e.stored_shape(source.layout)) for e in entries]
     producers = [lambda e=e: source.pieces(e.key, rank) for e in entries]
     meta = {**meta, "fzero.rank": str(rank), "fzero.world": str(world)}
-    if with_rng:
-        tensors, rng_meta = rng.capture()
+    if rng_state is not None:
+        tensors, rng_meta = rng_state
         meta.update(rng_meta)
         for name, t in tensors.items():
             specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
@@ -76,6 +89,22 @@ def _write_rank(
     name = file_name(rank, world)
     record = write_safetensors(directory / name, specs, lambda i: producers[i](), meta, fsync=fsync)
     return FileInfo(name, rank, record.bytes, record.sha256)
+
+
+@dataclass
+class Job:
+    """A save decided at the call, ready to write: what `write` needs, nothing of the live state but `source`
+    (which `fzero.checkpoint.background` replaces by a staged copy) and `coord` (there, a side channel)."""
+
+    root: Path
+    tag: str
+    source: MemorySource
+    coord: Coord
+    manifest: Callable[[list[FileInfo]], Manifest]  # the manifest, given every rank's file
+    rng_state: RngState  # this process's generators at the call
+    latest: bool
+    overwrite: bool
+    fsync: bool
 
 
 def save(
@@ -90,7 +119,8 @@ def save(
     latest: bool = True,
     overwrite: bool = False,
     fsync: bool = True,
-) -> Path:
+    blocking: bool = True,
+) -> Any:
     """Save a training state as a sharded, checksummed checkpoint ``DIRECTORY/TAG``.
 
     Every leaf of the state is saved, whatever its fields (the parameters, the optimizer state with its step count
@@ -110,20 +140,46 @@ def save(
       latest: point ``DIRECTORY/latest`` at this checkpoint.
       overwrite: replace an existing checkpoint of the same tag (else that is an error).
       fsync: flush files and directories to the disk (leave on unless the disk is a scratch space).
+      blocking: False: copy the state to host memory and return at once, writing in a background thread while
+        training goes on (`fzero.checkpoint.background`: the files hold the state at the call, bitwise; the host
+        memory taken is one copy of this process's part of the state until the write ends).
 
     Returns:
-      The checkpoint's directory.
+      The checkpoint's directory; with ``blocking=False`` a `SaveHandle` (`.wait()` returns the directory or raises
+      the save's error, `.done()`).
 
     Raises:
       CheckpointError: the tag exists (without `overwrite`), or a rank failed to write; nothing becomes visible.
       ValueError: a hybrid state whose replicas differ (a local accumulator mid-window): it names the leaf.
     """
+    from . import background  # (it builds on this module)
+
+    background.wait_pending(directory)  # at most one save in flight per root: this one waits for the last
+    job = _job(state, directory, mesh, tag, data_position, user_state, config, latest, overwrite, fsync)
+    if not blocking:
+        return background.start(job, mesh)
+    return write(job)
+
+
+def _job(
+    state: Any,
+    directory: str | os.PathLike[str],
+    mesh: Any,
+    tag: str | None,
+    data_position: int | None,
+    user_state: Any,
+    config: Any,
+    latest: bool,
+    overwrite: bool,
+    fsync: bool,
+) -> Job:
+    """Everything about the save that depends on the state at the call (the one collective: the storage decision)."""
     hybrid = hybrid_mesh(state, mesh)
     # a hybrid state: its first shard group's world-S state; on a DistMesh every rank takes part, replica 0's ranks
     # write (fzero.checkpoint.hybrid)
     state = shard_group(state, mesh)
     flat = flatten_state(state)
-    coord: Coordinator | GroupCoordinator
+    coord: Coord
     if hybrid is not None and not flat.simulated:
         coord = GroupCoordinator(mesh, flat.world, flat.device, saving=True)
     else:
@@ -133,24 +189,34 @@ def save(
     user_state, config = _json(user_state, "user_state"), _json(config, "config")
     step = int(getattr(state, "step", 0))
     tag = check_tag(f"step{step}" if tag is None else tag)
-    root = Path(directory)
 
     gather = (lambda mine: coord.all_gather(mine)) if coord.distributed else None
     storage = decide_storage(flat, gather)
     # (this process's checkpoint rank; a replica that writes nothing reads nothing)
     source = MemorySource(flat, storage, rank=(coord.ranks or [0])[0] if coord.distributed else None)
-    tmp = temp_dir(root, tag)
+    roles = _roles(state, flat)
+    bare = dataclasses.replace(flat, leaves=())  # (the manifest needs no values: a staged save holds no live leaf)
 
+    def manifest(infos: list[FileInfo]) -> Manifest:
+        return _manifest(bare, roles, storage, infos, coord, tag, step, data_position, user_state, config, hybrid)
+
+    return Job(Path(directory), tag, source, coord, manifest, rng.capture(), latest, overwrite, fsync)
+
+
+def write(job: Job) -> Path:
+    """Write a decided save: the shard files, the manifest, then the commit (every rank of `job.coord` calls it)."""
+    root, tag, coord = job.root, job.tag, job.coord
+    tmp = temp_dir(root, tag)
     error: BaseException | None = None
     if coord.rank == 0:
         try:
-            prepare(root, tag, overwrite)
+            prepare(root, tag, job.overwrite)
         except Exception as e:
             error = e
     coord.agree(error, "preparing the checkpoint directory")
 
     try:
-        infos = _write_files(tmp, source, coord, tag, fsync)
+        infos = _write_files(tmp, job)
     except Exception as e:
         error = CheckpointError(f"writing the shard files of {root / tag} failed ({type(e).__name__}: {e}); "
                                 "nothing was changed")  # fmt: skip
@@ -168,11 +234,8 @@ def save(
     final = root / tag
     if coord.rank == 0:
         try:
-            manifest = _manifest(
-                state, flat, storage, infos, coord, tag, step, data_position, user_state, config, hybrid
-            )
-            write_manifest(tmp, manifest, fsync)  # last: a directory without it is an unfinished save
-            if fsync:
+            write_manifest(tmp, job.manifest(infos), job.fsync)  # last: a directory without it is an unfinished save
+            if job.fsync:
                 fsync_dir(tmp)
         except Exception as e:
             error = CheckpointError(f"writing the manifest of {final} failed ({type(e).__name__}: {e}); nothing "
@@ -181,34 +244,34 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             try:
-                final = commit(root, tag, latest)  # on failure it restores what was there and removes tmp
+                final = commit(root, tag, job.latest)  # on failure it restores what was there and removes tmp
             except CheckpointError as e:
                 error = e
     coord.agree(error, "committing the checkpoint")
     return final
 
 
-def _write_files(
-    tmp: Path, source: MemorySource, coord: Coordinator | GroupCoordinator, tag: str, fsync: bool
-) -> list[FileInfo]:
+def _write_files(tmp: Path, job: Job) -> list[FileInfo]:
     """This process's shard files, one thread per file (hashing and writing release the GIL, so a `SimMesh`'s
     files are written side by side); the first of them also holds the process's generators. None for a replica
     of a hybrid `DistMesh` state beyond the first."""
-    if not coord.ranks:
+    ranks = job.coord.ranks
+    if not ranks:
         return []
-    meta = {"fzero.tag": tag, "fzero.format_version": str(VERSION)}
-    world, first = source.layout.world, coord.ranks[0]
-    with ThreadPoolExecutor(min(len(coord.ranks), os.cpu_count() or 1)) as pool:
-        jobs = [pool.submit(_write_rank, tmp, source, r, world, r == first, meta, fsync) for r in coord.ranks]
-        return [job.result() for job in jobs]
+    meta = {"fzero.tag": job.tag, "fzero.format_version": str(VERSION)}
+    world, first = job.source.layout.world, ranks[0]
+    with ThreadPoolExecutor(min(len(ranks), os.cpu_count() or 1)) as pool:
+        jobs = [pool.submit(_write_rank, tmp, job.source, r, world, job.rng_state if r == first else None, meta,
+                            job.fsync) for r in ranks]  # fmt: skip
+        return [j.result() for j in jobs]
 
 
 def _manifest(
-    state: Any,
     flat: FlatState,
+    roles: dict[str, Any],
     storage: dict[str, str],
     infos: list[FileInfo],
-    coord: Coordinator | GroupCoordinator,
+    coord: Coord,
     tag: str,
     step: int,
     data_position: int | None,
@@ -216,8 +279,6 @@ def _manifest(
     config: Any,
     mesh: dict[str, Any] | None = None,
 ) -> Manifest:
-
-    roles = _roles(state, flat)
     return Manifest(
         tag=tag,
         step=step,
