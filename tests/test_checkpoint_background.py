@@ -116,3 +116,29 @@ def test_sigkill_during_background_save_leaves_the_previous_checkpoint(tmp_path)
         # the last save reported finished, or the one in flight (killed after its rename)
         assert extra["data_position"] in (done[-1], done[-1] + 1), (extra["data_position"], done)
         assert torch.equal(state.params, torch.full_like(state.params, float(extra["data_position"])))
+
+
+def test_engine_decoupled_writer_resumes_bitwise(tmp_path):
+    """DeepSpeed's ``checkpoint.writer.decoupled``: `save_checkpoint` returns after the copy, the engine trains on
+    (its state donated, updated in place) while it writes; a fresh engine resumes from it to the same run."""
+    from fzero.config import ConfigError
+    from tests.engine_ckpt_worker import batches, config, engine, train
+
+    writer = {"type": "fast", "decoupled": True, "io_buffer_size": 2**20, "data_parallel": "replica"}
+    cfg, data = config(3, "bf16", 2, checkpoint={"writer": writer}), batches(10)
+    a = engine(cfg, seed=0)
+    train(a, data, 0, 4)
+    assert a.save_checkpoint(tmp_path, client_state={"epoch": 1}) is True
+    assert isinstance(a.pending_checkpoint, SaveHandle)
+    losses = train(a, data, 4, 10)  # while it writes
+    assert a.wait_for_checkpoint() == tmp_path / "global_step2" and a.pending_checkpoint is None
+
+    b = engine(cfg, seed=1)
+    assert b.load_checkpoint(tmp_path)[1] == {"epoch": 1}
+    assert train(b, data, 4, 10) == losses
+
+    b.save_checkpoint(tmp_path, tag="global_step2", overwrite=False)  # exists: fails in the background ...
+    with pytest.raises(CheckpointError, match="already exists"):
+        b.destroy()  # ... raised by the engine's next checkpoint call or destroy
+    with pytest.raises(ConfigError, match=r"checkpoint\.writer\.type.*MOCK writer"):
+        engine(config(0, checkpoint={"writer": {"type": "mock"}}))

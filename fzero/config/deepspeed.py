@@ -222,6 +222,22 @@ ZERO = Section(
 
 # ------------------------------------------------------------------------------------------------------- scheduler
 _PER_GROUP_LR = PerGroup(Num(0))
+_SAME = "no effect (fzero's writer: one safetensors file per rank, streamed with its sha256)"
+# DeepSpeed 0.19.8's `checkpoint.writer` block (runtime/model_checkpointing): only `decoupled` changes what fzero does
+_WRITER = Section(
+    {
+        "type": Field(Str(("FAST", "PYTHON", "MOCK"), fold=True), "FAST", effect=_SAME,
+                      unsupported="the MOCK writer (it writes no checkpoint)", supported=lambda v: v != "MOCK"),
+        "io_buffer_size": Field(Int(1), 64 * 2**20, effect=_SAME),
+        "io_buffer_double": Field(Bool(), True, effect=_SAME),
+        "show_statistics": Field(Bool(), False, effect=_SAME),
+        "data_parallel": Field(Nullable(Str(("REPLICA", "SOCKET", "MACHINE"), fold=True)), None,
+                               effect="no effect (every rank writes its own shard file)"),
+        "io_multiplier": Field(Int(1), 1, effect=_SAME),
+        "decoupled": Field(Bool(), False, effect="save_checkpoint returns once the state is copied to host memory; "
+                           "a background thread writes it (fzero.save(blocking=False))"),
+    }
+)  # fmt: skip
 _LAST = Field(Int(), -1, unsupported="resuming a schedule from last_batch_iteration (load a checkpoint instead)")
 _WARMUP_TYPE = Field(Str(("log", "linear")), "log")
 
@@ -438,7 +454,7 @@ SCHEMA = Section(
             },
             open=True,
         ),
-        "checkpoint": Section({}, open=True),
+        "checkpoint": Section({"writer": Field(Nullable(_WRITER), None)}, open=True),
         "tensor_parallel": Section({"autotp_size": Field(Int(0), 0, unsupported="tensor parallelism")}, open=True),
         "gradient_allreduce_op": Field(
             Str(("mean", "sum")), "mean", unsupported="summing the ranks' gradients instead of averaging them"

@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, CheckpointNotFoundError, IncompatibleCheckpointError, read_manifest, rng
+from ..checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    SaveHandle,
+    read_manifest,
+    rng,
+)
 from ..checkpoint import load as fzero_load
 from ..checkpoint import resolve as resolve_checkpoint
 from ..checkpoint import save as fzero_save
@@ -244,6 +251,20 @@ def _check_frozen_excluded(path: Path, state: TrainState, strict: bool) -> None:
 class CheckpointMethods:
     """DeepSpeed's `save_checkpoint` and `load_checkpoint`, for an engine (`Checkpointable`: `fzero.Engine`)."""
 
+    pending_checkpoint: SaveHandle | None = None  # the background save in flight (`save_checkpoint(blocking=False)`)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """fzero only: wait for the engine's background save, if any (every rank calls it: they raise alike).
+
+        Returns:
+          Its checkpoint directory; None when no save was in flight.
+
+        Raises:
+          CheckpointError: the save failed; nothing became visible.
+        """
+        handle, self.pending_checkpoint = self.pending_checkpoint, None
+        return None if handle is None else handle.wait()
+
     def save_checkpoint(
         self: Checkpointable,
         save_dir: str | os.PathLike[str],
@@ -253,6 +274,7 @@ class CheckpointMethods:
         exclude_frozen_parameters: bool = False,
         *,
         overwrite: bool = True,
+        blocking: bool | None = None,
     ) -> bool:
         """DeepSpeed's `save_checkpoint`: the training state, the counters, the config and `client_state`, written
         with `fzero.save` to ``save_dir/tag`` (every rank calls it; see ``docs/checkpoints.md``).
@@ -269,11 +291,17 @@ class CheckpointMethods:
           exclude_frozen_parameters: leave the frozen parameters out (see the module docstring).
           overwrite: fzero only: replace an existing checkpoint of the same tag (atomically), as DeepSpeed writes
             over it; False makes that an error.
+          blocking: fzero only: False returns once the state is copied to host memory and writes it in the
+            background (`fzero.save(blocking=False)`; `engine.pending_checkpoint` is its handle); default: the
+            config's ``checkpoint.writer.decoupled``, as DeepSpeed's decoupled writer. A background save's failure
+            is raised by the engine's next `save_checkpoint`, `load_checkpoint` or `destroy` (and printed when it
+            happens), on every rank alike.
 
         Returns:
           True, as DeepSpeed's (the checkpoint is ``save_dir/tag``; errors raise).
         """
         self.check_between_steps("save_checkpoint")
+        self.wait_for_checkpoint()
         client_state = {} if client_state is None else client_state
         if not isinstance(client_state, Mapping):
             raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
@@ -283,7 +311,9 @@ class CheckpointMethods:
         _agree_on_tag(self, tag)
         user_state = {"client_state": dict(client_state), "engine": _record(self)}
         check_json(self.config.values, "config")
-        fzero_save(
+        if blocking is None:
+            blocking = not (self.config["checkpoint"]["writer"] or {}).get("decoupled", False)
+        saved = fzero_save(
             without_frozen(self.state) if exclude_frozen_parameters else self.state,
             save_dir,
             mesh=self.mesh,  # (read only where the ranks run in processes of their own: `fzero.save`)
@@ -293,7 +323,9 @@ class CheckpointMethods:
             config=self.config.values,
             latest=save_latest,
             overwrite=overwrite,
+            blocking=blocking,
         )
+        self.pending_checkpoint = None if blocking else saved
         if self.config.stage >= 1 and self.mesh.rank == 0:  # (DeepSpeed writes it with its ZeRO checkpoint files)
             _write_script(save_dir)
         return True
@@ -340,6 +372,7 @@ class CheckpointMethods:
                 "load_checkpoint(custom_load_fn=...) is not supported: fzero loads the state itself"
             )
         self.check_between_steps("load_checkpoint")
+        self.wait_for_checkpoint()
         configured = self.client_scheduler is None and self.config["scheduler"] is not None
         if configured and not load_module_only and load_optimizer_states and not load_lr_scheduler_states:
             raise ValueError(

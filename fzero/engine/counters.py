@@ -76,6 +76,10 @@ class Checkpointable(Protocol):
     client_scheduler: Any
     counters: EngineCounters
 
+    pending_checkpoint: Any
+
     def check_between_steps(self, what: str) -> None: ...
+
+    def wait_for_checkpoint(self) -> Any: ...
 
     def restore(self, state: TrainState, counters: EngineCounters | None) -> None: ...

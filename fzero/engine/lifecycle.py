@@ -27,6 +27,8 @@ class Lifecycle:
 
         def close(self) -> None: ...
 
+        def wait_for_checkpoint(self) -> Any: ...
+
     def compile(
         self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
         compiled_autograd_enabled: bool = False,
@@ -49,11 +51,15 @@ class Lifecycle:
         return False
 
     def destroy(self) -> None:
-        """DeepSpeed's `engine.destroy()`: drop a micro-step in flight and close the monitors (their files
-        flushed). The training state stays: the engine is released when the last reference to it goes."""
+        """DeepSpeed's `engine.destroy()`: drop a micro-step in flight, wait for a background checkpoint save and
+        close the monitors (their files flushed). The training state stays: the engine is released when the last
+        reference to it goes."""
         self._discard_micro_step()
         self._grad = self._loss = None
-        self.close()
+        try:
+            self.wait_for_checkpoint()  # (its failure is raised, after the rest is closed)
+        finally:
+            self.close()
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release memory held for parameters between steps. fzero's stage 3 frees each unit after its
