@@ -182,6 +182,26 @@ def test_engine_checkpoint_on_cuda(nccl, stage, tmp_path):
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
+def test_background_save_of_a_cuda_state(nccl, tmp_path):
+    """`save(blocking=False)` of a state on the GPU (pinned staging, non-blocking copies) while donated steps
+    overwrite it: the files hold the state at the call."""
+    model = tiny_gpt(15).cuda()
+    tx = fzero.zero3(fzero.adamw(LR))
+    step = fzero.train_step(model, lm_loss(model), tx, nccl, donate=True)
+    batches = _rank_batches(model, 4, 16)
+    state = fzero.init(model, tx, nccl)
+    state, _ = step(state, batches[0])
+    at_call = _on_host(fzero.state_dict(state, nccl))
+    handle = fzero.save(state, tmp_path, mesh=nccl, blocking=False)
+    for batch in batches[1:]:
+        state, _ = step(state, batch)
+    handle.wait(timeout=120)
+    loaded, _ = fzero.load(tmp_path, fzero.init(model, tx, nccl), nccl)
+    assert loaded.params.is_cuda
+    got = _on_host(fzero.state_dict(loaded, nccl))
+    assert [k for k in at_call if not torch.equal(got[k], at_call[k])] == []
+
+
 def _engine_continue(engine, batches):
     for batch in batches:
         logits = engine(batch["x"])
