@@ -12,6 +12,7 @@ COMMANDS = {
     "train": "train the small GPT on the bundled corpus (the main job)",
     "consolidate": "write a checkpoint's consolidated parameters to one safetensors file",
     "import-deepspeed": "convert a DeepSpeed ZeRO checkpoint (stage 1-3, any world size) to an fzero checkpoint",
+    "export-hf": "write a checkpoint as a Hugging Face model folder (save_pretrained's files) for from_pretrained",
     "report": "what this installation can run: versions, the C kernel, CPU, distributed backends (exit 1 if broken)",
 }
 

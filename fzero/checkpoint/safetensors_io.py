@@ -146,6 +146,7 @@ def write_safetensors(
                     pending = None
                 size += len(raw)
                 del raw, t, part  # the writer holds no tensor between two parts: a streaming caller frees each
+            del produced, parts  # nor between two tensors: a streaming caller frees each before producing the next
             if got != spec.nbytes:
                 raise ValueError(f"tensor {spec.name!r}: got {got} bytes, the header says {spec.nbytes} "
                                  f"({spec.dtype} {spec.shape})")  # fmt: skip

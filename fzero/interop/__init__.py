@@ -1,4 +1,4 @@
-"""Where fzero meets other tools' files: DeepSpeed ZeRO checkpoints in, and plain state dicts out.
+"""Where fzero meets other tools' files: DeepSpeed ZeRO checkpoints in, Hugging Face model folders out.
 
 May import: `fzero.layout`, `fzero.mesh`, `fzero.checkpoint`, `fzero.engine`.
 """
@@ -6,5 +6,6 @@ May import: `fzero.layout`, `fzero.mesh`, `fzero.checkpoint`, `fzero.engine`.
 from .deepspeed import import_deepspeed
 from .ds_files import UnsafeCheckpointError
 from .ds_state import DeepSpeedState, read_deepspeed
+from .hf import export_hf
 
-__all__ = ["DeepSpeedState", "UnsafeCheckpointError", "import_deepspeed", "read_deepspeed"]
+__all__ = ["DeepSpeedState", "UnsafeCheckpointError", "export_hf", "import_deepspeed", "read_deepspeed"]
