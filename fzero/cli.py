@@ -13,6 +13,8 @@ COMMANDS = {
     "consolidate": "write a checkpoint's consolidated parameters to one safetensors file",
     "import-deepspeed": "convert a DeepSpeed ZeRO checkpoint (stage 1-3, any world size) to an fzero checkpoint",
     "export-hf": "write a checkpoint as a Hugging Face model folder (save_pretrained's files) for from_pretrained",
+    "import-dcp": "convert a PyTorch DCP checkpoint (FSDP2, any world size: model and Adam/AdamW state) to fzero's",
+    "export-dcp": "write an fzero checkpoint (any world size and stage) as a PyTorch DCP checkpoint FSDP2 loads",
     "report": "what this installation can run: versions, the C kernel, CPU, distributed backends (exit 1 if broken)",
 }
 

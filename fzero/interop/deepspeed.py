@@ -37,15 +37,15 @@ from ..mesh import SimMesh
 from .ds_files import resolve_tag
 from .ds_state import DeepSpeedState, read_deepspeed
 
-__all__ = ["import_deepspeed"]
+__all__ = ["ADAM_TYPES", "import_deepspeed", "one_rank_config", "skeleton_module", "state_from"]
 
-_ADAM = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
+ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
 # the loss scaler's fields that are fzero's scale_loss state leaves of the same meaning
 _SCALER = {"cur_scale": "value", "cur_iter": "cur_iter", "last_overflow_iter": "last_overflow_iter",
            "cur_hysteresis": "cur_hysteresis"}  # fmt: skip
 
 
-def _skeleton(ds: DeepSpeedState) -> nn.Module:
+def skeleton_module(ds: DeepSpeedState) -> nn.Module:
     """A module with the checkpoint's parameters (fp32 masters), frozen parameters and buffers at their names,
     registered in the model's own order (so that a tied weight keeps the name the model gives it first)."""
     root = nn.Module()
@@ -77,7 +77,7 @@ def _skeleton(ds: DeepSpeedState) -> nn.Module:
     return root
 
 
-def _config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]:
+def one_rank_config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]:
     """The config to build the one-rank state with: the run's, at stage 0 with its per-rank micro-batch."""
     cfg = copy.deepcopy(ds.config if config is None else config)
     optimizer = cfg.get("optimizer")
@@ -87,7 +87,7 @@ def _config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]
             "config to train with, its optimizer block included) to import the optimizer state"
         )
     kind = str(optimizer.get("type", "")).lower()
-    if kind not in _ADAM:
+    if kind not in ADAM_TYPES:
         raise IncompatibleCheckpointError(
             f"{ds.path}: optimizer type {optimizer.get('type')!r}: only Adam/AdamW states can be imported (exp_avg, "
             "exp_avg_sq, step); other optimizers' states have other fields"
@@ -106,7 +106,7 @@ def _config(ds: DeepSpeedState, config: dict[str, Any] | None) -> dict[str, Any]
     return cfg
 
 
-def _state(engine: Any, ds: DeepSpeedState, micro_steps: int) -> Any:
+def state_from(engine: Any, ds: DeepSpeedState, micro_steps: int) -> Any:
     """The engine's one-rank state with the checkpoint's optimizer state, loss scale and micro-step count."""
     state = engine.state
     layout, flat = state.layout, flatten_state(state)
@@ -159,12 +159,13 @@ def import_deepspeed(
       fzero.checkpoint.CheckpointError: see `read_deepspeed` and the module docstring.
     """
     ds = read_deepspeed(resolve_tag(ckpt_dir, tag))
-    model = _skeleton(ds)
+    model = skeleton_module(ds)
     named = dict(model.named_parameters())
     groups = [{"params": [named[n] for n in names if n in named]} for names in ds.groups]
     try:
         engine, *_ = initialize(model=model, model_parameters=[g for g in groups if g["params"]],
-                                config=_config(ds, config), mesh=SimMesh(1), printer=lambda _: None)  # fmt: skip
+                                config=one_rank_config(ds, config), mesh=SimMesh(1),
+                                printer=lambda _: None)  # fmt: skip
         counters = EngineCounters(
             global_steps=ds.counters["global_steps"],
             global_samples=ds.counters["global_samples"],
@@ -172,7 +173,7 @@ def import_deepspeed(
             skipped_steps=ds.counters["skipped_steps"],
             applied=ds.step,
         )
-        state = _state(engine, ds, counters.micro_steps)
+        state = state_from(engine, ds, counters.micro_steps)
     except (KeyError, ValueError, TypeError) as e:  # the checkpoint's names and shapes do not make one model
         raise IncompatibleCheckpointError(f"{ds.path}: {e}") from None
     scheduled = ds.config.get("scheduler") is not None
