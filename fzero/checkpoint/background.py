@@ -26,7 +26,7 @@ writes at exit (the thread is not a daemon).
 group made once for the purpose (every rank's first background save creates it, collectively), so that these
 messages never interleave with the training's collectives. It needs the mesh to span every process.
 
-**The thread runs at a lower CPU priority** (`nice` +10, Linux), so that on a machine whose cores the training
+**The thread runs at the lowest CPU priority** (`nice` 19, Linux), so that on a machine whose cores the training
 keeps busy the write takes their idle time instead of slowing the steps.
 """
 
@@ -52,7 +52,7 @@ from .sources import MemorySource
 
 __all__ = ["SaveHandle", "start", "wait_pending"]
 
-_NICE = 10  # the writer's priority below the training's (Linux `nice` steps)
+_NICE = 19  # the writer's priority below the training's: the lowest (Linux `nice`)
 
 
 class SaveHandle:
