@@ -11,8 +11,8 @@ shuffled order, each `--steps` steps after the previous variant's:
   to host memory) is reported apart, and the steps that started while the write was still going are the row;
 - `blocking`: `fzero.save(state, ...)` (its time is reported apart), then the steps.
 
-Every save writes a new checkpoint (sha256, fsync unless `--no-fsync`, atomic) to `--dir`, removed after its round. Prints medians over
-the rounds (rank 0's times; the ranks step in lockstep), and each row's ratio to `steps`.
+Every save writes a new checkpoint (sha256, fsync unless `--no-fsync`, atomic) to `--dir`, removed after its
+round. Prints medians over the rounds (rank 0's times; the ranks step in lockstep), and each row's ratio to `steps`.
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/checkpoint_background.py --rounds 5`
 """
