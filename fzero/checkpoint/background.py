@@ -13,7 +13,7 @@ the files; the process's random generators are captured at the call too.
 states: `SaveHandle.staged_bytes`), taken at the call and freed when the write ends. A state with leaves offloaded
 to NVMe is refused (its swap files change at the next step, and copying it would take the memory offload saves).
 
-**Atomic as the blocking save.** The thread runs the same write (`fzero.checkpoint.save.write`): shard files in a
+**Atomic as the blocking save.** The thread runs the same write (`fzero.checkpoint.writer.write`): shard files in a
 temporary directory, the manifest last, one rename. A process killed in mid-write leaves the previous checkpoint
 loadable and no partial one visible.
 
@@ -47,8 +47,8 @@ from ..storage import Offloaded
 from .coord import Coordinator
 from .errors import CheckpointError
 from .hybrid import GroupCoordinator
-from .save import Job, write
 from .sources import MemorySource
+from .writer import Job, write
 
 __all__ = ["SaveHandle", "start", "wait_pending"]
 
