@@ -32,6 +32,14 @@ _OWN_VARIABLES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVM
                   "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}  # fmt: skip
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_extensions(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Where DeepSpeed's reference runs build their C++ ops (its CPU accelerator's `deepspeed_shm_comm`, a minute of
+    ninja on 2 cores): one directory of the session's own, so the op is built once per session (every worker process
+    inherits it) and never in the user's cache."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+
+
 @pytest.fixture
 def keep_threads():
     """For tests that run a command's `main` in this process: the command sets torch's thread count for its run

@@ -176,8 +176,7 @@ def run_case(deepspeed: Any, trainer: str, name: str, rank: int, world: int, out
 
 def run(rank: int, world: int, out_dir: str) -> None:
     """Every case with DeepSpeed, then with fzero; `out_dir/{trainer}-{world}.json` and the files they wrote."""
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world),
-                      TORCH_EXTENSIONS_DIR=os.path.join(out_dir, "torch_extensions"))  # fmt: skip
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     init_worker(rank, world, os.path.join(out_dir, f"store-{world}"))
     import deepspeed

@@ -97,8 +97,7 @@ def case(deepspeed: Any, trainer: str, stage: int, rank: int) -> dict[str, Any]:
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world),
-                      TORCH_EXTENSIONS_DIR=os.path.join(out_dir, "torch_extensions"))  # fmt: skip
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     init_worker(rank, world, os.path.join(out_dir, "store"))
     import deepspeed

@@ -34,8 +34,7 @@ def run(rank: int, world: int, out_dir: str, trainer: str) -> None:
     workdir = os.path.join(out_dir, trainer, f"rank{rank}")
     os.makedirs(workdir, exist_ok=True)
     os.chdir(workdir)
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world),
-                      TORCH_EXTENSIONS_DIR=os.path.join(out_dir, "torch_extensions"))  # fmt: skip
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     init_worker(rank, world, os.path.join(out_dir, f"store-{trainer}"))
     try:
