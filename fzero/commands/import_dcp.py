@@ -10,9 +10,8 @@ key against the module. Nothing in the DCP files runs: see `fzero.interop.dcp_fi
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
+
+from . import run_import
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,19 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import CheckpointError
-    from ..config import ConfigError
     from ..interop.dcp import import_dcp
 
-    start = time.perf_counter()
-    try:
-        config = None
-        if args.config is not None:
-            with open(args.config) as f:
-                config = json.load(f)
-        path = import_dcp(args.dcp, args.out, config=config, tag=args.tag)
-    except (CheckpointError, ConfigError, OSError, json.JSONDecodeError) as e:
-        print(f"fzero import-dcp: error: {e}", file=sys.stderr)
-        return 1
-    print(f"{path}: imported from {args.dcp} in {time.perf_counter() - start:.2f}s")
-    return 0
+    return run_import(
+        "import-dcp", args.dcp, args.config, lambda config: import_dcp(args.dcp, args.out, config=config, tag=args.tag)
+    )

@@ -8,9 +8,8 @@ the few non-tensor types DeepSpeed stores (`fzero.interop.ds_files`); a file nee
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
+
+from . import run_import
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,19 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import CheckpointError
-    from ..config import ConfigError
     from ..interop import import_deepspeed
 
-    start = time.perf_counter()
-    try:
-        config = None
-        if args.config is not None:
-            with open(args.config) as f:
-                config = json.load(f)
-        path = import_deepspeed(args.ckpt, args.out, tag=args.tag, config=config)
-    except (CheckpointError, ConfigError, OSError, json.JSONDecodeError) as e:
-        print(f"fzero import-deepspeed: error: {e}", file=sys.stderr)
-        return 1
-    print(f"{path}: imported from {args.ckpt} in {time.perf_counter() - start:.2f}s")
-    return 0
+    return run_import(
+        "import-deepspeed", args.ckpt, args.config,
+        lambda config: import_deepspeed(args.ckpt, args.out, tag=args.tag, config=config),
+    )  # fmt: skip
