@@ -35,16 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fzero
-from benchmarks.compare import CFG, LR, MICRO, WD, lm_loss, make_model
+from benchmarks.compare import LR, WD, batches, lm_loss, make_model
 from fzero.host import process_group
 
 VARIANTS = ("steps", "steps again", "background", "blocking")
-
-
-def batch(rank: int, i: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + i)
-    toks = torch.randint(0, CFG.vocab_size, (MICRO, CFG.seq_len + 1), generator=g)
-    return {"x": toks[:, :-1], "y": toks[:, 1:]}
 
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
@@ -61,6 +55,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
         return lm_loss(fzero.call(model, params, b["x"]), b["y"])
 
     train = fzero.train_step(model, loss_fn, tx, mesh, donate=True)
+    data = batches(rank, 8)
     i = 0
 
     def steps(n: int, handle=None) -> list[tuple[float, bool]]:
@@ -69,7 +64,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
         for _ in range(n):
             writing = handle is not None and not handle.done()
             t0 = time.perf_counter()
-            state, _ = train(state, batch(rank, i))
+            state, _ = train(state, data[i % len(data)])
             out.append((time.perf_counter() - t0, writing))
             i += 1
         return out
