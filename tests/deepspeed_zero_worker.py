@@ -401,8 +401,8 @@ def _nested(zero: Any, p: Any) -> None:
 
 
 def pretrained(rank: int, world: int, out_dir: str, fds: Any, zero: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Hugging Face's `from_pretrained` under ZeRO-3 with fzero's objects: transformers imports `deepspeed` by name,
-    so it is pointed at `fzero.deepspeed` here (DeepSpeed itself is done with in this process)."""
+    """Hugging Face's `from_pretrained` under ZeRO-3 with fzero's `HfDeepSpeedConfig`: transformers imports `deepspeed`
+    by name, and gets `fzero.deepspeed` while the config lives, though DeepSpeed itself is imported in this process."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     path = os.path.join(out_dir, f"gpt2-{world}")
@@ -425,25 +425,24 @@ def pretrained(rank: int, world: int, out_dir: str, fds: Any, zero: Any, cfg: di
         source.save_pretrained(path)
     dist.barrier()
     saved = {k: v.clone() for k, v in source.state_dict().items()}
-    aliases = {"deepspeed": fds, "deepspeed.zero": zero, "deepspeed.comm": fds.comm,
-               "deepspeed.accelerator": fds.accelerator}  # fmt: skip
-    kept = {name: sys.modules.get(name) for name in aliases}
-    sys.modules.update(aliases)
-    try:
-        dschf = zero.HfDeepSpeedConfig({**cfg, "train_micro_batch_size_per_gpu": 1})
-        model = GPT2LMHeadModel.from_pretrained(path)
-        del dschf
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    real = sys.modules.get("deepspeed")
+    result: dict[str, Any] = {}
 
-        unset_hf_deepspeed_config()
-    finally:
-        for name, module in kept.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    def build() -> Any:
+        # as DeepSpeed-Chat's create_hf_model: the config lives in the function, DeepSpeed itself is imported too
+        dschf = zero.HfDeepSpeedConfig({**cfg, "train_micro_batch_size_per_gpu": 1})
+        import deepspeed  # the import inside transformers' functions: fzero's while dschf lives
+
+        assert deepspeed is fds and sys.modules["deepspeed.zero"] is zero and dschf.is_zero3()
+        model = GPT2LMHeadModel.from_pretrained(path)
+        result["partitioned"] = all(p.shape == (0,) and hasattr(p, "ds_id") for p in model.parameters())
+        # at ZeRO-3 even an unchanged size takes the gathering path; the new embedding is whole, as in DeepSpeed
+        model.resize_token_embeddings(64)
+        return model
+
+    model = build()
+    result["deepspeed_back"] = sys.modules.get("deepspeed") is real and real is not fds
     params = dict(model.named_parameters())
-    result = {"partitioned": all(p.shape == (0,) and hasattr(p, "ds_id") for p in params.values())}
     with zero.GatheredParameters(list(params.values())):
         result["loaded"] = all(torch.equal(p, saved[n]) for n, p in params.items())
     engine, *_ = fds.initialize(model=model, config={**cfg, "train_micro_batch_size_per_gpu": 1},

@@ -1,13 +1,15 @@
-"""`HfDeepSpeedConfig` for fzero: what tells Hugging Face transformers that ZeRO-3 is on, without DeepSpeed installed.
+"""`HfDeepSpeedConfig` for fzero: what tells Hugging Face transformers that ZeRO-3 is on, and that it is fzero's.
 
 transformers decides whether `from_pretrained` builds the model under `deepspeed.zero.Init` and loads the
 checkpoint through `GatheredParameters` by `is_deepspeed_zero3_enabled()`, which reads the object last registered
 with `transformers.integrations.deepspeed.set_hf_deepspeed_config` (a weak reference: keep the object alive while
 models are loaded). Its own `HfDeepSpeedConfig` demands the `deepspeed` and `accelerate` distributions; this one
-only registers itself. transformers then imports `deepspeed` by name: `sys.modules["deepspeed"]` must be
-`fzero.deepspeed` (what `fzero.integrations.transformers` arranges), or DeepSpeed itself is used.
+registers itself, and, for as long as it lives, makes the `import deepspeed` inside transformers' functions give
+`fzero.deepspeed` (`fzero.deepspeed.alias`), so that the model is built under fzero's `zero.Init`, even where
+DeepSpeed is installed too. The one line a DeepSpeed script changes:
 
-    dschf = HfDeepSpeedConfig(ds_config)          # keep it alive
+    from fzero.deepspeed.zero import HfDeepSpeedConfig   # was: from transformers.integrations.deepspeed import ...
+    dschf = HfDeepSpeedConfig(ds_config)                 # keep it alive while models are loaded
     model = AutoModelForCausalLM.from_pretrained(path)   # built partitioned, loaded straight into the partitions
 """
 
@@ -16,7 +18,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import weakref
 from typing import Any
+
+from ..alias import alias_deepspeed
 
 __all__ = ["HfDeepSpeedConfig"]
 
@@ -44,6 +49,7 @@ class HfDeepSpeedConfig:
         except ImportError:  # (no transformers: nothing to tell)
             return
         set_hf_deepspeed_config(self)
+        weakref.finalize(self, alias_deepspeed())
 
     def find_config_node(self, ds_key_long: str) -> tuple[dict[str, Any] | None, str]:
         """The dict holding the dotted key `ds_key_long` (None if a level is missing), and its last part."""
