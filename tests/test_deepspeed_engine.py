@@ -235,19 +235,18 @@ def test_no_sync_refusals():
     assert not engine.inside_no_sync_ctxt
 
 
-def test_compile_is_refused_and_a_compiled_model_trains_at_stages_0_to_2():
-    """engine.compile names the alternative; the alternative, model.compile() before initialize, trains bitwise as
-    the eager model at stages 0-2 (torch's "eager" backend: the same kernels)."""
-    with pytest.raises(NotImplementedError, match=r"engine\.compile.*model\.compile"):
-        engine_of().compile(backend="inductor")
+def test_a_model_compiled_before_initialize_trains_as_eager():
+    """`model.compile(backend=...)` before initialize: the engine compiles the model's units with that backend
+    instead (tests/test_compile.py has the rest); torch's "eager" backend runs the same kernels: bitwise."""
     assert engine_of().is_compiled is False
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         losses = []
         for compiled in (False, True):
             model = frozen_net()
             if compiled:
                 model.compile(backend="eager")
             engine = engine_of(stage=stage, gas=1, model=model)
+            assert engine.is_compiled is compiled
             for i in range(2):
                 loss = engine(micro_batch(i)).square().mean()
                 engine.backward(loss)

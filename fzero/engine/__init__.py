@@ -27,6 +27,7 @@ from torch import nn
 
 from ..host import accelerator, process_group
 from ..mesh import Mesh
+from ..sharding.compile import uncompiled
 from .build import build
 from .client import SchedulerView
 from .engine import Engine
@@ -59,7 +60,9 @@ def initialize(
 
     Args:
       args: an argparse namespace; its `deepspeed_config` names the config file if `config` is not given.
-      model: the `nn.Module` to train (moved to the device; from now on the engine owns its parameters).
+      model: the `nn.Module` to train (moved to the device; from now on the engine owns its parameters). A model
+        compiled whole (`torch.compile(model)`, `model.compile(...)`) is compiled unit by unit instead, with the
+        same backend and options (`fzero.sharding.compile`; a log line says so).
       optimizer: None (the config's `optimizer` block), a `torch.optim.Adam` / `AdamW` / `SGD` (translated, param
         groups included), or a callable building one from `model_parameters`.
       model_parameters: what the config's optimizer trains: parameters, or torch-style param-group dicts
@@ -94,11 +97,18 @@ def initialize(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError("model parallelism (mpu / mesh_param) is not supported by fzero: pass None")
+    # a model compiled whole would be traced with the units' gathers: its module, compiled per unit the same way
+    model, compiler = uncompiled(model)
     setup = resolve(
         model, _config_source(args, config, config_params), optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, mesh=mesh, training_data=training_data, collate_fn=collate_fn, printer=printer,
     )  # fmt: skip
-    return build(setup)
+    out = build(setup)
+    if compiler is not None:
+        out[0].monitor.printer("fzero: the model came compiled by torch.compile: compiled unit by unit instead, "
+                               "with the same backend and options")  # fmt: skip
+        out[0].compile_with(compiler)
+    return out
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -1,5 +1,5 @@
-"""`Lifecycle`: DeepSpeed's engine methods about the engine itself rather than a step: `compile` (refused until
-per-unit compilation exists), `is_compiled`, `destroy`, `empty_partition_cache`."""
+"""`Lifecycle`: DeepSpeed's engine methods about the engine itself rather than a step: `compile` (per unit:
+`fzero.sharding.compile`), `is_compiled`, `destroy`, `empty_partition_cache`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..host import scratch
+from ..sharding.compile import Compiler, compile_units
 
 __all__ = ["Lifecycle"]
 
@@ -20,8 +21,15 @@ class Lifecycle:
     _device: torch.device
     _grad: Tensor | None
     _loss: Tensor | None
+    monitor: Any
 
     if TYPE_CHECKING:  # (the engine's other parts)
+
+        @property
+        def module(self) -> torch.nn.Module: ...
+
+        @property
+        def state(self) -> Any: ...
 
         def _discard_micro_step(self) -> None: ...
 
@@ -30,25 +38,47 @@ class Lifecycle:
         def wait_for_checkpoint(self) -> Any: ...
 
     def compile(
-        self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+        self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
         compiled_autograd_enabled: bool = False,
     ) -> None:  # fmt: skip
-        """DeepSpeed's `engine.compile(...)`: not supported yet (torch's `nn.Module.compile` of the engine would
-        compile the engine's own call, not the model's units).
+        """DeepSpeed's `engine.compile(backend, compile_kwargs)`: the model compiled unit by unit, the gathers,
+        reductions and hooks outside the graphs (`fzero.sharding.compile`), at every stage. The next forward
+        compiles; one graph serves every step (and every block with the same code).
+
+        Args:
+          backend: `torch.compile`'s backend (DeepSpeed's default on CPU and CUDA: "inductor").
+          compile_kwargs: `torch.compile`'s other keyword arguments (`mode`, `fullgraph`, `dynamic`, `options`).
+          schedule: DeepCompile's schedule: not supported (None).
+          compiled_autograd_enabled: not supported (False): each unit's backward is its forward graph's own.
 
         Raises:
-          NotImplementedError: always, naming the alternative.
+          NotImplementedError: `schedule` or `compiled_autograd_enabled`, naming what fzero does instead.
+          TypeError: a key of `compile_kwargs` that `torch.compile` does not take.
         """
-        raise NotImplementedError(
-            "engine.compile(...) (DeepSpeed's DeepSpeedEngine.compile) is not supported by fzero yet (per-unit "
-            "compilation): compile the model itself before fzero.initialize, e.g. model.compile(backend=...) or "
-            "model = torch.compile(model), which trains the same at ZeRO stages 0-2; at stage 3 train it eager"
-        )
+        if schedule is not None:
+            raise NotImplementedError(
+                "engine.compile(schedule=...) (DeepCompile) is not supported by fzero: it compiles each unit's "
+                "forward and its backward with torch.compile instead"
+            )
+        if compiled_autograd_enabled:
+            raise NotImplementedError(
+                "engine.compile(compiled_autograd_enabled=True) is not supported by fzero: each unit's backward is "
+                "compiled with its forward (AOTAutograd); the gathers and reductions between units stay eager"
+            )
+        self.compile_with({"backend": backend, **(compile_kwargs or {})})
+
+    def compile_with(self, how: dict[str, Any] | Compiler) -> None:
+        """`compile`'s work: the model's units compiled with `torch.compile`'s keyword arguments or a compiler
+        (`fzero.sharding.compile.compile_units`); a log line names them."""
+        names = compile_units(self.module, self.state.layout, how)
+        self._compiled = how
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        self.monitor.printer(f"fzero: compiled the forward (and backward) of {len(names)} unit modules ({shown})")
 
     @property
     def is_compiled(self) -> bool:
-        """DeepSpeed's: whether `engine.compile` compiled the model (never, in fzero)."""
-        return False
+        """DeepSpeed's: whether `engine.compile` compiled the model."""
+        return getattr(self, "_compiled", None) is not None
 
     def destroy(self) -> None:
         """DeepSpeed's `engine.destroy()`: drop a micro-step in flight, wait for a background checkpoint save and

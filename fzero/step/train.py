@@ -45,6 +45,7 @@ from ..layout.units import concentrated
 from ..mesh import Mesh
 from ..mesh.ranks import check_batch, ranks_of, stacks
 from ..sharding.bind import bound
+from ..sharding.compile import compile_units
 from ..sharding.construct import (
     external_parameters,
     partitioned,
@@ -247,6 +248,7 @@ def train_step(
     donate: bool = False,
     autodiff: str = "autograd",
     gather: GatherPolicy | None = None,
+    compile: bool | dict[str, Any] = False,
 ) -> StepFn:
     """Build the pure step `step(state, batch) -> (state, metrics)`.
 
@@ -267,6 +269,10 @@ def train_step(
         unit-at-a-time gathering (`fzero.GatherPolicy`); the default prefetches one unit. With
         `autodiff="func"` stage 3 gathers all units at the step's start instead (torch.func cannot differentiate
         through the per-unit collectives).
+      compile: compile the model unit by unit at the first step (`fzero.sharding.compile`: each unit module's
+        forward and its backward, the gathers and reductions outside the graphs), with `torch.compile`'s default
+        options (True) or these keyword arguments (a dict: `backend`, `mode`, `fullgraph`, `dynamic`, `options`).
+        With `autodiff="autograd"` only.
 
     Returns:
       `step(state, batch)`. On a `SimMesh` every batch leaf has a leading world axis. The metrics hold `loss` (mean
@@ -278,10 +284,15 @@ def train_step(
     _check_step_args(mesh, loss_fn, tx, autodiff)
     run = _Forward(model, loss_fn, has_aux)
     policy = (gather or GatherPolicy()).on(mesh)
+    options = _compile_options(compile, autodiff)
+    compiled: list[bool] = []  # (once: the layout is the model's)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, mesh)
         check_batch(mesh, batch)
+        if options is not None and not compiled:
+            compile_units(model, state.layout, options)
+            compiled.append(True)
         micro = MicroStep(state, tx, mesh, policy, autodiff)
         out: tuple[Any, ...]  # (grads, loss, aux, buffers, info)
         failure, out = None, (None, None, None, None, {})
@@ -311,6 +322,20 @@ def keeps_gathered(state: TrainState) -> bool:
     """Whether the chain keeps lazily gathered units through the backward and an accumulation window (stages 1-2:
     `gather(lazy=True, keep=True)`): `state.plan.keep_gathered`."""
     return state.plan.keep_gathered
+
+
+def _compile_options(compile: Any, autodiff: str) -> dict[str, Any] | None:
+    """`train_step`'s `compile` argument as `torch.compile` keyword arguments, or None (eager)."""
+    if compile is False or compile is None:
+        return None
+    if autodiff != "autograd":
+        raise ValueError("train_step(compile=...) needs autodiff='autograd' (torch.func.grad over compiled units is "
+                         "not supported)")  # fmt: skip
+    if compile is True:
+        return {}
+    if not isinstance(compile, dict):
+        raise TypeError(f"compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
+    return dict(compile)
 
 
 def _check_step_args(mesh: Any, loss_fn: Any, tx: Any, autodiff: Any) -> None:
