@@ -445,6 +445,12 @@ def pretrained(rank: int, world: int, out_dir: str, fds: Any, zero: Any, cfg: di
     params = dict(model.named_parameters())
     with zero.GatheredParameters(list(params.values())):
         result["loaded"] = all(torch.equal(p, saved[n]) for n, p in params.items())
+    # under bf16 DeepSpeed's partitions are bf16: the checkpoint's values land rounded, as the initial ones did
+    dschf = zero.HfDeepSpeedConfig({**cfg, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}})
+    rounded = dict(GPT2LMHeadModel.from_pretrained(path).named_parameters())
+    del dschf
+    with zero.GatheredParameters(list(rounded.values())):
+        result["loaded_bf16"] = all(torch.equal(p, saved[n].bfloat16().float()) for n, p in rounded.items())
     engine, *_ = fds.initialize(model=model, config={**cfg, "train_micro_batch_size_per_gpu": 1},
                                 model_parameters=model.parameters(), printer=lambda _: None)  # fmt: skip
     reference, *_ = fds.initialize(model=source, config={**cfg, "train_micro_batch_size_per_gpu": 1},

@@ -131,13 +131,15 @@ def test_misuse_is_named(runs):
 @pytest.mark.timeout(900)
 def test_from_pretrained_loads_into_the_partitions(runs):
     """Hugging Face's `from_pretrained` with fzero's `HfDeepSpeedConfig` (ZeRO-3) builds the model under fzero's
-    `zero.Init` and loads the checkpoint through `GatheredParameters`: partitioned, the checkpoint's values bitwise,
-    and its first step's loss that of the model loaded normally."""
+    `zero.Init` and loads the checkpoint through `GatheredParameters`: partitioned, the checkpoint's values bitwise
+    (under bf16: rounded through bf16, as into DeepSpeed's bf16 partitions), and its first step's loss that of the
+    model loaded normally; the `import deepspeed` inside transformers got fzero's, and DeepSpeed's is back after."""
     for world, r in runs.items():
         assert r["pretrained"] == {
             "deepspeed_back": True,
             "partitioned": True,
             "loaded": True,
+            "loaded_bf16": True,
             "trains_as_loaded": True,
         }, (world, r["pretrained"])
 

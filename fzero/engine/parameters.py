@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import Config
+from ..host.hostmem import trim_heap
 from ..layout import Layout, Leaf
 from ..mesh import RankMesh
 from ..sharding.construct import PARTITION
@@ -165,11 +166,13 @@ class ParameterAccess:
                   for lay in (state.layout, frozen_layout) if lay is not None for leaf in lay.leaves}  # fmt: skip
         self._places: WeakIdKeyDictionary = WeakIdKeyDictionary()
         stage3 = state.plan.stage == 3
+        dropped = False
         for name, p in self.module.named_parameters():
             place = places[name]
             self._places[p] = place
             _OWNERS[p] = weakref.ref(self)
-            p.__dict__.pop(PARTITION, None)  # the state holds the values now: the construction's partition goes
+            # the state holds the values now: the construction's partition goes
+            dropped |= p.__dict__.pop(PARTITION, None) is not None
             if not stage3:
                 for attr in DS_ATTRIBUTES:
                     p.__dict__.pop(attr, None)
@@ -179,6 +182,8 @@ class ParameterAccess:
             # (at world 1 nothing is sharded at rest: the module holds the values)
             available = not state.plan.sharded_at_rest
             mark(p, getattr(p, "ds_id", None), place.leaf.shape, fragment, available)
+        if dropped:  # the partitions freed among the state's tensors: their pages back (`fzero.host.heap` says why)
+            trim_heap()
         self._bound_key = key
 
     # ------------------------------------------------------------------------------------------ where, which

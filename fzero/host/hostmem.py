@@ -39,7 +39,14 @@ from collections.abc import Callable
 
 from . import scratch
 
-__all__ = ["VARIABLE", "enable_huge_pages", "huge_pages_requested", "release_freed_memory", "retain_freed_memory"]
+__all__ = [
+    "VARIABLE",
+    "enable_huge_pages",
+    "huge_pages_requested",
+    "release_freed_memory",
+    "retain_freed_memory",
+    "trim_heap",
+]
 
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
 """The environment variable torch's CPU allocator reads."""
@@ -120,6 +127,16 @@ def release_freed_memory() -> bool:
       Whether any memory was released (False off glibc).
     """
     scratch.clear()
+    return trim_heap()
+
+
+def trim_heap() -> bool:
+    """glibc's `malloc_trim(0)` alone: the free pages of its heap handed back (whole free pages inside freed blocks
+    too, not only the heap's top); changes no setting.
+
+    Returns:
+      Whether any memory was released (False off glibc).
+    """
     trim = _libc("malloc_trim")
     return trim is not None and trim(0) == 1
 

@@ -39,6 +39,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from ..host.heap import HeapRelease
 from ..layout import Layout, dtype_of, flatten
 from ..mesh import Mesh, RankMesh
 
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 PARTITION = "_fzero_partition"  # the attribute of a parameter that holds its `Partition`
+CUT_CHUNK_BYTES = 256 << 10
+"""`Partition.cut` broadcasts a parameter's values this many bytes at a time (see there why)."""
 EXTERNAL = "_external_params"  # DeepSpeed's: a module's {id: parameter} it uses without owning them
 
 
@@ -263,27 +266,76 @@ class Partition:
       shape: the parameter's shape.
       version: the parameter's version counter when its stand-in was set: an in-place write to the stand-in (which
         holds nothing, so the write is lost) moves it.
+      round_to: the dtype every value it takes is rounded through (kept in the shard's dtype), or None: where
+        DeepSpeed's partition is in bf16 / fp16, so is every value written to it later (`assign`: a checkpoint
+        loaded through `GatheredParameters`), not only the first.
     """
 
-    def __init__(self, mesh: RankMesh, shard: Tensor, shape: tuple[int, ...], version: int = 0) -> None:
-        self.mesh, self.shard, self.shape, self.version = mesh, shard, shape, version
+    def __init__(self, mesh: RankMesh, shard: Tensor, shape: tuple[int, ...], version: int = 0,
+                 round_to: torch.dtype | None = None) -> None:  # fmt: skip
+        self.mesh, self.shard, self.shape, self.version, self.round_to = mesh, shard, shape, version, round_to
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @classmethod
-    def cut(cls, mesh: RankMesh, full: Tensor, device: torch.device | str | None = None) -> Partition:
-        """This rank's partition of `full` (every rank passes the same value), kept on `device` (default: `full`'s)."""
-        n = -(-full.numel() // mesh.world)
-        shard = torch.zeros(n, dtype=full.dtype, device=device or full.device)
-        piece = _piece(full.numel(), n, mesh.rank)
+    def cut(
+        cls,
+        mesh: RankMesh,
+        full: Tensor,
+        device: torch.device | str | None = None,
+        *,
+        src: int | None = None,
+        round_to: torch.dtype | None = None,
+        freed: Callable[[int], None] | None = None,
+    ) -> Partition:
+        """This rank's partition of `full`, kept on `device` (default: `full`'s).
+
+        With `src`, rank `src`'s values are kept (the ranks agree whatever each holds), broadcast `CUT_CHUNK_BYTES`
+        at a time, each rank keeping its piece of each: the memory this takes beside `full` and the partition is
+        one chunk, not a received copy of the whole (which, for the largest parameter made whole, would be as much
+        again on top of it).
+
+        Args:
+          mesh: the ranks to cut across, as this rank sees them.
+          full: the parameter's whole value (the same shape and dtype on every rank).
+          device: where the partition lives.
+          src: None: every rank passes the same values; a rank: that rank's values are kept.
+          round_to: round the values through this dtype first (kept in `full`'s dtype), and every value `assign`
+            takes later.
+          freed: told the bytes of each received chunk once it is freed (`fzero.host.heap.HeapRelease.freed`).
+
+        Returns:
+          The partition, its values bitwise those of the cut of rank `src`'s (or this rank's) `full`, rounded.
+        """
+        numel, dtype = full.numel(), full.dtype
+        n = -(-numel // mesh.world)
+        shard = torch.zeros(n, dtype=dtype, device=device or full.device)
+        mine = _piece(numel, n, mesh.rank)
+        flat = full.detach().reshape(-1)
+
+        def rounded(x: Tensor) -> Tensor:
+            return x if round_to is None else x.to(round_to).to(dtype)
+
         with torch.no_grad():
-            shard[: piece.stop - piece.start].copy_(full.detach().reshape(-1)[piece])
-        return cls(mesh, shard, tuple(full.shape))
+            if src is None or mesh.world == 1:
+                shard[: mine.stop - mine.start].copy_(rounded(flat[mine]))
+            else:
+                step = max(1, CUT_CHUNK_BYTES // full.element_size())
+                for start in range(0, numel, step):  # every rank takes part in every chunk's broadcast
+                    piece = mesh.broadcast(rounded(flat[start : start + step]), src=src)
+                    lo, hi = max(start, mine.start), min(start + piece.numel(), mine.stop)
+                    if lo < hi:
+                        shard[lo - mine.start : hi - mine.start].copy_(piece[lo - start : hi - start])
+                    if freed is not None:
+                        nbytes = piece.numel() * piece.element_size()
+                        del piece
+                        freed(nbytes)
+        return cls(mesh, shard, tuple(full.shape), round_to=round_to)
 
     def assign(self, full: Tensor) -> None:
-        """Keep this rank's part of the new full value `full` (the same on every rank).
+        """Keep this rank's part of the new full value `full` (the same on every rank), rounded through `round_to`.
 
         Raises:
           ValueError: `full` does not have the parameter's shape.
@@ -293,9 +345,12 @@ class Partition:
                              f"{tuple(full.shape)}: its shape is fixed once it is partitioned")  # fmt: skip
         n, rank = self.shard.numel(), self.mesh.rank
         piece = _piece(self.numel, n, rank)
+        value = full.detach().reshape(-1)[piece]
+        if self.round_to is not None:
+            value = value.to(self.round_to)
         with torch.no_grad():
             self.shard.zero_()
-            self.shard[: piece.stop - piece.start].copy_(full.detach().reshape(-1)[piece])
+            self.shard[: piece.stop - piece.start].copy_(value)
 
 
 def _piece(numel: int, n: int, rank: int) -> slice:
@@ -399,6 +454,7 @@ def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
                          "materialise them, or build the whole model under zero.Init")  # fmt: skip
     spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
     shards: list[Tensor | None] = [None for _ in spaces]
+    heap = HeapRelease()
     # the shard where the parameters are (a model on the GPU, a zero.Init stand-in made on it)
     device = next((p.device for p in named.values() if not p.is_meta), torch.device("cpu"))
     for unit_index in range(len(layout.units)):
@@ -409,10 +465,10 @@ def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
             parts = [partition_of(named[leaf.name]) for leaf in leaves]
             gathered = iter(gather_partitions([p for p in parts if p is not None]))
             with torch.no_grad():
-                for leaf, part in zip(leaves, parts, strict=True):
-                    value = next(gathered) if part is not None else named[leaf.name].detach()
+                for leaf, part in zip(leaves, parts, strict=True):  # (no name kept on a value: all go below)
                     start = leaf.offset - unit.start
-                    flat[start : start + leaf.numel].copy_(value.reshape(-1))
+                    own = named[leaf.name].detach()
+                    flat[start : start + leaf.numel].copy_((next(gathered) if part is not None else own).reshape(-1))
             flat = mesh.replicate(flat)
             if any(p is None for p in parts):  # values made on each rank: rank 0's (a partition's are agreed)
                 flat = mesh.broadcast(flat, src=0)
@@ -420,6 +476,12 @@ def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
             if shards[space] is None:
                 shards[space] = piece.new_empty(*piece.shape[:-1], lay.shard_numel)
             cast(Tensor, shards[space])[..., lay.unit_shard_slice(unit_index)].copy_(piece)
+            # the unit, gathered and flattened, is freed here, beside the shards that stay: its pages handed back
+            # (a heap keeps them resident, and cannot reuse them for the next unit: `fzero.host.heap`)
+            nbytes = 2 * flat.numel() * flat.element_size()
+            del flat, piece, gathered
+            heap.freed(nbytes)
+    heap.release()
     module_buffers = dict(model.named_buffers())
     with torch.no_grad():
         buffers = {s.name: mesh.broadcast(mesh.replicate(module_buffers[s.name].detach().clone()), src=0)

@@ -13,11 +13,12 @@ torch's random stream is drawn exactly as without the context: the values are bi
 normally with the same seed, whatever initialisation code the modules run in their `__init__`. (Recording each
 module's initialisation to replay it later on `meta` tensors cannot promise that: code in an `__init__` cannot be
 re-run, and a replay unit by unit draws in another order.) At any time a rank holds its partitions plus the
-parameters of the one module being finished. `Module.apply(fn)` (a parent initialising its children, as GPT-2 and
-Hugging Face models do) runs `fn` on each module with its parameters gathered and rank 0's result partitioned again,
-as DeepSpeed does; a parent's `__init__` that writes to a child's parameter after the child was partitioned would
-write to the stand-in and lose the value: it is an error naming the parameter (use `apply`, or
-`GatheredParameters(p, modifier_rank=0)`).
+parameters of the one module being finished (rank 0's values are received 256 KiB at a time, by `Partition.cut`, each
+rank keeping its piece; the pages of what is freed are handed back as it goes: `fzero.host.heap`). `Module.apply(fn)`
+(a parent initialising its children, as GPT-2 and Hugging Face models do) runs `fn` on each module with its
+parameters gathered and rank 0's result partitioned again, as DeepSpeed does; a parent's `__init__` that writes to a
+child's parameter after the child was partitioned would write to the stand-in and lose the value: it is an error
+naming the parameter (use `apply`, or `GatheredParameters(p, modifier_rank=0)`).
 
 The values live in the partitions until `deepspeed.initialize` (`fzero.init`) builds the state from them, one unit
 at a time, gathering each unit from its parameters' partitions (`fzero.sharding.construct.partitioned_parameters`);
@@ -48,8 +49,9 @@ from torch import Tensor, nn
 from ...engine import init_distributed
 from ...engine.parameters import mark
 from ...host import accelerator
+from ...host.heap import HeapRelease
 from ...mesh import DistMesh
-from ...sharding.construct import PARTITION, Partition, broadcast_tensors, partition_of
+from ...sharding.construct import PARTITION, Partition, partition_of
 from .gathered import GatheredParameters
 
 __all__ = ["Init"]
@@ -226,9 +228,13 @@ class Init:
         self.mesh = DistMesh()
         self.device = torch.device("cpu") if remote_device == "cpu" else accelerator.device()
         self.pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        # the whole values and received chunks freed leave holes in glibc's heap that it keeps resident and cannot
+        # reuse for the next ones: their pages are handed back as the construction goes (`fzero.host.heap`)
+        self._heap = HeapRelease()
         if module is not None:
             for m in module.modules():
                 self.post_init(m)
+            self._heap.release()
 
     def __enter__(self) -> Init:
         if self.enabled:
@@ -238,6 +244,7 @@ class Init:
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
             _PATCHES.exit()
+            self._heap.release()  # (what the last modules freed)
 
     def post_init(self, module: nn.Module) -> None:
         """Partition `module`'s own parameters, its `__init__` done (see the module docstring).
@@ -255,19 +262,18 @@ class Init:
                     "deepspeed.zero.GatheredParameters(param, modifier_rank=0)"
                 )
         fresh = [p for p in module.parameters(recurse=False) if partition_of(p) is None and not p.is_meta]
-        for p in fresh:  # one at a time: at most one parameter's received copy exists beside the module's own
-            with torch.no_grad():
-                value = p.detach() if self.round_to is None else p.detach().to(self.round_to).to(p.dtype)
-                if self.mesh.world > 1:  # rank 0's values, as DeepSpeed's: the ranks agree whatever their seeds
-                    (value,) = broadcast_tensors(self.mesh, [value], src=0)
-            part = Partition.cut(self.mesh, value, self.device)
-            del value
+        # one at a time, each whole value freed once cut: beside the partitions, the module's own tensors and one
+        # chunk in flight; rank 0's values, as DeepSpeed's: the ranks agree whatever their seeds
+        for p in fresh:
+            part = Partition.cut(self.mesh, p, self.device, src=0, round_to=self.round_to, freed=self._heap.freed)
             if self.pin:
                 part.shard = part.shard.pin_memory()
             setattr(p, PARTITION, part)
+            nbytes = p.numel() * p.element_size()
             p.data = stand_in(p)
             part.version = p._version
             mark(p, None, part.shape, part.shard, available=False)
+            self._heap.freed(nbytes)
 
 
 def _refuse_options(mpu: Any, hpz: Any, quantized: bool, quantized_frozen: bool, sequence: Any, swapper: Any,
