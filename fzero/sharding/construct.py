@@ -309,33 +309,15 @@ class Partition:
         Returns:
           The partition, its values bitwise those of the cut of rank `src`'s (or this rank's) `full`, rounded.
         """
-        numel, dtype = full.numel(), full.dtype
-        n = -(-numel // mesh.world)
-        shard = torch.zeros(n, dtype=dtype, device=device or full.device)
-        mine = _piece(numel, n, mesh.rank)
-        flat = full.detach().reshape(-1)
+        n = -(-full.numel() // mesh.world)
+        shard = torch.zeros(n, dtype=full.dtype, device=device or full.device)
+        part = cls(mesh, shard, tuple(full.shape), round_to=round_to)
+        part.assign(full, src=src, freed=freed)
+        return part
 
-        def rounded(x: Tensor) -> Tensor:
-            return x if round_to is None else x.to(round_to).to(dtype)
-
-        with torch.no_grad():
-            if src is None or mesh.world == 1:
-                shard[: mine.stop - mine.start].copy_(rounded(flat[mine]))
-            else:
-                step = max(1, CUT_CHUNK_BYTES // full.element_size())
-                for start in range(0, numel, step):  # every rank takes part in every chunk's broadcast
-                    piece = mesh.broadcast(rounded(flat[start : start + step]), src=src)
-                    lo, hi = max(start, mine.start), min(start + piece.numel(), mine.stop)
-                    if lo < hi:
-                        shard[lo - mine.start : hi - mine.start].copy_(piece[lo - start : hi - start])
-                    if freed is not None:
-                        nbytes = piece.numel() * piece.element_size()
-                        del piece
-                        freed(nbytes)
-        return cls(mesh, shard, tuple(full.shape), round_to=round_to)
-
-    def assign(self, full: Tensor) -> None:
-        """Keep this rank's part of the new full value `full` (the same on every rank), rounded through `round_to`.
+    def assign(self, full: Tensor, *, src: int | None = None, freed: Callable[[int], None] | None = None) -> None:
+        """Keep this rank's part of the new full value `full`, rounded through `round_to`; with `src`, of rank
+        `src`'s value, received `CUT_CHUNK_BYTES` at a time (see `cut`; every rank calls it).
 
         Raises:
           ValueError: `full` does not have the parameter's shape.
@@ -343,14 +325,28 @@ class Partition:
         if tuple(full.shape) != self.shape:
             raise ValueError(f"a partitioned parameter of shape {self.shape} cannot take a value of shape "
                              f"{tuple(full.shape)}: its shape is fixed once it is partitioned")  # fmt: skip
-        n, rank = self.shard.numel(), self.mesh.rank
-        piece = _piece(self.numel, n, rank)
-        value = full.detach().reshape(-1)[piece]
-        if self.round_to is not None:
-            value = value.to(self.round_to)
+        mesh, shard, numel = self.mesh, self.shard, self.numel
+        mine = _piece(numel, shard.numel(), mesh.rank)
+        flat = full.detach().reshape(-1)
+
+        def rounded(x: Tensor) -> Tensor:
+            return x if self.round_to is None else x.to(self.round_to).to(shard.dtype)
+
         with torch.no_grad():
-            self.shard.zero_()
-            self.shard[: piece.stop - piece.start].copy_(value)
+            shard.zero_()
+            if src is None or mesh.world == 1:
+                shard[: mine.stop - mine.start].copy_(rounded(flat[mine]))
+                return
+            step = max(1, CUT_CHUNK_BYTES // full.element_size())
+            for start in range(0, numel, step):  # every rank takes part in every chunk's broadcast
+                piece = mesh.broadcast(rounded(flat[start : start + step]), src=src)
+                lo, hi = max(start, mine.start), min(start + piece.numel(), mine.stop)
+                if lo < hi:
+                    shard[lo - mine.start : hi - mine.start].copy_(piece[lo - start : hi - start])
+                if freed is not None:
+                    nbytes = piece.numel() * piece.element_size()
+                    del piece
+                    freed(nbytes)
 
 
 def _piece(numel: int, n: int, rank: int) -> slice:
@@ -378,11 +374,13 @@ def gather_partitions(parts: Sequence[Partition]) -> list[Tensor]:
         mesh = parts[members[0]].mesh
         sizes = [parts[i].shard.numel() for i in members]
         total = sum(sizes)
-        rows = mesh.all_gather(torch.cat([parts[i].shard for i in members])).view(mesh.world, total)
+        shards = [parts[i].shard for i in members]
+        rows = mesh.all_gather(shards[0] if len(shards) == 1 else torch.cat(shards)).view(mesh.world, total)
         start = 0
         for i, size in zip(members, sizes, strict=True):
+            # (a view of `rows` for a group of one, else of the copy `reshape` makes: never a third copy)
             full = rows[:, start : start + size].reshape(-1)[: parts[i].numel]
-            out[i] = full.view(parts[i].shape).clone()
+            out[i] = full.view(parts[i].shape)
             start += size
     return cast(list[Tensor], out)
 

@@ -23,10 +23,13 @@ from typing import Any, cast
 from torch import Tensor, nn
 
 from ...engine.parameters import ParameterAccess, ZeroParamStatus, owner
+from ...host.heap import HeapRelease
 from ...layout import ROOT_UNIT
 from ...sharding.construct import EXTERNAL, Partition, broadcast_tensors, gather_partitions, partition_of
 
 __all__ = ["GatheredParameters", "is_zero_param", "register_external_parameter", "unregister_external_parameter"]
+
+_HEAP = HeapRelease()  # (one count for every context: many small ones add up to a release too)
 
 _DEPTH = "_fzero_gathered"  # on a parameter inside a GatheredParameters context
 
@@ -122,6 +125,7 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._write_back(self.modifier_rank)
         finally:
+            gathered = sum(p.data.numel() * p.data.element_size() for p in self.params)
             for p, (data, status) in zip(self.params, self._kept, strict=True):
                 p.data = data
                 p.__dict__.pop(_DEPTH, None)
@@ -130,6 +134,9 @@ class GatheredParameters:
                 part = partition_of(p)
                 if part is not None:
                     part.version = p._version  # (putting the stand-in back is no write to it)
+            # the gathered values' pages back, every few MiB (`fzero.host.heap`): a loop over modules (transformers
+            # loading a checkpoint) would otherwise leave a resident hole per module
+            _HEAP.freed(gathered)
 
     def _write_back(self, src: int) -> None:
         parts, engines = self._groups()
@@ -139,10 +146,8 @@ class GatheredParameters:
             if tuple(p.data.shape) != tuple(expected):
                 raise ValueError(f"GatheredParameters: parameter ds_id {getattr(p, 'ds_id', '?')} now has shape "
                                  f"{tuple(p.data.shape)}, not {tuple(expected)}: its shape is fixed")  # fmt: skip
-        if parts:
-            values = broadcast_tensors(_partition(parts[0]).mesh, [p.data for p in parts], src=src)
-            for p, value in zip(parts, values, strict=True):
-                _partition(p).assign(value)
+        for p in parts:  # rank `src`'s values received a chunk at a time, each rank keeping its piece
+            _partition(p).assign(p.data, src=src, freed=_HEAP.freed)
         for engine, ps in engines.values():
             engine.assign_values(ps, broadcast_tensors(engine.mesh, [p.data for p in ps], src=src))
 
