@@ -28,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["FZERO_BENCH_MALLOC"] = "default"  # (read by compare.py at import: a user's script's allocator)
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -12,7 +12,7 @@ counting the host synchronizations it makes (each one empties the launch queue: 
 catches up), then profiles two steps and prints the five largest CUDA kernels and host operations by their own time.
 
 The trainers are `benchmarks/compare.py`'s (`ddp`, `fzero_core`, `fzero_engine`: the same optimizer and settings, on
-the model's device), so importing it brings its process settings too (huge pages, freed memory kept: host memory).
+the model's device); importing it changes no process setting (compare.py's `--tuned` rows run in their own).
 Needs CUDA (`DS_ACCELERATOR` is set to `cuda` here); CI has none, docs/performance.md has the figures.
 """
 

@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-import compare  # (benchmarks/): its trainers and process settings
+import compare  # (benchmarks/): its trainers (no process setting: what a user's script runs)
 import torch
 import torch.multiprocessing as mp
 
