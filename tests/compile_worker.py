@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -68,6 +69,8 @@ def engine_losses(rank: int, stage: int, precision: str, how: str, short: bool =
         out["unwrapped"] = engine.module is model and engine.is_compiled and "came compiled" in lines[-2]
     if how == "compile":
         engine.compile(backend=BACKEND)
+        twin = copy.deepcopy(engine.module)  # (an EMA copy: its blocks must run their own parameters)
+        out["copy_bound"] = all(b.forward.__self__ is b for b in twin.blocks)
     losses, counts = [], []
     for x in _batches(rank, short):
         loss = _lm(engine(x[:, :-1]), x)

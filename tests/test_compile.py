@@ -31,6 +31,7 @@ def results(tmp_path_factory):
 def test_compiled_units_train_as_eager(results, case):
     eager, compiled = results[f"{case}-eager"], results[f"{case}-compile"]
     assert compiled["losses"] == eager["losses"]
+    assert compiled["copy_bound"]  # a deep copy's compiled blocks are bound to the copy
     counts = compiled["counts"]
     assert all(c["breaks"] == 0 for c in counts), counts
     assert counts[0]["graphs"] == 1  # the two blocks share one graph

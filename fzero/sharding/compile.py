@@ -24,6 +24,7 @@ backend and options, read from torch's wrapper), which `compile_units` then appl
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -74,9 +75,16 @@ def compile_units(model: nn.Module, layout: Layout, how: dict[str, Any] | Compil
         module = modules[path]
         if getattr(module, COMPILED, None) == key:
             continue
-        forward = module.__dict__.get("_fzero_eager_forward", module.forward)
-        object.__setattr__(module, "_fzero_eager_forward", forward)
-        object.__setattr__(module, "forward", compiler(forward))
+        eager = module.__dict__.get("_fzero_eager_forward", module.forward)
+        func = getattr(eager, "__func__", None)
+        compiled: Callable[..., Any]
+        if func is not None and getattr(eager, "__self__", None) is module:
+            # the class's function compiled, bound to the module: `copy.deepcopy` binds the copy's to the copy
+            compiled = types.MethodType(compiler(func), module)
+        else:  # (a forward set on the instance, not a method of it)
+            compiled = compiler(eager)
+        object.__setattr__(module, "_fzero_eager_forward", eager)
+        object.__setattr__(module, "forward", compiled)
         object.__setattr__(module, COMPILED, key)
     return inner
 

@@ -375,10 +375,13 @@ def gather_partitions(parts: Sequence[Partition]) -> list[Tensor]:
         sizes = [parts[i].shard.numel() for i in members]
         total = sum(sizes)
         shards = [parts[i].shard for i in members]
-        rows = mesh.all_gather(shards[0] if len(shards) == 1 else torch.cat(shards)).view(mesh.world, total)
+        rows = mesh.all_gather(shards[0] if len(shards) == 1 else torch.cat(shards))
+        if rows.untyped_storage().data_ptr() == shards[0].untyped_storage().data_ptr():
+            rows = rows.clone()  # (a mesh of one may hand its input back: the values must not be the partition)
+        rows = rows.view(mesh.world, total)
         start = 0
         for i, size in zip(members, sizes, strict=True):
-            # (a view of `rows` for a group of one, else of the copy `reshape` makes: never a third copy)
+            # views of `rows`, or of the copy `reshape` makes of its columns: no further copy
             full = rows[:, start : start + size].reshape(-1)[: parts[i].numel]
             out[i] = full.view(parts[i].shape)
             start += size
