@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
                                             [--memory] [--first-steps [10]] [--tuned [--default-malloc]]
                                             [--threads 1] [--profile] [--floor] [--nproc 2] [--comm] [--sweep 6,12,24]
+                                            [--compile]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -75,6 +76,11 @@ the same on it): the payload per axis (`world`: over all ranks) and the bytes re
 shard group (`fzero.mesh.Ledger.crossing(shape, "shard")`: the slow, cross-node share when a shard group is a node),
 with `fzero-zero3`'s cross-node bytes over the row's.
 
+`--compile` adds, right after each row, its compiled twin `NAME-compiled` where it has one: DDP on
+`torch.compile(model)`, FSDP2 with each block compiled under `fully_shard` (`block.compile()`, torchtitan's way),
+DeepSpeed's `engine.compile()`, fzero's core with `train_step(compile=True)` and its engine with `engine.compile()`
+(each unit compiled: `fzero.sharding.compile`), all with inductor; the first steps, which compile, are the warm-up.
+
 `--sweep 6,12,24` repeats the run for each layer count (the model otherwise the same; `--only` then defaults to
 `ddp fsdp2-zero3 deepspeed-zero3 fzero-zero3 fzero-engine-zero3`): each size is timed in its own processes, every
 row as a ratio to DDP's in the same run, and with `--memory` each trainer alone per size. It prints one table per
@@ -106,6 +112,7 @@ from compare_trainers import (
     AGAIN,
     CFG,
     COLLECTIVE_TIMEOUT_S,
+    COMPILED,
     FLOOR,
     LR,
     MALLOC,
@@ -261,6 +268,8 @@ def main() -> None:
                         help="repeat for each layer count; one table per metric, a column per size")  # fmt: skip
     parser.add_argument("--default-malloc", action="store_true",
                         help="with --tuned: the -tuned rows keep glibc's malloc (huge pages alone)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true",
+                        help="also each row's compiled twin (NAME-compiled) beside it, where it has one")  # fmt: skip
     args = parser.parse_args()
     if args.default_malloc and not args.tuned:
         parser.error("--default-malloc changes the -tuned rows (the default rows never tune malloc): add --tuned")
@@ -271,7 +280,10 @@ def main() -> None:
     if args.first_steps < 0:
         parser.error(f"--first-steps takes a positive step count, got {args.first_steps}")
     if args.only is None:
-        args.only = list(SWEEP) if args.sweep else [n for n in trainers() if n not in FLOOR and n not in ZEROPP3]
+        eager = [n for n in trainers() if n not in FLOOR and n not in ZEROPP3 and not n.endswith(COMPILED)]
+        args.only = list(SWEEP) if args.sweep else eager
+    if args.compile:  # each compiled twin right after its eager row
+        args.only = [m for n in args.only for m in (n, n + COMPILED) if m == n or m in trainers()]
     args.only = rotation(list(dict.fromkeys(args.only)))
     if args.rounds is None:
         args.rounds = 5 if args.nproc <= 2 else 3

@@ -73,11 +73,13 @@ def device_type(model: nn.Module) -> str:
     return next(model.parameters()).device.type
 
 
-def ddp(model: nn.Module, precision: str) -> Step:
+def ddp(model: nn.Module, precision: str, compile: bool = False) -> Step:
+    """DDP with torch's fused AdamW; `compile`: on `torch.compile(model)` (DDP's compiled path: the graph broken at
+    its buckets)."""
     from torch.nn.parallel import DistributedDataParallel
 
     where = device_type(model)
-    net = DistributedDataParallel(model)
+    net = DistributedDataParallel(torch.compile(model) if compile else model)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
 
     def step(batch: dict[str, torch.Tensor]) -> None:
@@ -90,7 +92,9 @@ def ddp(model: nn.Module, precision: str) -> Step:
     return step
 
 
-def fsdp2(stage: int) -> Callable[[nn.Module, str], Step]:
+def fsdp2(stage: int, compile: bool = False) -> Callable[[nn.Module, str], Step]:
+    """FSDP2 on every block and the root; `compile`: each block compiled under `fully_shard` (torchtitan's way)."""
+
     def build(model: nn.Module, precision: str) -> Step:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -101,6 +105,8 @@ def fsdp2(stage: int) -> Callable[[nn.Module, str], Step]:
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp_policy)
+            if compile:
+                block.compile()
         fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp_policy)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
 
@@ -127,12 +133,16 @@ def ds_config(stage: int, precision: str, micro: int = MICRO) -> dict:
     return cfg
 
 
-def deepspeed_engine(stage: int) -> Callable[[nn.Module, str], Step]:
+def deepspeed_engine(stage: int, compile: bool = False) -> Callable[[nn.Module, str], Step]:
+    """DeepSpeed's engine; `compile`: `engine.compile()` (DeepSpeed's default backend)."""
+
     def build(model: nn.Module, precision: str) -> Step:
         import deepspeed
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(stage, precision))  # fmt: skip
+        if compile:
+            engine.compile()
 
         def step(batch: dict[str, torch.Tensor]) -> None:
             engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
@@ -156,7 +166,9 @@ def grid_mesh() -> fzero.DistMesh:
     return fzero.DistMesh(shape=grid(dist.get_world_size()))
 
 
-def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **options: bool) -> Callable[..., Step]:
+def fzero_core(
+    stage: int, overlap: bool | None = None, two_d: bool = False, compile: bool = False, **options: bool
+) -> Callable[..., Step]:
     """fzero's functional step under `fzero.zero{stage}(..., **options)`.
 
     Args:
@@ -164,6 +176,7 @@ def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **o
       overlap: overlap each unit's reduction with the backward (`GatherPolicy(overlap_reduce=...)`; None: the
         default, decided by the mesh).
       two_d: on `grid_mesh()` instead of the 1-D `DistMesh()`.
+      compile: `train_step(compile=True)`: each unit compiled (`fzero.sharding.compile`).
       options: the preset's ZeRO++ and hybrid flags (`hybrid`, `hpz`, `qwz`, `qgz`).
 
     Returns:
@@ -182,7 +195,7 @@ def fzero_core(stage: int, overlap: bool | None = None, two_d: bool = False, **o
             return lm_loss(fzero.call(model, params, batch["x"]), batch["y"])
 
         policy = None if overlap is None else fzero.GatherPolicy(overlap_reduce=overlap)
-        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy)
+        train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy, compile=compile)
         box = [fzero.init(model, tx, mesh)]
         model.to("meta")  # the state holds the parameters: free the template's own (as `fully_shard` replaces them)
 
@@ -211,10 +224,14 @@ def fresh_buffers(build: Callable[..., Step]) -> Callable[..., Step]:
     return wrapped
 
 
-def fzero_engine(stage: int, micro: int = MICRO) -> Callable[[nn.Module, str], Step]:
+def fzero_engine(stage: int, micro: int = MICRO, compile: bool = False) -> Callable[[nn.Module, str], Step]:
+    """fzero's engine from `ds_config`; `compile`: `engine.compile()` (per unit, inductor)."""
+
     def build(model: nn.Module, precision: str) -> Step:
         engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision, micro), mesh=fzero.DistMesh(),
                                       printer=lambda line: None)  # fmt: skip
+        if compile:
+            engine.compile()
 
         def step(batch: dict[str, torch.Tensor]) -> None:
             engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
@@ -276,7 +293,7 @@ def ddp_core_engine(micro: int = MICRO) -> dict[str, Callable[[nn.Module, str], 
 
 def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     """Every trainer by name: `ddp` and `ddp-again` (a second, separately built DDP: the A/A row), FSDP2, DeepSpeed,
-    fzero's core and engine variants, the floor's two parts and the 2-D ZeRO++ / hybrid rows."""
+    fzero's core and engine variants, the floor's two parts, the 2-D ZeRO++ / hybrid rows and the compiled rows."""
     out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp": ddp, AGAIN: ddp}
     for stage in (2, 3):
         out[f"fsdp2-zero{stage}"] = fsdp2(stage)
@@ -293,6 +310,26 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
     for name, options in ZEROPP3.items():
         out[name] = fzero_core(3, two_d=True, **options)
+    out.update(compiled_trainers())
+    return out
+
+
+COMPILED = "-compiled"
+"""The suffix of the compiled trainers' names (`compare.py --compile`)."""
+
+
+def compiled_trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
+    """The compiled rows, each named after its eager one: DDP on `torch.compile(model)`, FSDP2 with each block
+    compiled, DeepSpeed's `engine.compile()`, fzero's core (`train_step(compile=True)`) and engine
+    (`engine.compile()`), at the stages of the eager rows."""
+    out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp" + COMPILED: functools.partial(ddp, compile=True)}
+    for stage in (2, 3):
+        out[f"fsdp2-zero{stage}{COMPILED}"] = fsdp2(stage, compile=True)
+    for stage in (1, 2, 3):
+        out[f"deepspeed-zero{stage}{COMPILED}"] = deepspeed_engine(stage, compile=True)
+    for stage in (0, 1, 2, 3):
+        out[f"fzero-zero{stage}{COMPILED}"] = fzero_core(stage, compile=True)
+        out[f"fzero-engine-zero{stage}{COMPILED}"] = fzero_engine(stage, compile=True)
     return out
 
 
