@@ -141,16 +141,21 @@ def deepspeed_engine(stage: int, compile: bool = False) -> Callable[[nn.Module, 
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(stage, precision))  # fmt: skip
-        if compile:
-            engine.compile()
-
-        def step(batch: dict[str, torch.Tensor]) -> None:
-            engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
-            engine.step()
-
-        return step
+        return engine_step(engine, compile)
 
     return build
+
+
+def engine_step(engine: Any, compile: bool) -> Step:
+    """A DeepSpeed-style engine's step (DeepSpeed's or fzero's), after `engine.compile()` if `compile`."""
+    if compile:
+        engine.compile()
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
+        engine.step()
+
+    return step
 
 
 def grid(world: int) -> dict[str, int]:
@@ -230,14 +235,7 @@ def fzero_engine(stage: int, micro: int = MICRO, compile: bool = False) -> Calla
     def build(model: nn.Module, precision: str) -> Step:
         engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision, micro), mesh=fzero.DistMesh(),
                                       printer=lambda line: None)  # fmt: skip
-        if compile:
-            engine.compile()
-
-        def step(batch: dict[str, torch.Tensor]) -> None:
-            engine.backward(lm_loss(engine(batch["x"]), batch["y"]))
-            engine.step()
-
-        return step
+        return engine_step(engine, compile)
 
     return build
 
