@@ -62,8 +62,11 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 
 class _State:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # reentrant: a holder collected by the garbage collector releases from inside whatever allocated, possibly
+        # `alias_deepspeed` itself (a plain lock would deadlock there)
+        self.lock = threading.RLock()
         self.holders = 0
+        self.installed = False
         self.finder = _AliasFinder()
         self.kept: dict[str, ModuleType] = {}  # DeepSpeed's own modules, out of sys.modules while aliased
 
@@ -85,14 +88,15 @@ def alias_deepspeed() -> Callable[[], None]:
     """
     importlib.import_module(_OURS)
     with _state.lock:
-        if _state.holders == 0:
+        _state.holders += 1  # (first: a release reentering below cannot take the count to 0 while this one holds)
+        if not _state.installed:
             _state.kept = {name: m for name, m in sys.modules.items() if _is_deepspeed(name)}
             for name in _state.kept:
                 del sys.modules[name]
             ours = {name: m for name, m in sys.modules.items() if name == _OURS or name.startswith(_OURS + ".")}
             sys.modules.update({_NAME + name[len(_OURS) :]: m for name, m in ours.items()})
             sys.meta_path.insert(0, _state.finder)
-        _state.holders += 1
+            _state.installed = True
     released = False
 
     def release() -> None:
@@ -102,8 +106,9 @@ def alias_deepspeed() -> Callable[[], None]:
                 return
             released = True
             _state.holders -= 1
-            if _state.holders:
+            if _state.holders or not _state.installed:
                 return
+            _state.installed = False
             sys.meta_path.remove(_state.finder)
             for name in [name for name in sys.modules if _is_deepspeed(name)]:
                 del sys.modules[name]
