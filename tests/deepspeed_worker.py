@@ -108,7 +108,8 @@ def case_name(stage: int, precision: str) -> str:
 
 def deepspeed_run(rank: int, world: int, out_dir: str) -> None:
     """DeepSpeed trains each case for `STEPS` steps, saving at `SAVE_AT` (`out_dir/<case>/global_step10`)."""
-    # DeepSpeed's CPU accelerator compiles its shared-memory collective on first use: into this test's directory
+    # DeepSpeed's CPU accelerator compiles its shared-memory collective on first use: into the session's
+    # TORCH_EXTENSIONS_DIR (tests/conftest.py)
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     init_worker(rank, world, f"{out_dir}/store-ds")
