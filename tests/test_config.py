@@ -40,6 +40,7 @@ def test_deepspeed_defaults():
     v = parse({}).values
     assert v["gradient_clipping"] == 1.0  # DeepSpeed 0.19.8: GRADIENT_CLIPPING_DEFAULT = 1.0 (runtime/constants.py)
     assert v["steps_per_print"] is None and v["wall_clock_breakdown"] is False
+    assert parse({"steps_per_print": float("inf")}).values["steps_per_print"] is None  # never (Accelerate writes it)
     assert v["zero_optimization"]["stage"] == 0
     assert v["zero_optimization"]["reduce_bucket_size"] == 500_000_000
     assert v["zero_optimization"]["allgather_bucket_size"] == 500_000_000

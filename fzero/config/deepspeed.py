@@ -43,6 +43,7 @@ from .schema import (
     Bool,
     ConfigError,
     ConfigWarning,
+    Every,
     Field,
     Int,
     Nullable,
@@ -394,7 +395,7 @@ SCHEMA = Section(
         "train_batch_size": Field(Nullable(Int()), None),
         "train_micro_batch_size_per_gpu": Field(Nullable(Int()), None),
         "gradient_accumulation_steps": Field(Nullable(Int()), None),
-        "steps_per_print": Field(Nullable(Int(1)), None, effect="one console line every N optimizer steps (rank 0)"),
+        "steps_per_print": Field(Every(Int(1)), None, effect="one console line every N optimizer steps (rank 0)"),
         "wall_clock_breakdown": Field(Bool(), False, effect="forward/backward/step times in the line and the JSONL"),
         "gradient_clipping": Field(
             Num(0),

@@ -225,6 +225,22 @@ class Nullable(Spec):
 
 
 @dataclass(frozen=True)
+class Every(Spec):
+    """A period in steps: `inner`, or `null` or infinity for never (Accelerate writes `float("inf")`)."""
+
+    inner: Spec
+
+    @property
+    def expect(self) -> str:
+        return f"null, infinity (never) or {self.inner.expect}"
+
+    def validate(self, value: Any, path: str, unknown: list[str]) -> Any:
+        if value is None or (isinstance(value, float) and value == math.inf):
+            return None
+        return self.inner.validate(value, path, unknown)
+
+
+@dataclass(frozen=True)
 class ListOf(Spec):
     """A list (JSON array) of `inner` values, of exactly `length` items if given."""
 
