@@ -43,7 +43,18 @@ __all__ = [
 
 # DeepSpeed's sub-packages this package has, imported on first use (as `deepspeed.comm` is reachable after
 # `import deepspeed`)
-_SUBMODULES = ("accelerator", "checkpointing", "comm", "compression", "moe", "ops", "runtime", "utils", "zero")
+_SUBMODULES = (
+    "accelerator",
+    "checkpoint",
+    "checkpointing",
+    "comm",
+    "compression",
+    "moe",
+    "ops",
+    "runtime",
+    "utils",
+    "zero",
+)
 
 # top-level names of DeepSpeed 0.19.8 fzero does not support, and what to use instead
 _UNSUPPORTED: dict[str, str] = {
