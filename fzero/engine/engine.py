@@ -455,6 +455,9 @@ class Engine(
                 self.monitor.printer(self._overflow_message(float(metrics["loss_scale"])))
         else:
             self.counters.applied += 1
+            # torch's schedulers (the engine's, or one the script steps itself: Accelerate's loop) warn unless the
+            # optimizer stepped first: the engine's update was that step
+            self.optimizer._opt_called = True  # (torch's schedulers' private flag)
             if self.client_scheduler is not None:
                 self._step_scheduler(lr_kwargs)
             elif lr_kwargs:

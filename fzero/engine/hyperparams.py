@@ -86,8 +86,6 @@ class HyperParams:
         return head
 
     def _step_scheduler(self, lr_kwargs: dict[str, Any] | None) -> None:
-        # torch's schedulers warn unless the optimizer stepped first: the engine's update was that step
-        self.optimizer._opt_called = True  # (torch's schedulers' private flag)
         try:
             self.client_scheduler.step(**(lr_kwargs or {}))
         except TypeError:
