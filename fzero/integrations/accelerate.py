@@ -1,0 +1,140 @@
+"""Hugging Face Accelerate on fzero: `Accelerator(fzero_config=...)`.
+
+Accelerate's `Accelerator` drives DeepSpeed through its own code path (`DistributedType.DEEPSPEED`:
+`prepare` calls `deepspeed.initialize`, `backward` calls the engine's `set_gradient_accumulation_boundary`,
+`backward` and, at the boundary, `step`; checkpoints go through the engine's `save_checkpoint` and
+`load_checkpoint`). This subclass runs that same path with fzero's shell answering `import deepspeed`
+(`fzero.deepspeed.alias`), so every Accelerate call a DeepSpeed script makes behaves as it does under DeepSpeed:
+
+    from fzero.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(fzero_config="ds_config.json", gradient_accumulation_steps=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)  # fzero's engine steps at the accumulation boundary, as DeepSpeed's does
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+Two things differ from Accelerate's DeepSpeed path, both refusals where it would go on silently: an
+`Accelerator(gradient_accumulation_steps=N)` that contradicts the config's `gradient_accumulation_steps` (Accelerate
+warns and takes the config's), and `clip_grad_norm_(max_norm)` against a different `gradient_clipping` in the config
+(Accelerate returns the engine's norm and ignores `max_norm`: the clipping is the engine's, with the config's value).
+
+On a machine without CUDA, Accelerate's DeepSpeed path has no process group (its launcher expects one accelerator
+per process); the subclass sets up the CPU processes as Accelerate does for its own CPU runs (gloo, the launcher's
+environment) and marks them as DeepSpeed's, which fzero runs on the CPU. Accelerate and transformers check that the
+`deepspeed` distribution is installed before taking their DeepSpeed path: it must be (`pip install fzero[integrations]`
+pins the tested version); its code is not run while the alias holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+from ..deepspeed.alias import alias_deepspeed
+
+__all__ = ["Accelerator", "load_config", "prepare_cpu_state"]
+
+
+def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A DeepSpeed JSON config, as a new dict (a path is read; a dict is copied, since Accelerate fills it in).
+
+    Raises:
+      FileNotFoundError / ValueError: the file is missing or is not a JSON object (naming the file).
+    """
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"fzero_config: no DeepSpeed config file at {path}")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"fzero_config: {path} is not valid JSON ({err})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"fzero_config: {path} holds a JSON {type(loaded).__name__}, expected an object")
+    return loaded
+
+
+def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> None:
+    """Set up Accelerate's process state for DeepSpeed's path on the CPU, where Accelerate's own setup cannot.
+
+    With CUDA (and `cpu=False`) Accelerate sets up DeepSpeed's processes itself: nothing is done. Otherwise the
+    processes are set up as for Accelerate's CPU runs (gloo; `torchrun`'s or MPI's environment), then marked as
+    DeepSpeed's, so that `Accelerator` and transformers' `Trainer` take their DeepSpeed path.
+
+    Args:
+      cpu: Accelerate's `cpu` flag (force the CPU even where CUDA is present).
+      **kwargs: `PartialState`'s arguments (`backend`, `timeout`).
+    """
+    if torch.cuda.is_available() and not cpu:
+        return
+    state = PartialState(cpu=True, **kwargs)
+    if state.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
+        PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+
+
+def _check_accumulation(config: dict[str, Any], steps: int | None) -> None:
+    ours = config.get("gradient_accumulation_steps", "auto")
+    if steps is not None and steps != 1 and ours != "auto" and ours != steps:
+        raise ValueError(
+            f"Accelerator(gradient_accumulation_steps={steps}) contradicts the fzero_config's "
+            f'"gradient_accumulation_steps": {ours}; give one of them (or "auto" in the config)'
+        )
+
+
+class Accelerator(accelerate.Accelerator):
+    """`accelerate.Accelerator` running DeepSpeed's path on fzero.
+
+    Args:
+      *args: Accelerate's `Accelerator` arguments.
+      fzero_config: a DeepSpeed JSON config (dict or path); `"auto"` values are filled by Accelerate from the
+        prepared objects and these arguments, as for DeepSpeed.
+      **kwargs: Accelerate's `Accelerator` keyword arguments, but `deepspeed_plugin(s)` (the config is fzero's).
+
+    Raises:
+      ValueError: a `deepspeed_plugin` was also given, or an argument contradicts the config (naming both).
+    """
+
+    def __init__(self, *args: Any, fzero_config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) -> None:
+        for key in ("deepspeed_plugin", "deepspeed_plugins"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"Accelerator: give the DeepSpeed config as fzero_config=, not {key}=")
+        config = load_config(fzero_config)
+        steps = kwargs.get("gradient_accumulation_steps")
+        _check_accumulation(config, steps)
+        release = alias_deepspeed()
+        weakref.finalize(self, release)
+        plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=steps if steps else None)
+        if AcceleratorState._shared_state == {}:  # a second Accelerator reuses the first one's state
+            prepare_cpu_state(bool(kwargs.get("cpu", False)))
+        super().__init__(*args, deepspeed_plugin=plugin, **kwargs)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """The gradient norm of the last step (Accelerate's DeepSpeed path): clipping is the engine's, at the
+        config's `gradient_clipping`, which `max_norm` and `norm_type` must match.
+
+        Raises:
+          ValueError: `max_norm` differs from the config's `gradient_clipping`, or `norm_type` is not 2.
+        """
+        configured = self.deepspeed_plugin.deepspeed_config.get("gradient_clipping", 0.0)
+        if float(norm_type) != 2.0 or float(max_norm) != float(configured or 0.0):
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}): fzero's engine clips the L2 norm at "
+                f'the fzero_config\'s "gradient_clipping" ({configured}) when it steps; set "gradient_clipping" to '
+                f'{max_norm} (or "auto" with Accelerator\'s DeepSpeed plugin) instead'
+            )
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
