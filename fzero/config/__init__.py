@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import ItemsView, Iterator, KeysView
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,25 @@ class Config:
     def wall_clock_breakdown(self) -> bool:
         return self.values["wall_clock_breakdown"]
 
+    # DeepSpeed's `engine.config` is the config dict, read as one (transformers: `config.get("zero_optimization",
+    # {}).get("stage")`): the validated values answer, defaults filled in
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def keys(self) -> KeysView[str]:
+        return self.values.keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self.values.items()
 
 
 def load_json(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -116,12 +116,15 @@ class Accelerator(accelerate.Accelerator):
         config = load_config(fzero_config)
         steps = kwargs.get("gradient_accumulation_steps")
         _check_accumulation(config, steps)
-        release = alias_deepspeed()
-        weakref.finalize(self, release)
-        plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=steps if steps else None)
-        if AcceleratorState._shared_state == {}:  # a second Accelerator reuses the first one's state
-            prepare_cpu_state(bool(kwargs.get("cpu", False)))
-        super().__init__(*args, deepspeed_plugin=plugin, **kwargs)
+        release = weakref.finalize(self, alias_deepspeed())  # held while the accelerator lives
+        try:
+            plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=steps if steps else None)
+            if AcceleratorState._shared_state == {}:  # a second Accelerator reuses the first one's state
+                prepare_cpu_state(bool(kwargs.get("cpu", False)))
+            super().__init__(*args, deepspeed_plugin=plugin, **kwargs)
+        except BaseException:
+            release()
+            raise
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """The gradient norm of the last step (Accelerate's DeepSpeed path): clipping is the engine's, at the
