@@ -458,7 +458,8 @@ class Engine(
             # torch's schedulers (the engine's, or one the script steps itself: Accelerate's loop) warn unless the
             # optimizer stepped first: the engine's update was that step
             self.optimizer._opt_called = True  # (torch's schedulers' private flag)
-            if self.client_scheduler is not None:
+            # (a framework that steps the scheduler itself sets `engine.lr_scheduler = None`, as for DeepSpeed's)
+            if self.client_scheduler is not None and self.lr_scheduler is not None:
                 self._step_scheduler(lr_kwargs)
             elif lr_kwargs:
                 raise ValueError(
