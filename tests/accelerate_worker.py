@@ -77,6 +77,9 @@ def train(kind: str, out: str, stop: int = STEPS, save_at: int | None = None, re
                 acc.save_state(os.path.join(out, f"state-{kind}"))
             if step == stop:
                 break
+    if kind != "ddp":
+        assert acc.gather_for_metrics(torch.tensor([acc.process_index])).tolist() == [0, 1]
+        assert type(acc.unwrap_model(model)).__name__ == "GPT2LMHeadModel"
     full = acc.get_state_dict(model)
     if acc.is_main_process:
         save_file({k: v.clone() for k, v in full.items()}, os.path.join(out, f"{kind}-{stop}-{resume}.safetensors"))

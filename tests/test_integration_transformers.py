@@ -47,6 +47,8 @@ def test_fzero_matches_the_trainers_ddp(runs, stage):
     assert torch.allclose(torch.tensor(ours["loss"]), torch.tensor(theirs["loss"]), rtol=1e-4, atol=0)
     assert torch.allclose(torch.tensor(ours["grad_norm"]), torch.tensor(theirs["grad_norm"]), rtol=1e-3, atol=0)
     assert results["engine"] == "fzero.engine.engine"
+    # evaluate() after training: the same held-out loss as DDP's to the parameters' own difference (a few ulps)
+    assert results["fzero3-eval"] == pytest.approx(results["ddp-eval"], rel=1e-4)
 
 
 @pytest.mark.timeout(600)
@@ -85,6 +87,8 @@ def test_lora_saves_its_adapter_alone_and_reloads(runs):
     assert lora_keys and all(torch.equal(reloaded[k], trained[k]) for k in lora_keys)
     assert not all(torch.equal(trained[k], lora().state_dict()[k]) for k in lora_keys), "the adapter trained"
     assert len(results["lora"]["loss"]) == w.STEPS
+    # the Trainer's checkpoint of a PEFT model: save_checkpoint(exclude_frozen_parameters=True), in a global_step dir
+    assert (out / "lora" / "checkpoint-3" / "global_step3").is_dir()
 
 
 def test_arguments_that_contradict_the_config_are_refused(tmp_path):

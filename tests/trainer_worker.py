@@ -68,6 +68,10 @@ def run(name: str, out: str, stage: int | None, model: Any = None, resume: str |
     trainer = kind(model=model, args=args, train_dataset=dataset())
     trainer.train(resume_from_checkpoint=resume)
     full = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if stage is not None:  # as under DeepSpeed, model_wrapped is the engine: module_state_dict() consolidates
+        engine_full = trainer.model_wrapped.module_state_dict()
+        if trainer.accelerator.is_main_process:
+            assert engine_full.keys() == full.keys() and all(torch.equal(engine_full[k], full[k]) for k in full)
     if trainer.accelerator.is_main_process:
         save_file({k: v.detach().clone() for k, v in full.items()}, os.path.join(out, f"{name}.safetensors"))
     return trainer
@@ -77,10 +81,13 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     init_worker(rank, world, store)
-    results: dict[str, Any] = {"ddp": logged(run("ddp", out, None))}
+    held_out = dataset()[:8]
+    trainer = run("ddp", out, None)
+    results: dict[str, Any] = {"ddp": logged(trainer), "ddp-eval": trainer.evaluate(held_out)["eval_loss"]}
     results["fzero2"] = logged(run("fzero2", out, 2))
     trainer = run("fzero3", out, 3, save_strategy="steps", save_steps=3)
     results["fzero3"] = logged(trainer)
+    results["fzero3-eval"] = trainer.evaluate(held_out)["eval_loss"]
     results["engine"] = type(trainer.model_wrapped).__module__
     trainer.save_model(os.path.join(out, "saved"))
     checkpoint = os.path.join(out, "fzero3", "checkpoint-3")
@@ -93,7 +100,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
     results["sharded"] = all(p.numel() == 0 and hasattr(p, "ds_id") for p in loaded.parameters())
     del args
     # LoRA at stage 3: the adapter alone is saved, and reloads
-    trainer = run("lora", out, 3, model=lora())
+    trainer = run("lora", out, 3, model=lora(), save_strategy="steps", save_steps=3)  # PEFT: frozen left out
     trainer.save_model(os.path.join(out, "adapter"))
     results["lora"] = logged(trainer)
     report(rank, out, results)
