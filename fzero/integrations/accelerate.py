@@ -41,6 +41,7 @@ from typing import Any
 
 import accelerate
 import torch
+import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
@@ -73,8 +74,9 @@ def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> None:
     """Set up Accelerate's process state for DeepSpeed's path on the CPU, where Accelerate's own setup cannot.
 
     With CUDA (and `cpu=False`) Accelerate sets up DeepSpeed's processes itself: nothing is done. Otherwise the
-    processes are set up as for Accelerate's CPU runs (gloo; `torchrun`'s or MPI's environment), then marked as
-    DeepSpeed's, so that `Accelerator` and transformers' `Trainer` take their DeepSpeed path.
+    processes are set up as for Accelerate's CPU runs (gloo; `torchrun`'s or MPI's environment; a group of one for a
+    single process, as DeepSpeed makes), then marked as DeepSpeed's, so that `Accelerator` and transformers'
+    `Trainer` take their DeepSpeed path.
 
     Args:
       cpu: Accelerate's `cpu` flag (force the CPU even where CUDA is present).
@@ -83,6 +85,10 @@ def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> None:
     if torch.cuda.is_available() and not cpu:
         return
     state = PartialState(cpu=True, **kwargs)
+    if state.distributed_type == DistributedType.NO and not dist.is_initialized():
+        # one process: DeepSpeed's `init_distributed` makes a group of one, which the frameworks' DeepSpeed paths
+        # then use (transformers gathers the logged loss over it); an in-process store, no port to collide on
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if state.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
         PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
 
