@@ -104,3 +104,4 @@ def test_arguments_that_contradict_the_config_are_refused(tmp_path):
     import fzero.deepspeed
 
     assert sys.modules.get("deepspeed") is not fzero.deepspeed, "a refused FzeroTrainingArguments keeps no alias"
+    assert not torch.distributed.is_initialized(), "nor the process group it made"

@@ -70,7 +70,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, An
     return loaded
 
 
-def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> None:
+def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> bool:
     """Set up Accelerate's process state for DeepSpeed's path on the CPU, where Accelerate's own setup cannot.
 
     With CUDA (and `cpu=False`) Accelerate sets up DeepSpeed's processes itself: nothing is done. Otherwise the
@@ -81,16 +81,22 @@ def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> None:
     Args:
       cpu: Accelerate's `cpu` flag (force the CPU even where CUDA is present).
       **kwargs: `PartialState`'s arguments (`backend`, `timeout`).
+
+    Returns:
+      Whether it made the process group (of one process), which the caller destroys if it gives up.
     """
     if torch.cuda.is_available() and not cpu:
-        return
+        return False
     state = PartialState(cpu=True, **kwargs)
+    made = False
     if state.distributed_type == DistributedType.NO and not dist.is_initialized():
         # one process: DeepSpeed's `init_distributed` makes a group of one, which the frameworks' DeepSpeed paths
         # then use (transformers gathers the logged loss over it); an in-process store, no port to collide on
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        made = True
     if state.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
         PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+    return made
 
 
 def _check_accumulation(config: dict[str, Any], steps: int | None) -> None:
@@ -123,13 +129,17 @@ class Accelerator(accelerate.Accelerator):
         steps = kwargs.get("gradient_accumulation_steps")
         _check_accumulation(config, steps)
         release = weakref.finalize(self, alias_deepspeed())  # held while the accelerator lives
+        made = False
         try:
             plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=steps if steps else None)
             if AcceleratorState._shared_state == {}:  # a second Accelerator reuses the first one's state
-                prepare_cpu_state(bool(kwargs.get("cpu", False)))
+                made = prepare_cpu_state(bool(kwargs.get("cpu", False)))
             super().__init__(*args, deepspeed_plugin=plugin, **kwargs)
         except BaseException:
             release()
+            if made:
+                AcceleratorState._reset_state(reset_partial_state=True)
+                dist.destroy_process_group()
             raise
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:

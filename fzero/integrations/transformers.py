@@ -32,6 +32,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.state import AcceleratorState
 from transformers import Trainer, TrainingArguments
 
@@ -80,6 +81,8 @@ class FzeroTrainingArguments(TrainingArguments):
         except BaseException:
             release()
             AcceleratorState._reset_state(reset_partial_state=True)
+            if self.__dict__.get("_fzero_made_group"):
+                dist.destroy_process_group()
             raise
 
     @cached_property
@@ -87,7 +90,8 @@ class FzeroTrainingArguments(TrainingArguments):
         if torch.cuda.is_available() and not self.use_cpu:
             return TrainingArguments._setup_devices.func(self)  # type: ignore[attr-defined]
         AcceleratorState._reset_state(reset_partial_state=True)
-        prepare_cpu_state(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
+        made = prepare_cpu_state(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
+        self.__dict__["_fzero_made_group"] = made  # (destroyed again if these arguments are refused)
         # the state just prepared, not a new one (by now an AcceleratorConfig: __post_init__ converted it)
         self.accelerator_config.use_configured_state = True  # type: ignore[union-attr]
         return TrainingArguments._setup_devices.func(self)  # type: ignore[attr-defined]
