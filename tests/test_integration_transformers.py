@@ -52,6 +52,15 @@ def test_fzero_matches_the_trainers_ddp(runs, stage):
 
 
 @pytest.mark.timeout(600)
+def test_the_trainer_is_fzeros_engine_bitwise(runs):
+    """The same arithmetic through `fzero.deepspeed.initialize` directly (the Trainer's groups, schedule and loss
+    normalisation, tests/trainer_worker.shell): the Trainer adds nothing to fzero's step."""
+    out, _ = runs
+    got, shell = load_file(out / "fzero2.safetensors"), load_file(out / "shell2.safetensors")
+    assert got.keys() == shell.keys() and all(torch.equal(got[k], shell[k]) for k in got)
+
+
+@pytest.mark.timeout(600)
 def test_resume_from_the_trainers_checkpoint_is_bitwise(runs):
     out, results = runs
     whole, resumed = load_file(out / "fzero3.safetensors"), load_file(out / "resumed.safetensors")

@@ -77,6 +77,43 @@ def run(name: str, out: str, stage: int | None, model: Any = None, resume: str |
     return trainer
 
 
+def shell(stage: int, out: str, rank: int, world: int = 2) -> list[float]:
+    """The Trainer's arithmetic through `fzero.deepspeed.initialize` directly: its param groups (no decay on biases
+    and LayerNorms), its linear schedule with warmup, stepped by the engine, and its loss under DeepSpeed: summed over
+    the tokens, divided by the window's label count over every rank, times the world size, backward with
+    `scale_wrt_gas=False`; each rank's micro-batches as its sequential loader deals them (batch `2 i + rank`)."""
+    from transformers import Trainer, get_linear_schedule_with_warmup
+
+    import fzero.deepspeed as deepspeed
+
+    model = gpt2()
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR)
+    sched = get_linear_schedule_with_warmup(opt, 2, STEPS)
+    cfg = config(stage) | {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                           "train_batch_size": 2 * 2 * world, "gradient_clipping": 1.0}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    batches = torch.stack([d["input_ids"] for d in dataset()]).split(2)
+    losses = []
+    for step in range(STEPS):
+        window = [batches[world * (2 * step + m) + r] for m in range(2) for r in range(world)]
+        items = torch.tensor(sum(ids.numel() for ids in window))  # (transformers 5.24 counts GPT-2's unshifted labels)
+        for m in range(2):
+            ids = batches[world * (2 * step + m) + rank]
+            loss = engine(input_ids=ids, labels=ids, num_items_in_batch=items).loss * world
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+            losses.append(loss.item())
+    full = engine.module_state_dict()
+    if rank == 0:
+        save_file({k: v.detach().clone() for k, v in full.items()}, os.path.join(out, f"shell{stage}.safetensors"))
+    return losses
+
+
 def worker(rank: int, world: int, store: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
@@ -85,6 +122,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
     trainer = run("ddp", out, None)
     results: dict[str, Any] = {"ddp": logged(trainer), "ddp-eval": trainer.evaluate(held_out)["eval_loss"]}
     results["fzero2"] = logged(run("fzero2", out, 2))
+    results["shell2"] = shell(2, out, rank)
     trainer = run("fzero3", out, 3, save_strategy="steps", save_steps=3)
     results["fzero3"] = logged(trainer)
     results["fzero3-eval"] = trainer.evaluate(held_out)["eval_loss"]
