@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.func import functional_call, grad
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 import fzero
 from fzero.host import process_group
@@ -46,8 +47,8 @@ STAGES = (2, 3)
 
 
 def data() -> DataLoader[Any]:
-    """24 fixed sequences; Lightning's distributed sampler (no shuffle) gives rank r the sequences r, r+2, ...:
-    6 micro-batches of 2 per rank and epoch, 3 optimizer steps per epoch."""
+    """24 fixed sequences; Lightning's distributed sampler (it shuffles training data, seed 0, whatever the loader
+    says) gives each rank 12 per epoch: 6 micro-batches of 2 per rank and epoch, 3 optimizer steps per epoch."""
     tokens = torch.randint(0, VOCAB, (SEQUENCES, LENGTH), generator=torch.Generator().manual_seed(1234))
     return DataLoader(TensorDataset(tokens), batch_size=MICRO, shuffle=False)
 
@@ -219,6 +220,34 @@ def client_state_check() -> dict[str, Any]:
     return {"same": same, "best": repr(back["best"]), "pair": back["pair"], "refused": refused}
 
 
+def shell(stage: int, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The same training through `fzero.deepspeed.initialize` directly: TinyGPT's model, optimizer and schedule
+    (stepped by the engine, once per update, as Lightning's `interval: "step"`), Lightning's loss (divided by the
+    accumulation, then `engine.backward(scale_wrt_gas=False)`), each rank's micro-batches as Lightning's
+    distributed sampler deals them: shuffled, seed 0, a new order each epoch). Returns the final full parameters."""
+    import fzero.deepspeed as deepspeed
+
+    module = TinyGPT()
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.5 * step))
+    cfg = config(stage) | {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATE,
+                           "gradient_clipping": CLIP}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=module.model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    (tokens,) = data().dataset.tensors  # type: ignore[attr-defined]
+    sampler = DistributedSampler(range(SEQUENCES), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    micro, epoch = [], 0
+    while len(micro) < STEPS * ACCUMULATE:  # (Lightning sets the epoch on its sampler)
+        sampler.set_epoch(epoch)
+        micro += list(torch.tensor(list(sampler)).split(MICRO))
+        epoch += 1
+    for index in micro[: STEPS * ACCUMULATE]:
+        x = tokens[index]
+        loss = engine(input_ids=x, labels=x).loss / ACCUMULATE
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()
+    return {f"model.{k}": v for k, v in full(engine.module_state_dict()).items()}
+
+
 def run(rank: int, world: int, store: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
@@ -250,6 +279,7 @@ def run(rank: int, world: int, store: str, out: str) -> None:
         t2.save_checkpoint(final)
         tensors[f"z{stage}-consolidated"] = full(fzero.consolidate(os.path.join(final, "checkpoint")))
         results[f"z{stage}"] = r
+    tensors["z2-shell"] = shell(2, rank, world)
     # the optimizer and a WarmupLR from the config's blocks (configure_optimizers returns None): the engine steps
     # and restores the schedule, Lightning's calls on it do nothing
     results["config-optimizer"] = fit_and_resume("config-optimizer", CONFIG_OPTIMIZER, ConfigOptimizer, out, tensors)[0]

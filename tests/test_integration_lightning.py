@@ -117,6 +117,15 @@ def test_resume_from_a_lightning_checkpoint_is_bitwise(runs, w, name):
 
 
 @pytest.mark.timeout(300)
+def test_lightning_is_fzeros_engine_bitwise(runs):
+    """The same training through `fzero.deepspeed.initialize` directly (tests/lightning_worker.shell): Lightning's
+    loop adds nothing to fzero's step."""
+    out, _ = runs
+    got, shell = tensors(out, "z2"), tensors(out, "z2-shell")
+    assert got.keys() == shell.keys() and all(torch.equal(got[k], shell[k]) for k in got)
+
+
+@pytest.mark.timeout(300)
 def test_the_config_schedule_is_the_engines(runs):
     """With the config's WarmupLR the engine steps the schedule once per update (Lightning's own calls do
     nothing): as DeepSpeed's, its first two updates have learning rate `warmup_min_lr` (0: the schedule's value
