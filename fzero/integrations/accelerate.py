@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import weakref
-from pathlib import Path
 from typing import Any
 
 import accelerate
@@ -45,29 +44,21 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
+from ..config import load_json
 from ..deepspeed.alias import alias_deepspeed
 
 __all__ = ["Accelerator", "load_config", "prepare_cpu_state"]
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """A DeepSpeed JSON config, as a new dict (a path is read; a dict is copied, since Accelerate fills it in).
+    """A DeepSpeed JSON config, as a new dict (a path is read; a dict is copied, since the frameworks fill it in).
 
     Raises:
-      FileNotFoundError / ValueError: the file is missing or is not a JSON object (naming the file).
+      FileNotFoundError / ConfigError (a ValueError): the file is missing, or is not a JSON object (naming it).
     """
     if isinstance(config, dict):
         return json.loads(json.dumps(config))
-    path = Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"fzero_config: no DeepSpeed config file at {path}")
-    try:
-        loaded = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"fzero_config: {path} is not valid JSON ({err})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"fzero_config: {path} holds a JSON {type(loaded).__name__}, expected an object")
-    return loaded
+    return load_json(config)
 
 
 def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> bool:
