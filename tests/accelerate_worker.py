@@ -7,6 +7,7 @@ its losses and (on rank 0) writes its final full parameters to `out/NAME.safeten
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -142,5 +143,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         results[f"{kind}-resumed"] = train(kind, out, resume=True)
         results[f"shell{stage}"] = shell(stage, out, rank)
     results["refused_clip"] = refused_clip()
+    gc.collect()  # every fzero Accelerator gone: Accelerate's process-wide DeepSpeed switch is back as it was
+    results["env_after"] = os.environ.get("ACCELERATE_USE_DEEPSPEED")
     report(rank, out, results)
     process_group.shutdown()

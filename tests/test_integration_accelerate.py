@@ -62,6 +62,13 @@ def test_clipping_other_than_the_configs_is_refused(runs):
     assert "max_norm=0.5" in message and '"gradient_clipping" (1.0)' in message
 
 
+@pytest.mark.timeout(600)
+def test_accelerates_deepspeed_switch_is_restored_when_the_accelerator_goes(runs):
+    """Accelerate sets ACCELERATE_USE_DEEPSPEED for the process when given a DeepSpeed plugin: once fzero's
+    Accelerator is collected it is as before, so a later plain Accelerator or Trainer does not take that path."""
+    assert runs[1]["env_after"] is None
+
+
 def test_an_accumulation_contradicting_the_config_is_refused():
     from fzero.integrations.accelerate import Accelerator
 

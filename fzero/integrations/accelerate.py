@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import accelerate
@@ -47,7 +48,9 @@ from accelerate.utils import DeepSpeedPlugin, DistributedType
 from ..config import load_json
 from ..deepspeed.alias import alias_deepspeed
 
-__all__ = ["Accelerator", "load_config", "prepare_cpu_state"]
+__all__ = ["Accelerator", "hold_deepspeed_path", "load_config", "prepare_cpu_state"]
+
+_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -90,6 +93,24 @@ def prepare_cpu_state(cpu: bool = False, **kwargs: Any) -> bool:
     return made
 
 
+def hold_deepspeed_path() -> Callable[[], None]:
+    """Take fzero's alias for `import deepspeed`, and note Accelerate's `ACCELERATE_USE_DEEPSPEED`; returns the
+    function that releases both: the alias, and the variable as it was (Accelerate sets it for the process whenever
+    it is given a DeepSpeed plugin, so a later plain `Trainer` or `Accelerator` in the same process would take the
+    DeepSpeed path too)."""
+    release = alias_deepspeed()
+    before = os.environ.get(_USE_DEEPSPEED)
+
+    def release_both() -> None:
+        release()
+        if before is None:
+            os.environ.pop(_USE_DEEPSPEED, None)
+        else:
+            os.environ[_USE_DEEPSPEED] = before
+
+    return release_both
+
+
 def _check_accumulation(config: dict[str, Any], steps: int | None) -> None:
     ours = config.get("gradient_accumulation_steps", "auto")
     if steps is not None and steps != 1 and ours != "auto" and ours != steps:
@@ -119,7 +140,7 @@ class Accelerator(accelerate.Accelerator):
         config = load_config(fzero_config)
         steps = kwargs.get("gradient_accumulation_steps")
         _check_accumulation(config, steps)
-        release = weakref.finalize(self, alias_deepspeed())  # held while the accelerator lives
+        release = weakref.finalize(self, hold_deepspeed_path())  # held while the accelerator lives
         made = False
         try:
             plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=steps if steps else None)

@@ -36,8 +36,7 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState
 from transformers import Trainer, TrainingArguments
 
-from ..deepspeed.alias import alias_deepspeed
-from .accelerate import load_config, prepare_cpu_state
+from .accelerate import hold_deepspeed_path, load_config, prepare_cpu_state
 
 __all__ = ["FzeroTrainer", "FzeroTrainingArguments"]
 
@@ -68,7 +67,7 @@ class FzeroTrainingArguments(TrainingArguments):
         config = load_config(self.fzero_config)
         if self.deepspeed is not None and self.deepspeed != config:  # (a copy of these arguments has it: equal)
             raise ValueError("FzeroTrainingArguments: give the DeepSpeed config as fzero_config=, not deepspeed=")
-        release = weakref.finalize(self, alias_deepspeed())  # held while these arguments live
+        release = weakref.finalize(self, hold_deepspeed_path())  # held while these arguments live
         self.deepspeed = config
         try:
             super().__post_init__()
