@@ -79,6 +79,9 @@ def test_save_model_loads_strictly_as_the_consolidated_parameters(runs):
     assert loaded.keys() == ours.keys()
     assert all(torch.equal(loaded[k], ours[k]) for k in ours)
     assert results["sharded"], "from_pretrained under FzeroTrainingArguments at stage 3 must load into partitions"
+    # and trains as the same checkpoint built whole does, bitwise
+    assert results["whole"] and len(results["from-sharded"]["loss"]) == 2
+    assert results["from-sharded"] == results["from-whole"]
 
 
 @pytest.mark.timeout(600)

@@ -7,6 +7,7 @@ gradient norms and learning rates, and rank 0 writes its final full parameters t
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -136,7 +137,15 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
     args = arguments(os.path.join(out, "pretrained"), 3)
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "saved"))
     results["sharded"] = all(p.numel() == 0 and hasattr(p, "ds_id") for p in loaded.parameters())
-    del args
+    results["from-sharded"] = logged(run("from-sharded", out, 3, model=loaded, max_steps=2))
+    del args, loaded
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # (its DeepSpeed plugin keeps a config alive)
+    gc.collect()  # no Hugging Face DeepSpeed config alive: from_pretrained builds the model whole
+    whole = GPT2LMHeadModel.from_pretrained(os.path.join(out, "saved"))
+    results["whole"] = all(p.numel() > 0 for p in whole.parameters())
+    results["from-whole"] = logged(run("from-whole", out, 3, model=whole, max_steps=2))
     # LoRA at stage 3: the adapter alone is saved, and reloads
     trainer = run("lora", out, 3, model=lora(), save_strategy="steps", save_steps=3)  # PEFT: frozen left out
     trainer.save_model(os.path.join(out, "adapter"))
