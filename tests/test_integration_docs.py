@@ -1,5 +1,6 @@
-"""docs/integrations.md's examples run as they are: each ```python block is a whole script, run in a process of its
-own (the frameworks keep process-wide state: Accelerate's singleton, its environment variables)."""
+"""docs/integrations.md's examples run as they are: each ```python block is a whole script, run one after the other
+in one new process (`runpy`), the frameworks' process-wide state reset between them as a new process would have it
+(Accelerate's singleton; the objects of the previous script collected, so its alias and environment are released)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ import pytest
 
 PAGE = Path(__file__).parent.parent / "docs" / "integrations.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+MARKS = ("Engine ", "tensors", "tensors")  # what each example prints last
+
+RUN_ALL = """
+import gc, runpy, sys
+from accelerate.state import AcceleratorState
+for path in sys.argv[1:]:
+    runpy.run_path(path, run_name="__main__")
+    print("--- done", path, flush=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    gc.collect()
+"""
 
 
 def test_the_page_has_one_example_per_framework():
@@ -22,12 +34,18 @@ def test_the_page_has_one_example_per_framework():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["trainer", "accelerate", "lightning"])
-def test_example_runs(index, tmp_path):
-    pytest.importorskip("lightning" if index == 2 else "accelerate")
-    script = tmp_path / "example.py"
-    script.write_text(BLOCKS[index].replace("/tmp/", f"{tmp_path}/"))
+def test_the_examples_run(tmp_path):
+    pytest.importorskip("accelerate")
+    pytest.importorskip("lightning")
+    scripts = []
+    for i, block in enumerate(BLOCKS):
+        scripts.append(tmp_path / f"example{i}.py")
+        scripts[-1].write_text(block.replace("/tmp/", f"{tmp_path}/"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", RUN_ALL, *map(str, scripts)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    assert ("Engine " if index == 0 else " tensors") in done.stdout, done.stdout  # what the example prints last
+    outputs = done.stdout.split("--- done")
+    assert len(outputs) == len(BLOCKS) + 1, done.stdout
+    for mark, output in zip(MARKS, outputs, strict=False):
+        assert mark in output, output
