@@ -49,11 +49,14 @@ OPTIONAL = {
     "numpy": "checkpoints save numpy's RNG state when it is imported; tests",
     "transformers": "Hugging Face models (docs/transformers.md)",
     "peft": "LoRA adapters (docs/transformers.md)",
+    "accelerate": "Accelerate and the Hugging Face Trainer on fzero (docs/integrations.md)",
+    "lightning": "Lightning's FzeroStrategy (docs/integrations.md)",
     "mup": "the config's MuAdam / MuAdamW / MuSGD optimizers",
     "tensorboard": "the config's `tensorboard` monitor",
     "wandb": "the config's `wandb` monitor",
     "comet_ml": "the config's `comet` monitor",
-    "deepspeed": "benchmarks/compare.py's side-by-side runs; the tests of fzero import-deepspeed and the monitors",
+    "deepspeed": "benchmarks/compare.py's side-by-side runs; the tests of fzero import-deepspeed and the monitors; "
+    "its distribution for Accelerate's and the Trainer's DeepSpeed path (docs/integrations.md)",
     "hypothesis": "the property tests",
 }
 """The optional packages fzero (or its tests and benchmarks) uses, with what for."""
