@@ -42,6 +42,8 @@ def test_fzero_matches_ddp_and_its_own_shell(runs, stage):
     assert_within(adam_check(got, ddp, gpt2().state_dict(), w.LR, w.STEPS))
     assert all(torch.equal(got[k], shell[k]) for k in shell), "Accelerate's loop must be fzero's engine, bitwise"
     assert results[f"fzero{stage}"] == results[f"shell{stage}"]
+    # the first window's losses: the same parameters, data and forward as DDP's, bitwise
+    assert results[f"fzero{stage}"][: w.GAS] == results["ddp"][: w.GAS]
 
 
 @pytest.mark.timeout(600)

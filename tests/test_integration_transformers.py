@@ -3,7 +3,8 @@
 A tiny GPT-2, ZeRO stages 2 and 3, accumulation 2, clipping 1.0, the Trainer's AdamW and warmup-then-linear
 schedule, 6 steps (tests/trainer_worker.py). Against the Trainer's own DDP run on the same data the runs differ only
 in the order gradients are summed: float32, so tests/bounds.py's kind 3 (Adam's step bound per element, the
-detection threshold on the mean); the logged losses, gradient norms and learning rates agree to float32 rounding.
+detection threshold on the mean); the learning rates are equal, the first loss bitwise, and the later losses,
+gradient norms and held-out loss within the same detection threshold (`assert_tracks`).
 Resuming from the Trainer's checkpoint gives the uninterrupted run bitwise; `save_model` writes the Hugging Face
 format that `from_pretrained` loads strictly; a LoRA model saves its adapter alone.
 """
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests import trainer_worker as w
-from tests.bounds import adam_check, assert_within
+from tests.bounds import TRACKS, adam_check, assert_within
 from tests.real_models import gpt2, lora
 from tests.spawn import spawn
 
@@ -41,14 +42,26 @@ def test_fzero_matches_the_trainers_ddp(runs, stage):
     assert got.keys() == ddp.keys()
     assert_within(adam_check(got, ddp, gpt2().state_dict(), w.LR, w.STEPS))
     ours, theirs = results[f"fzero{stage}"], results["ddp"]
-    assert ours["learning_rate"] == theirs["learning_rate"]
+    assert ours["learning_rate"] == theirs["learning_rate"]  # (a function of the step alone)
     assert len(ours["loss"]) == len(theirs["loss"]) == w.STEPS
-    # logged values are 4-digit-rounded by nothing here (log_history keeps floats): a few float32 ulps of each
-    assert torch.allclose(torch.tensor(ours["loss"]), torch.tensor(theirs["loss"]), rtol=1e-4, atol=0)
-    assert torch.allclose(torch.tensor(ours["grad_norm"]), torch.tensor(theirs["grad_norm"]), rtol=1e-3, atol=0)
+    # the first step's loss: the same parameters, data and forward, bitwise
+    assert ours["loss"][0] == theirs["loss"][0]
+    # later losses, the gradient norms and the held-out loss follow parameters that differ within the bound above:
+    # kind 3's detection threshold on them (the mean difference, a small fraction of how far DDP's own moved)
+    for key in ("loss", "grad_norm"):
+        assert_tracks(ours[key], theirs[key])
+    assert_tracks([results["fzero3-eval"]], [results["ddp-eval"]], start=theirs["loss"][0])
     assert results["engine"] == "fzero.engine.engine"
-    # evaluate() after training: the same held-out loss as DDP's to the parameters' own difference (a few ulps)
-    assert results["fzero3-eval"] == pytest.approx(results["ddp-eval"], rel=1e-4)
+
+
+def assert_tracks(got: list[float], ref: list[float], start: float | None = None) -> None:
+    """tests/bounds.py's detection threshold on a logged series: mean |got - ref| <= TRACKS * mean |ref - start|
+    (`start`: the reference's first value). A threshold, not an error bound: a wrong mean, a skipped step or a
+    scheduler stepped twice moves these by a large fraction of their own movement."""
+    first = ref[0] if start is None else start
+    diff = sum(abs(a - b) for a, b in zip(got, ref, strict=True)) / len(ref)
+    moved = sum(abs(b - first) for b in ref) / len(ref)
+    assert diff <= TRACKS * moved, (got, ref)
 
 
 @pytest.mark.timeout(600)
