@@ -36,7 +36,7 @@ def config(stage: int) -> dict[str, Any]:
     }
 
 
-def _accelerator(kind: str) -> Any:
+def _accelerator(kind: str, **kwargs: Any) -> Any:
     from accelerate import Accelerator as Plain
     from accelerate.state import AcceleratorState
 
@@ -45,7 +45,7 @@ def _accelerator(kind: str) -> Any:
         return Plain(cpu=True, gradient_accumulation_steps=GAS)
     from fzero.integrations.accelerate import Accelerator
 
-    return Accelerator(fzero_config=config(int(kind[-1])), gradient_accumulation_steps=GAS)
+    return Accelerator(fzero_config=config(int(kind[-1])), gradient_accumulation_steps=GAS, **kwargs)
 
 
 def train(kind: str, out: str, stop: int = STEPS, save_at: int | None = None, resume: bool = False) -> list[float]:
@@ -117,10 +117,11 @@ def shell(stage: int, out: str, rank: int) -> list[float]:
 
 def refused_clip() -> str:
     """`clip_grad_norm_` with a max_norm the config does not clip at: the refusal's message."""
-    acc = _accelerator("fzero2")
+    acc = _accelerator("fzero2", cpu=True)  # (Accelerate's own cpu=True would leave DeepSpeed's path)
     model = gpt2()
     loader = torch.utils.data.DataLoader(data(), batch_size=MICRO)
     model, _, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+    assert type(model).__name__ == "Engine", type(model)
     for ids in data().split(MICRO)[:GAS]:
         with acc.accumulate(model):
             acc.backward(model(input_ids=ids, labels=ids).loss)

@@ -144,8 +144,10 @@ class Accelerator(accelerate.Accelerator):
         made = False
         try:
             plugin = DeepSpeedPlugin(hf_ds_config=config, gradient_accumulation_steps=steps if steps else None)
+            # `cpu=True` goes to the state set up here: Accelerate itself would then leave DeepSpeed's path
+            cpu = bool(kwargs.pop("cpu", False))
             if AcceleratorState._shared_state == {}:  # a second Accelerator reuses the first one's state
-                made = prepare_cpu_state(bool(kwargs.get("cpu", False)))
+                made = prepare_cpu_state(cpu)
             super().__init__(*args, deepspeed_plugin=plugin, **kwargs)
         except BaseException:
             release()
