@@ -225,19 +225,17 @@ class Nullable(Spec):
 
 
 @dataclass(frozen=True)
-class Every(Spec):
+class Every(Nullable):
     """A period in steps: `inner`, or `null` or infinity for never (Accelerate writes `float("inf")`)."""
-
-    inner: Spec
 
     @property
     def expect(self) -> str:
         return f"null, infinity (never) or {self.inner.expect}"
 
     def validate(self, value: Any, path: str, unknown: list[str]) -> Any:
-        if value is None or (isinstance(value, float) and value == math.inf):
+        if isinstance(value, float) and value == math.inf:
             return None
-        return self.inner.validate(value, path, unknown)
+        return super().validate(value, path, unknown)
 
 
 @dataclass(frozen=True)
