@@ -54,7 +54,7 @@ class FzeroTrainingArguments(TrainingArguments):
       ValueError: no `fzero_config`, `deepspeed` given too, or the config contradicts an argument.
     """
 
-    fzero_config: dict[str, Any] | str | None = field(
+    fzero_config: dict[str, Any] | str | os.PathLike[str] | None = field(
         default=None,
         metadata={"help": "a DeepSpeed JSON config (dict or path) that fzero trains with"},
     )
@@ -101,7 +101,7 @@ def as_fzero_arguments(args: TrainingArguments, fzero_config: dict[str, Any] | s
     if args.deepspeed is not None:
         raise ValueError("FzeroTrainer: the TrainingArguments have deepspeed= set; give the config as fzero_config=")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return FzeroTrainingArguments(**values, fzero_config=load_config(fzero_config))
+    return FzeroTrainingArguments(**values, fzero_config=fzero_config)  # (its __post_init__ reads the config)
 
 
 class FzeroTrainer(Trainer):
