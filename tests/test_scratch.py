@@ -104,3 +104,71 @@ def test_reused_buffers_change_nothing_on_two_gloo_processes(tmp_path):
                 assert all(s["gathered"] == first["gathered"] for s in later), case
         else:
             assert ("gradient" in r["slots"]) == (not case.startswith("engine-3")), case
+
+
+def _emptied(nbytes: int) -> torch.UntypedStorage:
+    storage = torch.empty(0).untyped_storage()
+    scratch.refill(storage, nbytes)
+    return storage
+
+
+def _spare_bytes() -> int:
+    return sum(s.nbytes() for spares in scratch._spares.values() for s in spares)
+
+
+def test_an_emptied_storage_gets_its_memory_back_under_the_same_views():
+    n = scratch.MIN_BYTES
+    storage = _emptied(n)
+    view = torch.empty(0).set_(storage, 0, (n // 4,))
+    ptr = storage.data_ptr()
+    scratch.empty(storage)
+    assert storage.nbytes() == 0 and _spare_bytes() == n
+    scratch.refill(storage, n)
+    assert storage.data_ptr() == ptr and _spare_bytes() == 0
+    view.fill_(3.0)  # the view made before it was emptied reads and writes the refilled memory
+    assert torch.empty(0).set_(storage, 0, (n // 4,)).eq(3.0).all()
+
+
+def test_tensors_autograd_saved_read_the_refilled_memory():
+    n = scratch.MIN_BYTES
+    storage = _emptied(n)
+    weight = torch.empty(0).set_(storage, 0, (n // 4,))
+    weight.fill_(2.0)
+    x = torch.ones(n // 4, requires_grad=True)
+    loss = (x * weight).sum()  # saves `weight` for the gradient of x
+    scratch.empty(storage)
+    scratch.refill(storage, n)  # another step's unit gathered in between would have used the spare meanwhile
+    torch.empty(0).set_(storage, 0, (n // 4,)).fill_(5.0)  # written through another alias: no version change
+    loss.backward()
+    assert x.grad is not None and x.grad.eq(5.0).all()
+
+
+def test_spares_never_hold_more_than_was_lent_at_once():
+    small, large = scratch.MIN_BYTES, 2 * scratch.MIN_BYTES
+    a = _emptied(small)
+    scratch.empty(a)  # a spare of `small`
+    b = _emptied(large)  # too small to serve: fresh memory, and the small spare goes
+    assert _spare_bytes() == 0
+    scratch.refill(a, small)  # fresh again: lent small + large, the most so far
+    scratch.empty(b)
+    scratch.empty(a)
+    assert _spare_bytes() == small + large
+    scratch.refill(a, small)  # the smallest that fits
+    assert a.nbytes() == small and _spare_bytes() == large
+    scratch.empty(a)
+    scratch.clear()
+    assert _spare_bytes() == 0
+
+
+def test_disabled_small_or_poisoned_storages():
+    with scratch.disabled():
+        storage = _emptied(scratch.MIN_BYTES)
+        scratch.empty(storage)
+    assert storage.nbytes() == 0 and _spare_bytes() == 0  # freed, not kept
+    storage = _emptied(scratch.MIN_BYTES - 4)
+    scratch.empty(storage)
+    assert _spare_bytes() == 0  # the allocator's business
+    with scratch.poisoned():
+        storage = _emptied(scratch.MIN_BYTES)
+    assert torch.empty(0).set_(storage, 0, (scratch.MIN_BYTES // 4,)).isnan().all()
+    scratch.empty(storage)

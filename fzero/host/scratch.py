@@ -14,6 +14,18 @@ fresh or reused (`poisoned()` fills every buffer with NaN to prove it).
 The slots hold their buffers between steps, as DDP holds its buckets: `clear()` (or
 `fzero.hostmem.release_freed_memory()`) lets them go.
 
+Stage 3's gathered units need the other kind of reuse: each unit's buffer is emptied after its forward and filled
+again for its backward under the very storage autograd saved views of (FSDP's technique), so it cannot be a slot's
+buffer handed out anew. `empty(storage)` takes the memory out of such a storage and keeps it as a spare; `refill`
+gives an emptied storage a spare of at least its size (torch's `_swap_data_ptr_`: the storage object, and every
+view of it, stays; only the memory behind it changes), or a fresh mapping of its own where none fits. Freed to the
+heap and allocated afresh instead, each unit's buffer took fresh pages every gather: glibc serves a 64-byte-aligned
+block of a freed block's own size only from new memory (`fzero.host.heap`), so the heap grew by a unit's size a
+gather through the first steps and kept it (stage 3's peak above stage 2's, its step slower, in
+`benchmarks/stage3_memory.py`). The spares never hold more than the most memory lent out at once (the smallest
+spares go first when a fresh block makes them too many); `drop_spares()` (stage 3, once a step's units are released:
+the update's peak does not carry them) and `clear()` let them go, their mappings back to the system at once.
+
 Example:
     >>> import torch
     >>> like = torch.zeros(1)
@@ -33,13 +45,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import mmap
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_BYTES", "clear", "disabled", "new_empty", "poisoned"]
+__all__ = ["MIN_BYTES", "clear", "disabled", "drop_spares", "empty", "new_empty", "poisoned", "refill"]
 
 MIN_BYTES = 1 << 20
 """Smaller buffers are left to the allocator, which serves them from its heap without faults."""
@@ -47,6 +61,10 @@ MIN_BYTES = 1 << 20
 _slots: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (private; where absent, nothing is reused)
 _reuse, _poison = True, False
+_swap: Any = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)  # (private; absent: emptied storages freed)
+_spares: dict[torch.device, list[torch.UntypedStorage]] = {}
+_lent: dict[int, tuple[torch.device, int]] = {}  # address -> (device, bytes) of spare memory lent to storages now
+_most: dict[torch.device, int] = {}  # the most bytes lent at once
 
 
 def _holders(x: Tensor) -> tuple[int, int]:
@@ -98,9 +116,83 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int]) -> Tensor:
     return out
 
 
+def _spared(device: torch.device, nbytes: int) -> bool:
+    """Whether a storage of `nbytes` on `device` takes spare memory: host memory (a GPU's caching allocator reuses
+    its blocks itself) of at least `MIN_BYTES`, with reuse on and torch able to swap a storage's memory."""
+    return _reuse and _swap is not None and device.type == "cpu" and nbytes >= MIN_BYTES
+
+
+def refill(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give the emptied `storage` (0 bytes) at least `nbytes` of memory: the smallest spare that fits, or fresh.
+
+    Args:
+      storage: a storage holding no memory (new, or `empty`-ed), which every view of it keeps referring to.
+      nbytes: the bytes it needs; its values are undefined (NaN-filled under `poisoned()`) until written.
+    """
+    device = storage.device
+    if not _spared(device, nbytes):
+        storage.resize_(nbytes)
+    else:
+        spares = _spares.setdefault(device, [])
+        fits = [s for s in spares if s.nbytes() >= nbytes]
+        if fits:
+            spare = min(fits, key=lambda s: s.nbytes())
+            spares.remove(spare)
+        else:
+            spare = _mapped(nbytes)
+        _lent[spare.data_ptr()] = (device, spare.nbytes())
+        _swap(storage, spare)  # `storage` gets the memory; `spare`, now empty, goes
+        lent = _lent_on(device)
+        _most[device] = most = max(_most.get(device, 0), lent)
+        spares.sort(key=lambda s: s.nbytes())
+        while spares and sum(s.nbytes() for s in spares) + lent > most:
+            spares.pop(0)  # a fresh block made them too many: the smallest serve the fewest units
+    if _poison:
+        torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(255)  # NaN in every float dtype
+
+
+def _mapped(nbytes: int) -> torch.UntypedStorage:
+    """`nbytes` of host memory in a mapping of its own (unmapped once the last storage holding it goes: never a
+    hole in the heap), where the platform has private anonymous mappings; else the allocator's."""
+    if not hasattr(mmap, "MAP_PRIVATE") or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
+
+
+def empty(storage: torch.UntypedStorage) -> None:
+    """Take `storage`'s memory back (it then holds 0 bytes, every view of it still referring to it): kept as a
+    spare for `refill` when it came from one, else freed.
+
+    Args:
+      storage: a storage given its memory by `refill` (or any other, whose memory is then freed).
+    """
+    if not storage.nbytes():
+        return
+    if _lent.pop(storage.data_ptr(), None) is None or _swap is None:
+        storage.resize_(0)
+        return
+    spare = torch.UntypedStorage(0, device=storage.device)
+    _swap(storage, spare)
+    _spares.setdefault(storage.device, []).append(spare)
+
+
+def _lent_on(device: torch.device) -> int:
+    """The bytes of spare memory lent on `device` now."""
+    return sum(n for d, n in _lent.values() if d == device)
+
+
+def drop_spares() -> None:
+    """Let the spares go (their memory back to the system at once: `refill` maps each afresh); what storages hold
+    now stays lent."""
+    _spares.clear()
+    _most.clear()
+
+
 def clear() -> None:
-    """Let every slot's buffer go (freed once nothing else holds it)."""
+    """Let every slot's buffer and every spare go (freed once nothing else holds them)."""
     _slots.clear()
+    drop_spares()
 
 
 @contextlib.contextmanager

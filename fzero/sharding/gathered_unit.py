@@ -12,7 +12,7 @@ full trainable buffer, whose backward receives the unit's complete gradient exac
 hands it to the schedule (`GatheredUnit.on_gradient`) as its parameters' gradients, unconcatenated (`Pieces`); the
 buffers' storage is resized to zero when the unit is freed and refilled before it is read again (FSDP's technique),
 so the tensors autograd saved stay valid, and writing through a separate alias keeps their version counters
-untouched.
+untouched; the memory behind it is a spare kept from step to step (`fzero.host.scratch.refill`, `empty`).
 """
 
 from __future__ import annotations
@@ -274,9 +274,11 @@ class GatheredUnit:
             store, shard, everyone = self.stores[space], sp.shards[space], sp.everyone[space]
             assert shard is not None and everyone is not None  # (a space with elements has buffers)
             if store is None:
-                store = self.stores[space] = shard.new_empty(size)
-            elif sp.modes[space] == RESHARD:
-                store.untyped_storage().resize_(size * store.element_size())
+                store = self.stores[space] = shard.new_empty(0)
+            if sp.modes[space] == RESHARD:  # (a `KEEP` unit is a view of the full buffer)
+                scratch.refill(store.untyped_storage(), size * store.element_size())
+                if store.numel() != size:  # (its first gather)
+                    store.set_(store.untyped_storage(), 0, (size,), (1,))
             piece, axis, block = lay.unit_shard_slice(i), lay.axis, sp.gather_spec.blocks[space]
             kept = self.kept[space]
             if kept is not None:  # hpZ: from the secondary copies, exactly as the forward gathered them
@@ -305,7 +307,7 @@ class GatheredUnit:
         for space in spaces:
             if self.live[space] and sp.modes[space] == RESHARD:  # the others stay to the end
                 self._keep(space)
-                self.store(space).untyped_storage().resize_(0)
+                scratch.empty(self.store(space).untyped_storage())
                 self.live[space] = False
                 sp.live_elements -= self.sizes[space]
             if self.phase is Phase.DONE:  # the backward gathered it: the secondary copy has served

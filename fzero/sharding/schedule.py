@@ -50,6 +50,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from ..host import scratch
 from ..layout import Layout
 from ..layout.pieces import Pieces
 from ..mesh.ranks import Ranks, Reduction
@@ -364,3 +365,4 @@ class Gatherer:
         for unit in self.units:
             unit.release()
         self.spaces.full = [None, None]
+        scratch.drop_spares()  # (the gathers reused them within the step; the update's peak need not hold them)
