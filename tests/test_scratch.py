@@ -172,3 +172,16 @@ def test_disabled_small_or_poisoned_storages():
         storage = _emptied(scratch.MIN_BYTES)
     assert torch.empty(0).set_(storage, 0, (scratch.MIN_BYTES // 4,)).isnan().all()
     scratch.empty(storage)
+
+
+def test_passing_buffers_serve_several_at_once_until_the_spares_go():
+    like = torch.zeros(1)
+    held = [scratch.new_empty("p", like, BIG, passing=True) for _ in range(scratch.PASSING + 1)]
+    ptrs = [x.data_ptr() for x in held]
+    assert len(set(ptrs)) == len(held)  # all in use at once: each its own
+    del held
+    again = [scratch.new_empty("p", like, BIG, passing=True) for _ in range(scratch.PASSING)]
+    assert [x.data_ptr() for x in again] == ptrs[: scratch.PASSING]  # the kept ones, the extra one gone
+    del again
+    scratch.drop_spares()
+    assert not scratch._passing

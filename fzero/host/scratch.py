@@ -53,12 +53,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_BYTES", "clear", "disabled", "drop_spares", "empty", "new_empty", "poisoned", "refill"]
+__all__ = ["MIN_BYTES", "PASSING", "clear", "disabled", "drop_spares", "empty", "new_empty", "poisoned", "refill"]
 
 MIN_BYTES = 1 << 20
 """Smaller buffers are left to the allocator, which serves them from its heap without faults."""
 
 _slots: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
+_passing: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}  # `passing=True` slots
+PASSING = 4
+"""The most buffers a `passing` slot keeps (the reductions in flight at once, and one more)."""
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (private; where absent, nothing is reused)
 _reuse, _poison = True, False
 _swap: Any = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)  # (private; absent: emptied storages freed)
@@ -88,7 +91,7 @@ def _free(kept: Tensor) -> bool:
     return uses <= alone[0] and refs <= alone[1]
 
 
-def new_empty(slot: str, like: Tensor, shape: Sequence[int]) -> Tensor:
+def new_empty(slot: str, like: Tensor, shape: Sequence[int], passing: bool = False) -> Tensor:
     """An uninitialised buffer of `shape` with `like`'s dtype and device, reused from an earlier call for the same
     slot when nothing holds that one any more (module docstring).
 
@@ -97,6 +100,9 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int]) -> Tensor:
         share their slots.
       like: a tensor whose dtype and device the buffer takes.
       shape: the buffer's shape.
+      passing: a buffer that lives a moment, several at once (a unit's reduction, while others are in flight): the
+        slot keeps up to `PASSING` of them, each handed out while nothing else holds it, until `drop_spares()` (the
+        end of the step's units) rather than from step to step.
 
     Returns:
       A tensor of its own (not a view: no `_base`) on the slot's storage, or a fresh one under `MIN_BYTES`, under
@@ -107,9 +113,19 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int]) -> Tensor:
         out = like.new_empty(shape)
     else:
         key = (slot, shape, like.dtype, like.device)
-        kept = _slots.get(key)
-        if kept is None or not _free(kept):
-            kept = _slots[key] = like.new_empty(shape)
+        if passing:
+            kept_ones = _passing.setdefault(key, [])
+            kept = next((k for k in kept_ones if _free(k)), None)
+            if kept is None:  # (on the host, a mapping of its own: dropped, it goes back to the system at once)
+                n = math.prod(shape) * like.element_size()
+                mapped = like.device.type == "cpu"
+                kept = like.new_empty(0).set_(_mapped(n), 0, shape) if mapped else like.new_empty(shape)
+                if len(kept_ones) < PASSING:
+                    kept_ones.append(kept)
+        else:
+            kept = _slots.get(key)
+            if kept is None or not _free(kept):
+                kept = _slots[key] = like.new_empty(shape)
         out = like.new_empty(0).set_(kept.untyped_storage(), 0, shape, kept.stride())
     if _poison and out.is_floating_point():
         out.fill_(float("nan"))
@@ -183,10 +199,11 @@ def _lent_on(device: torch.device) -> int:
 
 
 def drop_spares() -> None:
-    """Let the spares go (their memory back to the system at once: `refill` maps each afresh); what storages hold
-    now stays lent."""
+    """Let the spares go (their memory back to the system at once: `refill` maps each afresh) and the `passing`
+    slots' buffers; what storages hold now stays lent."""
     _spares.clear()
     _most.clear()
+    _passing.clear()
 
 
 def clear() -> None:

@@ -5,8 +5,8 @@ for one rank on every rank), the pieces (`accumulate`, `collective`: reductions 
 `clipping`, `update` with its `offload` and `speculate` forms), the plan a chain makes of a step (`planning`) and the
 ZeRO presets (`presets`).
 
-May import: `fzero.native`, `fzero.storage`, `fzero.layout`, `fzero.mesh`, `fzero.sharding`, `fzero.state`,
-`fzero.optim`.
+May import: `fzero.host`, `fzero.native`, `fzero.storage`, `fzero.layout`, `fzero.mesh`, `fzero.sharding`,
+`fzero.state`, `fzero.optim`.
 """
 
 from .accumulate import AccumulateState, accumulate

@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ..host import scratch
 from ..layout import Layout, to_rank_major
 from ..layout.int8 import dequantize, quantize
 from ..layout.pieces import Pieces, exact_division, into, whole
@@ -306,7 +307,8 @@ def reduce_scatter(
         if out is not None:  # a plain reduce-scatter puts the shard in its place in the step's gradient
             run = ctx.mesh.reduce_scatter_start if ctx.overlap else ctx.mesh.reduce_scatter
             if exact_division(world, out.dtype):  # (the concatenation, cast and mean's division: one pass)
-                return run(into(grads, out.new_empty(grads.shape), world), "sum", out=out)
+                send = scratch.new_empty("reduce", out, grads.shape, passing=True)  # (reused within the step)
+                return run(into(grads, send, world), "sum", out=out)
             return run(_cast(whole(grads), dtype), "mean", out=out)
         x = _cast(whole(grads), dtype)
         if ctx.overlap:  # started: the backward goes on while the collectives (both, for a hybrid one) run
