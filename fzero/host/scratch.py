@@ -119,7 +119,8 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int], passing: bool = Fal
             if kept is None:  # (on the host, a mapping of its own: dropped, it goes back to the system at once)
                 n = math.prod(shape) * like.element_size()
                 mapped = like.device.type == "cpu"
-                kept = like.new_empty(0).set_(_mapped(n), 0, shape) if mapped else like.new_empty(shape)
+                strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # (contiguous)
+                kept = like.new_empty(0).set_(_mapped(n), 0, shape, strides) if mapped else like.new_empty(shape)
                 if len(kept_ones) < PASSING:
                     kept_ones.append(kept)
         else:
