@@ -407,8 +407,10 @@ def _huge_pages() -> list[Row]:
     rows.append(Row("thp_defrag", "INFO", defrag, "how hard the kernel works to find a huge page on a fault"))
     value = os.environ.get(VARIABLE)
     note = ("torch's CPU allocator asks for huge pages (blocks of 2 MiB or more)" if requested else
-            "fzero leaves it off by default: call fzero.hostmem.enable_huge_pages() or export "
-            f"{VARIABLE}=1 (docs/performance.md)")  # fmt: skip
+            "off by default (speed needs no setting), yet it still pays: with freed memory kept too "
+            "(fzero.hostmem.enable_huge_pages() before the first tensor, then retain_freed_memory(); fzero train "
+            "makes both) fzero's steps ran 1.11-1.19x faster, DDP's 1.07-1.13x (benchmarks/compare.py --tuned, "
+            "2-core AVX2 EPYC, 2026-11-28; README, docs/performance.md)")  # fmt: skip
     rows.append(Row(VARIABLE, "OK" if requested else "INFO", value, note))
     return rows
 
