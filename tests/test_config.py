@@ -298,7 +298,7 @@ UNSUPPORTED = [
     ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "expert_parallel.enabled"),
     ({"weight_quantization": {"post_init_quant": {"fc": {}}}}, "weight_quantization.post_init_quant"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
-    ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, "torch_autocast.dtype"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
     ({"comms_logger": {"enabled": True}}, "comms_logger.enabled"),
     ({"memory_breakdown": True}, "memory_breakdown"),

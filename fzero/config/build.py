@@ -16,6 +16,7 @@ loss scale, and the ZeRO preset chain.
 | `scheduler` WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle | `fzero.optim.schedules` (lr, and beta1 for OneCycle) |
 | `zero_optimization.stage` 0-3 | `fzero.zero0` .. `zero3` |
 | `fp16` / `bf16` | `precision="fp16"` / `"bf16"` (+ `communication_data_type`, `data_types.grad_accum_dtype`) |
+| `torch_autocast` | the engine's autocast, `Policy.reduce_overrides`, `TorchGradScale` (`fzero.config.autocast`) |
 | `fp16.loss_scale` 0 (dynamic) / > 0 | `DynamicLossScale.create(...)` / a static scale |
 | `bf16.check_grad_overflow` | `skip_nonfinite` |
 | `bf16.bf16_master_weights_and_grads` (+ `bf16_optimizer_states`) | bf16 `param_dtype`, `accum_dtype`; `stored_in` |
@@ -46,6 +47,7 @@ from ..state.loss_scale import DynamicLossScale
 from ..state.precision import Policy, get_policy
 from ..transforms import Average, Transform, zero0, zero1, zero2, zero3
 from . import Config, ConfigError
+from .autocast import autocast_loss_scale
 from .optimizers import OPTIMIZERS, optimizer_type
 from .zeropp import zeropp_arguments
 
@@ -326,9 +328,11 @@ def build_gather_policy(cfg: Config) -> GatherPolicy:
 
 
 def build_loss_scale(cfg: Config) -> Any:
-    """The `loss_scale` argument of the presets: DeepSpeed's dynamic scaler or a static scale under fp16, None
-    (no scaling) otherwise."""
+    """The `loss_scale` argument of the presets: DeepSpeed's dynamic scaler or a static scale under fp16, a
+    `torch.amp.GradScaler`'s under an fp16 `torch_autocast` (`fzero.config.autocast`), None (no scaling) otherwise."""
     fp16 = cfg["fp16"]
+    if cfg["torch_autocast"]["enabled"]:  # a torch.amp.GradScaler's scale under an fp16 autocast, else none
+        return autocast_loss_scale(cfg)
     if not fp16["enabled"]:
         return None
     if fp16["loss_scale"] != 0:
@@ -342,7 +346,7 @@ def build_loss_scale(cfg: Config) -> Any:
     )
 
 
-def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
+def build_transform(cfg: Config, optimizer: Optimizer, policy: Policy | None = None) -> Transform:
     """The ZeRO preset chain the config describes, around `optimizer`.
 
     Without optimizer offload this is exactly `fzero.zero{stage}(optimizer, accumulate=gas, precision=...,
@@ -350,9 +354,10 @@ def build_transform(cfg: Config, optimizer: Optimizer) -> Transform:
     preset compute the same values. `offload_optimizer.device: cpu` is the preset's `offload="cpu"`, `nvme` its
     `offload=fzero.Offload("nvme", path=nvme_path, ...)`. At stage 3 the ZeRO++ and MiCS keys add
     `zeropp_arguments(cfg)`; where `zero_mesh_shape(cfg)` is 2-D the chain must run on a mesh of that shape
-    (`fzero.initialize` builds it).
+    (`fzero.initialize` builds it). `policy` replaces `build_policy(cfg)` (the engine's, which under `torch_autocast`
+    names the parameters reduced in the autocast dtype: `fzero.config.autocast.autocast_policy`).
     """
-    policy = build_policy(cfg)
+    policy = build_policy(cfg) if policy is None else policy
     if cfg["bf16"]["bf16_master_weights_and_grads"]:  # float32 arithmetic, bf16 storage (DeepSpeed's CPU Adam's)
         states = torch.bfloat16 if cfg["bf16"]["bf16_optimizer_states"] else None
         optimizer = optim.stored_in(optimizer, torch.bfloat16, states)

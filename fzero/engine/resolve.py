@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import optim
 from ..config import Config, ConfigError, ConfigWarning, parse_config
+from ..config.autocast import autocast_policy
 from ..config.build import OptimizerSpec, build_policy, optimizer_kind, optimizer_spec, scheduled
 from ..config.optimizers import OPTIMIZERS
 from ..config.zeropp import zero_mesh_key, zero_mesh_shape
@@ -114,7 +115,7 @@ def resolve(
     else:
         spec, opt, groups, momentum = _optimizer(model, cfg, optimizer, model_parameters)
         spec, client_scheduler = _schedule(cfg, spec, opt, groups, lr_scheduler)
-    policy = build_policy(cfg)
+    policy = autocast_policy(cfg, model, build_policy(cfg))  # (torch_autocast's reduce dtypes: fzero.config.autocast)
     round_to = None
     if cfg["fzero_precision"]["round_initial_master"] and cfg.precision != "fp32":
         round_to = cast(torch.dtype, policy.compute_dtype)  # (bf16 / fp16: set)

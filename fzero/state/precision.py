@@ -8,6 +8,7 @@ Fields set to None keep the model's dtype (`get_policy(None)`: no casts at all, 
 | `compute_dtype` | the gathered parameters the forward and backward use | bfloat16 / float16 |
 | `reduce_dtype` | gradients while they are reduced across ranks | float32 |
 | `accum_dtype` | gradients accumulated over micro-steps | float32 |
+| `reduce_overrides` | `(parameter name, dtype)` pairs: those gradients reduced in that dtype instead | none |
 
 Accumulating (or reducing) in bf16 silently loses small updates: a bf16 sum keeps 8 significant bits, so adding a
 micro-batch gradient 300x smaller than the running sum changes nothing. Hence float32 by default.
@@ -59,18 +60,26 @@ class Policy:
     compute_dtype: torch.dtype | None = torch.float32
     reduce_dtype: torch.dtype | None = torch.float32
     accum_dtype: torch.dtype | None = torch.float32
+    # per-parameter reduce dtypes (DeepSpeed's torch_autocast `comm_dtype`): `fzero.transforms.mixed_reduce`
+    reduce_overrides: tuple[tuple[str, torch.dtype], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype", "reduce_dtype", "accum_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
                 raise TypeError(f"Policy.{name} must be a floating torch.dtype or None, got {dtype!r}")
+        for pair in self.reduce_overrides:
+            ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+            if not ok or not isinstance(pair[1], torch.dtype) or not pair[1].is_floating_point:
+                raise TypeError(f"Policy.reduce_overrides must hold (parameter name, floating torch.dtype) pairs, "
+                                f"got {pair!r}")  # fmt: skip
 
     def __repr__(self) -> str:
         short = lambda d: "model" if d is None else str(d).removeprefix("torch.")  # noqa: E731
         return (
             f"Policy(param={short(self.param_dtype)}, compute={short(self.compute_dtype)}, "
-            f"reduce={short(self.reduce_dtype)}, accum={short(self.accum_dtype)})"
+            f"reduce={short(self.reduce_dtype)}, accum={short(self.accum_dtype)}"
+            + (f", {len(self.reduce_overrides)} reduce overrides)" if self.reduce_overrides else ")")
         )
 
     def cast_to_compute(self, tree: Any) -> Any:
@@ -100,7 +109,7 @@ def get_policy(spec: str | Policy | None) -> Policy:
     if "=" not in spec:
         compute = _dtype(spec, "precision")
         return Policy(compute_dtype=compute)
-    fields = {}
+    fields: dict[str, Any] = {}
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key.strip() not in _FIELDS:

@@ -14,7 +14,8 @@ owned slice, twice the traffic.) Every preset takes:
 - `accumulate`: micro-steps per update;
 - `precision`: None (the model's dtype throughout), `"fp32"`, `"bf16"`, `"fp16"` or a `Policy` (master and
   optimizer state in `param_dtype`, the gathered compute copy in `compute_dtype`, reductions in `reduce_dtype`,
-  accumulation in `accum_dtype`);
+  accumulation in `accum_dtype`; a policy's `reduce_overrides` reduce the named parameters' gradients in their own
+  dtypes: `fzero.transforms.mixed_reduce`);
 - `loss_scale`: default `"dynamic"` under fp16, none otherwise (see `scale_loss`);
 - `clip`: the global-norm bound, or None;
 - `skip_nonfinite`: skip steps with inf/nan gradients on every rank (default on);
@@ -48,6 +49,7 @@ from .base import Transform, identity
 from .chain import chain
 from .clipping import clip_by_global_norm
 from .collective import Average, all_reduce, gather, reduce_scatter
+from .mixed_reduce import mixed_all_reduce, mixed_reduce_scatter
 from .quantize import quantized_gather, quantized_reduce_scatter
 from .scaling import scale_loss
 from .update import shard_update
@@ -81,16 +83,23 @@ def _preset(
         raise ValueError("zero3(hybrid=..., hpz=...): hybrid sharding already gathers within the shard axis, so hpZ's "
                          "secondary copy would hold what the shard holds; use one of the two")  # fmt: skip
     levels = _qgz_levels(qgz, secondary, outer)
+    overrides = dict(policy.reduce_overrides)
+    if overrides and (qgz or axis is not None or (average is not None and not average.is_default)):
+        raise ValueError("a precision policy with reduce_overrides (per-parameter reduce dtypes) reduces over every "
+                         "rank with the mean after the sum: it takes no qgz, hybrid axes or average=")  # fmt: skip
     rs = (
         quantized_reduce_scatter(axis=axis, replicate=replicate, levels=levels)
         if qgz
+        else mixed_reduce_scatter(policy.reduce_dtype, overrides)
+        if overrides
         else reduce_scatter(policy.reduce_dtype, axis, replicate, average)
     )
     if loss_scale is None:
         loss_scale = "dynamic" if policy.half else "none"
     acc = accumulate_(accumulate, dtype=policy.accum_dtype)
     if stage == 0:
-        reduce = [acc, all_reduce(policy.reduce_dtype, average)]
+        ar = mixed_all_reduce(policy.reduce_dtype, overrides) if overrides else all_reduce(policy.reduce_dtype, average)
+        reduce = [acc, ar]
     elif stage == 1:
         reduce = [acc, rs]
     else:
