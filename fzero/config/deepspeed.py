@@ -35,6 +35,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .autocast import AUTOCAST, autocast_top_checks
+from .data_efficiency import CURRICULUM_LEGACY, DATA_EFFICIENCY
 from .monitors import COMET, CSV_MONITOR, TENSORBOARD, WANDB
 from .offload import AIO, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, check_offload
 from .optimizers import BETA, OPTIMIZER
@@ -363,6 +365,7 @@ def _top_checks(values: dict[str, Any], path: str) -> None:
         raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled")
     _bf16_master_checks(values)
     zeropp_top_checks(values)
+    autocast_top_checks(values)
 
 
 def _bf16_master_checks(values: dict[str, Any]) -> None:
@@ -422,10 +425,10 @@ SCHEMA = Section(
         "sequence_parallel_size": Field(Int(1), 1, unsupported="sequence parallelism"),
         "fp16": FP16,
         "bf16": BF16,
-        "data_efficiency": _feature("data efficiency (curriculum, random-LTD)"),
-        "curriculum_learning": _feature("curriculum learning"),
+        "data_efficiency": DATA_EFFICIENCY,  # (fzero.config.data_efficiency)
+        "curriculum_learning": CURRICULUM_LEGACY,
         "amp": _feature("NVIDIA Apex AMP; use 'bf16' or 'fp16'"),
-        "torch_autocast": _feature("torch.autocast mode; use 'bf16' or 'fp16'"),
+        "torch_autocast": AUTOCAST,
         "zero_optimization": ZERO,
         "optimizer": Field(Nullable(OPTIMIZER), None),
         "scheduler": Field(Nullable(SCHEDULER), None),

@@ -2,7 +2,9 @@
 
 In order: the model on its device (its initial master weights rounded where the setup says), the optimizer and the
 ZeRO transform chain around it, the engine (which initialises the training state from the model), then the
-scheduler object and the data loader. Everything here reads the `Setup`; nothing goes back to the arguments.
+scheduler object and the data loader (with curriculum data sampling, `engine.deepspeed_io(training_data)`, DeepSpeed's
+`DeepSpeedDataLoader` over its curriculum sampler, as DeepSpeed's `initialize` builds it). Everything here reads the
+`Setup`; nothing goes back to the arguments.
 
 Without an optimizer (`Setup.forward_only`: DeepSpeed-Chat's reference, reward and EMA models) the engine runs
 forwards only. It holds what a training engine of the same config holds for its parameters (the ZeRO stage's
@@ -24,6 +26,7 @@ from ..config import Config
 from ..config.build import build_transform
 from ..mesh import Mesh
 from ..state.precision import round_params
+from .autocast import init_autocast_params
 from .client import SchedulerView
 from .engine import Engine
 from .resolve import Setup
@@ -39,9 +42,10 @@ def build(setup: Setup) -> tuple[Engine, Any, Any, Any]:
     """
     model, cfg, mesh = setup.model, setup.config, setup.mesh
     model.to(setup.device)
+    init_autocast_params(model, cfg)  # DeepSpeed's comm_dtype tags under torch_autocast (fzero.engine.autocast)
     if setup.round_to is not None:
         round_params(model, setup.round_to)  # DeepSpeed's master starts from the cast module
-    tx = build_transform(cfg, setup.spec.build(offload=setup.offload, cpu=setup.device.type == "cpu"))
+    tx = build_transform(cfg, setup.spec.build(offload=setup.offload, cpu=setup.device.type == "cpu"), setup.policy)
     hypers = setup.spec.per_group()
     engine = Engine(
         model, cfg, mesh, tx, setup.optimizer, lr=[h["lr"] for h in hypers],
@@ -53,7 +57,10 @@ def build(setup: Setup) -> tuple[Engine, Any, Any, Any]:
     if scheduler is None and cfg["scheduler"] is not None:
         scheduler = SchedulerView(engine, cfg["scheduler"]["type"])
     engine.lr_scheduler = scheduler  # DeepSpeed's attributes: what initialize returns
-    engine.training_dataloader = _dataloader(setup.training_data, cfg, mesh, setup.collate_fn)
+    if setup.training_data is not None and engine.curriculum_learning_enabled():
+        engine.training_dataloader = engine.deepspeed_io(setup.training_data, collate_fn=setup.collate_fn)
+    else:
+        engine.training_dataloader = _dataloader(setup.training_data, cfg, mesh, setup.collate_fn)
     engine.forward_only = setup.forward_only  # (backward and step refuse on it; forwards keep no micro-step)
     optimizer = None if setup.forward_only else setup.optimizer  # (the engine keeps its view for its bookkeeping)
     return engine, optimizer, engine.training_dataloader, scheduler

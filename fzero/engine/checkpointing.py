@@ -6,9 +6,17 @@ JSON fields:
 
     user_state = {"client_state": <the caller's client_state>,
                   "engine": {"format": "fzero-engine", "version": 1, "global_steps": ..., "global_samples": ...,
-                             "micro_steps": ..., "skipped_steps": ..., "gradient_accumulation_steps": ..., ...}}
+                             "micro_steps": ..., "skipped_steps": ..., "gradient_accumulation_steps": ..., ...,
+                             "parts": {"random_ltd": ..., "curriculum_legacy": ..., "data_sampler": ...}}}
     config     = the validated DeepSpeed config (every key, defaults filled in)
     data_position = micro_steps (micro-batches each rank has consumed)
+
+`parts` holds the JSON state of the engine's parts that run beside the training state, by name: the random-LTD
+scheduler's (`fzero.engine.random_ltd`), the legacy curriculum scheduler's and the curriculum data sampler's
+(`fzero.engine.curriculum`), each where the config enables it (`_checkpoint_parts`, which those mixins extend).
+`load_checkpoint` gives each part its state back (`_restore_checkpoint_parts`) unless `load_module_only`; a part the
+loading engine does not run is ignored, and a record without `parts` (written before it existed) restores none. The
+caller's `client_state` is the caller's alone: no key of it is reserved.
 
 Everything numeric (parameters, optimizer moments and update count, hence the LR schedule, the accumulation window,
 the loss scale) is a leaf of the `TrainState`, saved and resharded by the format. Which leaves a load takes:
@@ -37,7 +45,7 @@ import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -61,6 +69,14 @@ __all__ = ["ENGINE_FORMAT", "CheckpointMethods", "check_json", "optimizer_prefix
 ENGINE_FORMAT = "fzero-engine"
 ENGINE_VERSION = 1
 _MODULE_ROOTS = ("params", "compute", "frozen", "buffers")
+
+
+class _Engine(Checkpointable, Protocol):
+    """What the checkpoints read: `Checkpointable`, and the state of the engine's parts (`CheckpointMethods`)."""
+
+    def _checkpoint_parts(self) -> dict[str, Any]: ...
+
+    def _restore_checkpoint_parts(self, parts: Mapping[str, Any], where: str) -> None: ...
 
 
 def check_json(value: Any, where: str) -> None:
@@ -112,12 +128,15 @@ def _hypers(engine: Checkpointable) -> list[dict[str, Any]]:
     return groups
 
 
-def _record(engine: Checkpointable) -> dict[str, Any]:
-    """What the engine knows beyond the `TrainState`: DeepSpeed's counters and the open window's losses."""
+def _record(engine: _Engine) -> dict[str, Any]:
+    """What the engine knows beyond the `TrainState`: DeepSpeed's counters, the open window's losses and the state
+    of its parts (see the module docstring)."""
     scheduler = None
     if engine.client_scheduler is not None and hasattr(engine.client_scheduler, "state_dict"):
         scheduler = engine.client_scheduler.state_dict()
         check_json(scheduler, "lr_scheduler.state_dict()")
+    parts = engine._checkpoint_parts()
+    check_json(parts, "the engine's parts' state")
     return {
         "format": ENGINE_FORMAT,
         "version": ENGINE_VERSION,
@@ -129,6 +148,7 @@ def _record(engine: Checkpointable) -> dict[str, Any]:
         "overflow": bool(engine.optimizer.overflow),
         "param_groups": _hypers(engine),
         "lr_scheduler": scheduler,
+        "parts": parts,
     }
 
 
@@ -253,6 +273,15 @@ class CheckpointMethods:
 
     pending_checkpoint: SaveHandle | None = None  # the background save in flight (`save_checkpoint(blocking=False)`)
 
+    def _checkpoint_parts(self) -> dict[str, Any]:
+        """The JSON state of the engine's parts beside the training state, by name (the record's `parts`; see the
+        module docstring). None here: a mixin with a part of its own adds its entry to `super()`'s."""
+        return {}
+
+    def _restore_checkpoint_parts(self, parts: Mapping[str, Any], where: str) -> None:
+        """Give the engine's parts their saved state (`parts`, from checkpoint `where`, named in errors). None here:
+        a mixin with a part of its own takes its entry, where it runs, and calls `super()`."""
+
     def wait_for_checkpoint(self) -> Path | None:
         """fzero only: wait for the engine's background save, if any (every rank calls it: they raise alike).
 
@@ -266,7 +295,7 @@ class CheckpointMethods:
         return None if handle is None else handle.wait()
 
     def save_checkpoint(
-        self: Checkpointable,
+        self: _Engine,
         save_dir: str | os.PathLike[str],
         tag: Any = None,
         client_state: Mapping[str, Any] | None = None,
@@ -331,7 +360,7 @@ class CheckpointMethods:
         return True
 
     def load_checkpoint(
-        self: Checkpointable,
+        self: _Engine,
         load_dir: str | os.PathLike[str],
         tag: Any = None,
         load_module_strict: bool = True,
@@ -425,7 +454,9 @@ class CheckpointMethods:
                     f"{where}: its accumulator holds {held} micro-steps, but micro_steps {counters['micro_steps']} "
                     f"puts the engine at micro-step {counters['micro_steps'] % self.config.gas} of {self.config.gas}"
                 )
-        # everything checked: apply
+        # everything checked: apply (the parts first: a saved state that is not theirs raises before the rest)
+        if record is not None and not load_module_only:
+            self._restore_checkpoint_parts(record.get("parts") or {}, str(where))
         if counters is not None and record is not None:
             self.optimizer.overflow = bool(record["overflow"])
         client_scheduled = self.client_scheduler is not None and not load_module_only and load_lr_scheduler_states

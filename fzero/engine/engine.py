@@ -66,15 +66,18 @@ from ..step.microstep import MicroStep, frozen_params, named_tensors, scaled
 from ..transforms import Transform
 from .accessors import ConfigAccessors
 from .accumulation import Accumulation
+from .autocast import AutocastAccessors
 from .checkpointing import CheckpointMethods
 from .client import OptimizerView
 from .counters import EngineCounters
+from .curriculum import CurriculumMethods
 from .hyperparams import HyperParams
 from .lifecycle import Lifecycle
 from .model_save import ModelSave
 from .module_calls import ModuleCalls
 from .module_sync import ModuleSync
 from .parameters import ParameterAccess
+from .random_ltd import RandomLTD
 from .reporting import Reporting
 from .throughput import ThroughputTimer
 
@@ -87,10 +90,13 @@ def _counter(name: str) -> property:
 
 class Engine(
     ConfigAccessors,
+    AutocastAccessors,
     HyperParams,
     Reporting,
     ParameterAccess,
     ModuleSync,
+    CurriculumMethods,  # (before CheckpointMethods: its checkpoints add the curriculum's state)
+    RandomLTD,  # (before CheckpointMethods: its checkpoints add the random-LTD scheduler's state)
     CheckpointMethods,
     Accumulation,
     ModelSave,
@@ -213,6 +219,8 @@ class Engine(
     # ------------------------------------------------------------------------------------- forward, backward, step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward with the current compute parameters (see the module docstring for `no_grad`)."""
+        kwargs = self._curriculum_kwargs(kwargs)  # the legacy curriculum_learning block (fzero.engine.curriculum)
+        self._random_ltd_forward()  # the random-LTD schedule at a training forward (fzero.engine.random_ltd)
         return self._call(self.module, args, kwargs)
 
     def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -221,6 +229,7 @@ class Engine(
         t0 = time.perf_counter()
         if self.config["fp16"]["auto_cast"]:
             args, kwargs = self._policy.cast_to_compute((args, kwargs))
+        fn = self._under_autocast(fn)  # DeepSpeed's torch_autocast around every forward (fzero.engine.autocast)
         self._calls += 1
         try:
             if (self.forward_only or not torch.is_grad_enabled()) and self._micro is None:

@@ -4,6 +4,7 @@
     from fzero.deepspeed.ops.lamb import FusedLamb
     from fzero.deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
     from fzero.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from fzero.deepspeed.ops.random_ltd import gpt_sample_tokens, GatherTokens   # random-LTD's token ops, in torch
 
 Each is a `torch.optim.Optimizer` with DeepSpeed's constructor and state keys, whose `step()` is the fzero optimizer
 the matching config `optimizer` block runs (`optimizer.FunctionalOptimizer`); passed to `fzero.initialize` as the
@@ -24,9 +25,9 @@ their names raise `NotImplementedError` saying what to use instead.
 from typing import Any
 
 from ..refusal import refuse
-from . import adagrad, adam, lamb, lion
+from . import adagrad, adam, lamb, lion, random_ltd
 
-__all__ = ["adagrad", "adam", "lamb", "lion"]
+__all__ = ["adagrad", "adam", "lamb", "lion", "random_ltd"]
 
 _KERNELS = "DeepSpeed's CUDA / C++ kernels are not part of fzero"
 _UNSUPPORTED = {
@@ -44,7 +45,6 @@ _UNSUPPORTED = {
     "gds": "GPUDirect Storage is not supported by fzero: its NVMe tier (offload_optimizer.device 'nvme') reads and "
     "writes through host memory",
     "pin_memory": "fzero keeps host buffers itself (fzero.hostmem); there is no op to load",
-    "random_ltd": f"{_KERNELS}: random layer-token drop is not supported",
     "sparse_attention": f"{_KERNELS}: use torch.nn.functional.scaled_dot_product_attention",
     "triton_ops": f"{_KERNELS}: use torch.nn.functional.scaled_dot_product_attention or torch.compile",
     "deepspeed4science": f"{_KERNELS}: DeepSpeed4Science's attention kernels are not supported",

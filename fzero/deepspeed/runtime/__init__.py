@@ -1,8 +1,9 @@
 """`deepspeed.runtime`: the module paths of DeepSpeed's runtime that training scripts import.
 
 `utils` (`see_memory_usage`, `move_to_device`, ...), `lr_schedules` (the scheduler objects, over fzero's schedules),
-`dataloader` (`RepeatingLoader`) and `zero` (`zero.Init`, `GatheredParameters`, ...) are imported on first use, as
-DeepSpeed's are reachable from `deepspeed.runtime`. DeepSpeed's engine, config, pipeline, inference and precision
+`dataloader` (`RepeatingLoader`, `DeepSpeedDataLoader`), `data_pipeline` (curriculum learning and random-LTD),
+`torch_autocast` and `zero` (`zero.Init`, `GatheredParameters`, ...) are imported on first use, as DeepSpeed's are
+reachable from `deepspeed.runtime`. DeepSpeed's engine, config, pipeline, inference and precision
 modules are refused by name with fzero's counterpart (a `from deepspeed.runtime.pipe import ...` line fails with
 `ModuleNotFoundError`: the package cannot intercept the import of a module it lacks).
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..refusal import refuse
 
-_SUBMODULES = ("dataloader", "lr_schedules", "utils", "zero")
+_SUBMODULES = ("data_pipeline", "dataloader", "lr_schedules", "torch_autocast", "utils", "zero")
 
 _PARALLEL = "fzero has no pipeline, tensor or sequence parallelism: it shards data-parallel state (ZeRO)"
 _UNSUPPORTED: dict[str, str] = {
@@ -37,7 +38,7 @@ _UNSUPPORTED: dict[str, str] = {
     ),
     **dict.fromkeys(
         """
-        fp16 bf16_optimizer precision_config torch_autocast keep_in_fp32
+        fp16 bf16_optimizer precision_config keep_in_fp32
         """.split(),
         "precision is the config's fp16 / bf16 block (fzero.state.precision)",
     ),
@@ -55,8 +56,7 @@ _UNSUPPORTED: dict[str, str] = {
     ),
     **dict.fromkeys(
         """
-        base_optimizer comm compiler python_gc sparse_tensor chunked_cross_entropy data_pipeline
-        weight_quantizer
+        base_optimizer comm compiler python_gc sparse_tensor chunked_cross_entropy weight_quantizer
         """.split(),
         "DeepSpeed's engine internals: fzero's engine and transforms are their own",
     ),

@@ -1,31 +1,39 @@
-"""`deepspeed.runtime.dataloader`: `RepeatingLoader`. DeepSpeed's own loader class is refused: `initialize` returns
-a torch `DataLoader` over `training_data` (sharded per rank with a `DistributedSampler`, as DeepSpeed's is)."""
+"""`deepspeed.runtime.dataloader`: `RepeatingLoader` and `DeepSpeedDataLoader` (the engine's,
+`fzero.engine.dataloader`: what `engine.deepspeed_io` returns; with curriculum data sampling, DeepSpeed's
+`DeepSpeedDataSampler` as its batch sampler; otherwise each rank's share of the data set through a
+`DistributedSampler`, as DeepSpeed's). `initialize` returns a torch `DataLoader` over `training_data`, sharded per rank
+the same way, or, with curriculum data sampling, `engine.deepspeed_io(training_data)`, as DeepSpeed's.
+`DeepSpeedDataSampler` is here too, as in DeepSpeed's module, imported on first use (it needs NumPy)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ...engine.dataloader import (
+    CURRICULUM_LEARNING,
+    DATA_EFFICIENCY,
+    DATA_PARALLEL_GROUP,
+    DATA_SAMPLING_NUM_WORKERS,
+    GLOBAL_RANK,
+    GRADIENT_ACCUMULATION_STEPS,
+    DeepSpeedDataLoader,
+)
 from ..accelerator import get_accelerator  # noqa: F401 (DeepSpeed's module has it too)
 from ..refusal import refuse
 
-__all__ = ["RepeatingLoader"]
+__all__ = [
+    "CURRICULUM_LEARNING",
+    "DATA_EFFICIENCY",
+    "DATA_PARALLEL_GROUP",
+    "DATA_SAMPLING_NUM_WORKERS",
+    "GLOBAL_RANK",
+    "GRADIENT_ACCUMULATION_STEPS",
+    "DeepSpeedDataLoader",
+    "RepeatingLoader",
+]
 
-_UNSUPPORTED = {
-    **dict.fromkeys(
-        """
-        DeepSpeedDataLoader DeepSpeedDataSampler
-        """.split(),
-        "pass training_data (and collate_fn) to initialize: it returns a torch DataLoader that shards it per rank",
-    ),
-    **dict.fromkeys(
-        """
-        CURRICULUM_LEARNING DATA_EFFICIENCY DATA_PARALLEL_GROUP DATA_SAMPLING_NUM_WORKERS GLOBAL_RANK
-        GRADIENT_ACCUMULATION_STEPS
-        """.split(),
-        "DeepSpeed's data-efficiency (curriculum learning) settings: fzero's config refuses data_efficiency",
-    ),
-}
+_UNSUPPORTED: dict[str, str] = {}
 
 
 class RepeatingLoader:
@@ -51,4 +59,8 @@ class RepeatingLoader:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "DeepSpeedDataSampler":  # (DeepSpeed's module imports it; it needs NumPy, which this module does not)
+        from ...engine.data_sampler import DeepSpeedDataSampler
+
+        return DeepSpeedDataSampler
     return refuse(__name__, name, _UNSUPPORTED)
