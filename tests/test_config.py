@@ -308,6 +308,9 @@ UNSUPPORTED = [
     ({"elasticity": {"enabled": True}}, "elasticity.enabled"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
+     "compression_training"),
+    ({"quantize_training": {"enabled": True}}, "quantize_training"),
 ]  # fmt: skip
 
 
@@ -333,7 +336,7 @@ def test_deepspeeds_other_top_level_keys_are_known():
     parse({"timers": {"throughput": {"enabled": True, "synchronized": False}}, "log_level": "info",
            "graph_harvesting": True, "datastates_ckpt": None, "data_parallel_size": 1, "disable_allgather": True,
            "vocabulary_size": 50257, "allgather_size": 1000, "use_data_before_expert_parallelism": False,
-           "quantize_training": {"enabled": False}, "gradient_allreduce_op": "mean",
+           "gradient_allreduce_op": "mean",
            "managed_gradient_accumulation": True, "weight_quantization": None,
            "expert_parallel": {"enabled": False}})  # fmt: skip
 

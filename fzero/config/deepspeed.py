@@ -76,6 +76,12 @@ def _feature(reason: str, flag: str = "enabled", **fields: Field) -> Section:
     return Section({flag: Field(Bool(), False, unsupported=reason), **fields}, open=True)
 
 
+def _removed(feature: str) -> Field:
+    """A block of a feature DeepSpeed 0.19.8 has removed: refused wherever present, as DeepSpeed refuses it (ignored,
+    the model would silently train without it)."""
+    return Field(Nullable(Section({}, open=True)), None, unsupported=feature, supported=lambda v: v is None)
+
+
 # ----------------------------------------------------------------------------------------------------------- fp16
 def _fp16_checks(values: dict[str, Any], path: str) -> None:
     if (
@@ -442,7 +448,7 @@ SCHEMA = Section(
         "autotuning": AUTOTUNING,
         "eigenvalue": _feature("eigenvalue computation"),
         "progressive_layer_drop": _feature("progressive layer drop"),
-        "compression_training": Section({}, open=True),
+        "compression_training": _removed("DeepSpeed's compression library (XTC, ZeroQuant, pruning)"),
         "nebula": _feature("Nebula checkpointing"),
         "compile": Section({"deepcompile": off("DeepCompile")}, open=True),
         "hybrid_engine": _feature("the hybrid engine"),
@@ -485,7 +491,7 @@ SCHEMA = Section(
             None,
         ),
         "use_data_before_expert_parallelism": Field(Bool(), False, effect="no effect (no MoE process groups)"),
-        "quantize_training": Section({}, open=True),
+        "quantize_training": _removed("Mixture-of-Quantization (MoQ) training"),
         "graph_harvesting": Field(Bool(), False, effect="no effect (accelerator graph capture; the same values)"),
         "timers": Section({}, open=True),
         "log_level": Field(Nullable(Str()), None, effect="no effect (DeepSpeed's logger)"),
