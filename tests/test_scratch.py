@@ -185,3 +185,14 @@ def test_passing_buffers_serve_several_at_once_until_the_spares_go():
     del again
     scratch.drop_spares()
     assert not scratch._passing
+
+
+def test_the_end_of_a_step_drops_only_the_large_spares():
+    small, large = scratch.MIN_BYTES, 2 * scratch.MIN_BYTES
+    a, b = _emptied(small), _emptied(large)
+    scratch.empty(a)
+    scratch.empty(b)
+    kept = scratch.new_empty("p", torch.zeros(1), (small // 4,), passing=True).data_ptr()
+    scratch.drop_spares(at_least=large)  # (a step's end drops those of KEPT_BELOW or more)
+    assert _spare_bytes() == small
+    assert scratch.new_empty("p", torch.zeros(1), (small // 4,), passing=True).data_ptr() == kept

@@ -23,8 +23,9 @@ heap and allocated afresh instead, each unit's buffer took fresh pages every gat
 block of a freed block's own size only from new memory (`fzero.host.heap`), so the heap grew by a unit's size a
 gather through the first steps and kept it (stage 3's peak above stage 2's, its step slower, in
 `benchmarks/stage3_memory.py`). The spares never hold more than the most memory lent out at once (the smallest
-spares go first when a fresh block makes them too many); `drop_spares()` (stage 3, once a step's units are released:
-the update's peak does not carry them) and `clear()` let them go, their mappings back to the system at once.
+spares go first when a fresh block makes them too many). Those under `KEPT_BELOW` stay from step to step; larger
+ones go once a step's units are released (`drop_spares`: the update's peak does not carry them), and every one with
+`clear()`, their mappings back to the system at once.
 
 Example:
     >>> import torch
@@ -53,7 +54,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_BYTES", "PASSING", "clear", "disabled", "drop_spares", "empty", "new_empty", "poisoned", "refill"]
+__all__ = [
+    "KEPT_BELOW", "MIN_BYTES", "PASSING", "clear", "disabled", "drop_spares", "empty", "new_empty", "poisoned", "refill"
+]  # fmt: skip
 
 MIN_BYTES = 1 << 20
 """Smaller buffers are left to the allocator, which serves them from its heap without faults."""
@@ -62,6 +65,11 @@ _slots: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], Tensor] = {
 _passing: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}  # `passing=True` slots
 PASSING = 4
 """The most buffers a `passing` slot keeps (the reductions in flight at once, and one more)."""
+KEPT_BELOW = 32 << 20
+"""Spares and `passing` buffers smaller than this are kept from one step to the next (each step would fault them in
+afresh: 15-18% of a 27.3M model's step at stages 2-3 on 2 ranks, measured); larger ones go when a step's units are
+released (`drop_spares`), so the update's peak does not carry them. glibc's malloc maps and unmaps every block this
+large itself (its largest mmap threshold on 64-bit), so a model whose units are this big pays those faults anyway."""
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (private; where absent, nothing is reused)
 _reuse, _poison = True, False
 _swap: Any = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)  # (private; absent: emptied storages freed)
@@ -199,12 +207,22 @@ def _lent_on(device: torch.device) -> int:
     return sum(n for d, n in _lent.values() if d == device)
 
 
-def drop_spares() -> None:
-    """Let the spares go (their memory back to the system at once: `refill` maps each afresh) and the `passing`
-    slots' buffers; what storages hold now stays lent."""
-    _spares.clear()
-    _most.clear()
-    _passing.clear()
+def drop_spares(at_least: int = 0) -> None:
+    """Let the spares and the `passing` slots' buffers of at least `at_least` bytes go (their memory back to the
+    system at once: `refill` maps each afresh); what storages hold now stays lent.
+
+    Args:
+      at_least: the smallest size dropped (0: every one). The end of a step drops those of `KEPT_BELOW` or more.
+    """
+    if not at_least:
+        _spares.clear()
+        _most.clear()
+        _passing.clear()
+        return
+    for spares in _spares.values():
+        spares[:] = [s for s in spares if s.nbytes() < at_least]
+    for kept in _passing.values():
+        kept[:] = [k for k in kept if k.untyped_storage().nbytes() < at_least]
 
 
 def clear() -> None:

@@ -365,4 +365,4 @@ class Gatherer:
         for unit in self.units:
             unit.release()
         self.spaces.full = [None, None]
-        scratch.drop_spares()  # (the gathers reused them within the step; the update's peak need not hold them)
+        scratch.drop_spares(scratch.KEPT_BELOW)  # (the large ones: the update's peak need not hold them)
