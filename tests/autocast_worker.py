@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fzero.host import process_group
-from tests.spawn import init_worker
+from tests.spawn import init_deepspeed_worker
 
 GLOBAL, STEPS, LR = 8, 3, 1e-2
 # name: (stage, autocast dtype, gradient_clipping)
@@ -103,23 +103,14 @@ def run_case(deepspeed: Any, trainer: str, name: str, rank: int, world: int, out
 
 def run(rank: int, world: int, out_dir: str) -> None:
     """Every case with DeepSpeed, then with fzero: `out_dir/{trainer}-{world}.json` and the weights beside it."""
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    init_worker(rank, world, os.path.join(out_dir, f"store-{world}"))
-    import deepspeed
-    import deepspeed.ops
-
-    # (DeepSpeed's CPU collectives would compile a C++ kernel first; without it they are gloo's, as fzero's)
-    deepspeed.ops.__compatible_ops__ = {}
+    deepspeed, shell = init_deepspeed_worker(rank, world, os.path.join(out_dir, f"store-{world}"))
     import sys
 
-    import fzero.deepspeed
-
-    for trainer, module in (("deepspeed", deepspeed), ("fzero", fzero.deepspeed)):
+    for trainer, module in (("deepspeed", deepspeed), ("fzero", shell)):
         out = os.path.join(out_dir, f"{trainer}-{world}")
         os.makedirs(out, exist_ok=True)
         if trainer == "fzero":  # `from deepspeed.runtime.torch_autocast import ...` reaches fzero's shell from here
-            sys.modules["deepspeed.runtime.torch_autocast"] = fzero.deepspeed.runtime.torch_autocast
+            sys.modules["deepspeed.runtime.torch_autocast"] = shell.runtime.torch_autocast
         results = {name: run_case(module, trainer, name, rank, world, out) for name in CASES}
         if rank == 0:
             with open(f"{out}.json", "w") as f:

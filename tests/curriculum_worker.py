@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fzero.host import process_group
-from tests.spawn import init_worker
+from tests.spawn import init_deepspeed_worker
 
 T, VOCAB, MICRO, GAS, STEPS, N = 32, 11, 2, 2, 4, 40
 LEGACY = {
@@ -254,18 +254,11 @@ def engine_batches(deepspeed: Any, trainer: str, paths: dict[str, str], root: st
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    init_worker(rank, world, os.path.join(out_dir, "store"))
-    import deepspeed
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__ = {}  # (gloo's collectives, not DeepSpeed's C++ shared-memory kernel)
-    import fzero.deepspeed
+    deepspeed, shell = init_deepspeed_worker(rank, world, os.path.join(out_dir, "store"))
 
     paths = index_files(os.path.join(out_dir, f"index-{rank}"))
     results: dict[str, Any] = {}
-    for trainer, module in (("deepspeed", deepspeed), ("fzero", fzero.deepspeed)):
+    for trainer, module in (("deepspeed", deepspeed), ("fzero", shell)):
         results[trainer] = {
             "legacy": legacy(module, trainer, rank, out_dir),
             "sampler1": sampler_batches(trainer, paths, os.path.join(out_dir, "s"), False, rank, world),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fzero.engine import Engine
 from fzero.host import process_group
 from tests.deepspeed_worker import GLOBAL, Net, batch
-from tests.spawn import init_worker
+from tests.spawn import init_deepspeed_worker
 
 STEPS = 3
 # name: (stage, gradient_accumulation_steps, micro-batches per step and rank, what the script does, precision)
@@ -176,18 +176,8 @@ def run_case(deepspeed: Any, trainer: str, name: str, rank: int, world: int, out
 
 def run(rank: int, world: int, out_dir: str) -> None:
     """Every case with DeepSpeed, then with fzero; `out_dir/{trainer}-{world}.json` and the files they wrote."""
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    init_worker(rank, world, os.path.join(out_dir, f"store-{world}"))
-    import deepspeed
-    import deepspeed.ops
-
-    # DeepSpeed's CPU collectives would compile a C++ shared-memory kernel first (minutes on this machine); without
-    # it they are torch.distributed's gloo ones, the same sums for two ranks
-    deepspeed.ops.__compatible_ops__ = {}
-    import fzero.deepspeed
-
-    for trainer, module in (("deepspeed", deepspeed), ("fzero", fzero.deepspeed)):
+    deepspeed, shell = init_deepspeed_worker(rank, world, os.path.join(out_dir, f"store-{world}"))
+    for trainer, module in (("deepspeed", deepspeed), ("fzero", shell)):
         out = os.path.join(out_dir, f"{trainer}-{world}")
         results = {name: run_case(module, trainer, name, rank, world, out) for name in CASES}
         if rank == 0:

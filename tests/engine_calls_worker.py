@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fzero.host import process_group
-from tests.spawn import init_worker, report
+from tests.spawn import init_deepspeed_worker, report
 
 STEPS = 3
 
@@ -97,21 +97,13 @@ def case(deepspeed: Any, trainer: str, stage: int, rank: int) -> dict[str, Any]:
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    init_worker(rank, world, os.path.join(out_dir, "store"))
-    import deepspeed
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__ = {}  # (gloo's collectives, not DeepSpeed's shared-memory kernel build)
-    import fzero.deepspeed
-
-    trainers = (("deepspeed", deepspeed), ("fzero", fzero.deepspeed))
+    deepspeed, shell = init_deepspeed_worker(rank, world, os.path.join(out_dir, "store"))
+    trainers = (("deepspeed", deepspeed), ("fzero", shell))
     results = {f"{name}-z{stage}": case(module, name, stage, rank) for stage in (2, 3) for name, module in trainers}
     with deepspeed.zero.Init(config_dict_or_path=config(3), mem_efficient_linear=False):
         built = Critic()  # partitioned by DeepSpeed itself (transformers' HfDeepSpeedConfig with deepspeed installed)
     try:
-        fzero.deepspeed.initialize(model=built, model_parameters=built.parameters(), config=config(3))
+        shell.initialize(model=built, model_parameters=built.parameters(), config=config(3))
     except ValueError as e:
         results["deepspeed_partitioned"] = str(e)
     report(rank, out_dir, results)

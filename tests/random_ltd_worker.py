@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fzero.host import process_group
-from tests.spawn import init_worker
+from tests.spawn import init_deepspeed_worker
 
 V, S, D, LAYERS, MICRO, STEPS = 32, 8, 16, 4, 2, 6
 SCHEDULE = {"min_value": 3, "max_value": S, "schedule_type": "fixed_linear",
@@ -274,23 +274,17 @@ def pieces() -> dict[str, Any]:
 
 
 def run(rank: int, world: int, out_dir: str) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    init_worker(rank, world, os.path.join(out_dir, "store"))
-    import deepspeed
-    import deepspeed.ops
+    deepspeed, shell = init_deepspeed_worker(rank, world, os.path.join(out_dir, "store"))
     from deepspeed.ops.random_ltd import dropping_utils
 
-    deepspeed.ops.__compatible_ops__ = {}  # (gloo's collectives rather than a C++ shared-memory kernel built first)
     dropping_utils.random_ltd_module = RefKernel  # (see the module docstring)
-    import fzero.deepspeed
 
     results: dict[str, Any] = {"deepspeed": train(deepspeed, "deepspeed", 0, rank, world)}
     # (stages 0 and 3 only: random-LTD acts in the forward, which runs on the full compute parameters at stages 0-2
     # alike and on gathered units at stage 3; with one micro-step per step stages 0-3 are bitwise equal to each other
     # (docs/equivalence.md's table, tests/test_stages.py), so 1 and 2 equal DeepSpeed where 0 and 3 do)
-    results["fzero"] = {stage: train(fzero.deepspeed, "fzero", stage, rank, world) for stage in (0, 3)}
-    results["resume"] = resume(fzero.deepspeed, 3, rank, world, os.path.join(out_dir, "ckpt"))
+    results["fzero"] = {stage: train(shell, "fzero", stage, rank, world) for stage in (0, 3)}
+    results["resume"] = resume(shell, 3, rank, world, os.path.join(out_dir, "ckpt"))
     if rank == 0:
         results["pieces"] = pieces()
         with open(os.path.join(out_dir, "results.json"), "w") as f:

@@ -13,12 +13,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fzero.host import process_group
 
-__all__ = ["WORKER_TIMEOUT", "init_worker", "report", "spawn"]
+__all__ = ["WORKER_TIMEOUT", "init_deepspeed_worker", "init_worker", "report", "spawn"]
 
 WORKER_TIMEOUT = 180.0  # seconds; far above any collective's wait in these tests, even on a loaded 2-core machine
 
@@ -28,6 +29,23 @@ def init_worker(rank: int, world: int, store: str, timeout: float = WORKER_TIMEO
     process_group.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout
     )
+
+
+def init_deepspeed_worker(rank: int, world: int, store: str) -> tuple[Any, Any]:
+    """`init_worker` for a worker that runs DeepSpeed itself (on its CPU accelerator, with the environment its
+    launcher sets) beside fzero's shell: returns `(deepspeed, fzero.deepspeed)`, each trainer's module."""
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    init_worker(rank, world, store)
+    import deepspeed
+    import deepspeed.ops
+
+    # DeepSpeed's CPU collectives would compile a C++ shared-memory kernel first (minutes on this machine); without
+    # it they are torch.distributed's gloo ones, the same sums for two ranks
+    deepspeed.ops.__compatible_ops__ = {}
+    import fzero.deepspeed
+
+    return deepspeed, fzero.deepspeed
 
 
 def report(rank: int, out_dir: str, results: Any) -> None:
