@@ -69,7 +69,7 @@ def test_sequential_units_are_its_modules_and_train_bitwise(layers, norm):
     linears = {str(i) for i, m in enumerate(seq) if isinstance(m, nn.Linear)}
     assert {u.name for u in state.layout.units} == linears | ({ROOT_UNIT} if norm else set())
     root = 2 * WIDTH * layers if norm else 0
-    assert metrics["gathered_peak"] <= 2 * WIDTH * WIDTH + root <= (psi + root) / 2
+    assert metrics["gathered_peak"] <= 2 * WIDTH * WIDTH + root and 2 * WIDTH * WIDTH <= psi / 2  # (2 of >= 4 Linears)
     listed, _ = _train(Listed(sequential(layers, norm)), "module_list")
     assert len(listed.layout.units) == layers * (2 if norm else 1)  # the list's children that own parameters
     with pytest.warns(UserWarning, match="holds 100% of the parameters"):
