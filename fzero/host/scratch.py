@@ -109,8 +109,8 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int], passing: bool = Fal
       like: a tensor whose dtype and device the buffer takes.
       shape: the buffer's shape.
       passing: a buffer that lives a moment, several at once (a unit's reduction, while others are in flight): the
-        slot keeps up to `PASSING` of them, each handed out while nothing else holds it, until `drop_spares()` (the
-        end of the step's units) rather than from step to step.
+        slot keeps up to `PASSING` of them, each handed out while nothing else holds it; those of `KEPT_BELOW` bytes
+        or more go at the end of the step's units (`drop_spares`), the others stay from step to step.
 
     Returns:
       A tensor of its own (not a view: no `_base`) on the slot's storage, or a fresh one under `MIN_BYTES`, under

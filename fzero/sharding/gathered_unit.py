@@ -12,7 +12,8 @@ full trainable buffer, whose backward receives the unit's complete gradient exac
 hands it to the schedule (`GatheredUnit.on_gradient`) as its parameters' gradients, unconcatenated (`Pieces`); the
 buffers' storage is resized to zero when the unit is freed and refilled before it is read again (FSDP's technique),
 so the tensors autograd saved stay valid, and writing through a separate alias keeps their version counters
-untouched; the memory behind it is a spare kept from step to step (`fzero.host.scratch.refill`, `empty`).
+untouched; the memory behind it is a spare the units pass on (`fzero.host.scratch.refill`, `empty`), kept from step to
+step below `fzero.host.scratch.KEPT_BELOW` bytes.
 """
 
 from __future__ import annotations
