@@ -537,3 +537,11 @@ def test_overlap_comm_and_reduce_bucket_size_take_effect(zero, overlap):
     assert policy.overlap_reduce is overlap
     assert policy.reduce_bucket_elements == 1234
     assert policy.reduce_budget == (1234 if overlap else None)
+
+
+def test_stage3_max_reuse_distance_takes_effect():
+    """DeepSpeed's default (1e9) keeps every unit of a small model gathered into its backward; the value given is
+    the policy's (`test_zero3.test_reuse_distance_keeps_the_units_deepspeed_keeps` shows which units it keeps)."""
+    assert build_gather_policy(parse({"zero_optimization": {"stage": 3}})).reuse_distance == 10**9
+    zero = {"stage": 3, "stage3_max_reuse_distance": 5}
+    assert build_gather_policy(parse({"zero_optimization": zero})).reuse_distance == 5

@@ -46,12 +46,19 @@ def train(model, world, preset="zero3", steps=2, micro=1, gather=None, initializ
     return state, fzero.state_dict(state), max(peaks)
 
 
-@given(world=st.integers(1, 3), prefetch=st.integers(0, 3), micro=st.integers(1, 2), seed=st.integers(0, 99))
-def test_unit_gathering_is_bitwise_the_whole_gather(world, prefetch, micro, seed):
+@given(
+    world=st.integers(1, 3),
+    prefetch=st.integers(0, 3),
+    micro=st.integers(1, 2),
+    seed=st.integers(0, 99),
+    reuse=st.sampled_from([0, 3_000, 10**9]),
+)
+def test_unit_gathering_is_bitwise_the_whole_gather(world, prefetch, micro, seed, reuse):
     """Per-unit gathering changes where parameters live, not the arithmetic: the same parameters as gathering
-    everything at the step's start (autodiff="func" takes that path) and as stage 2."""
+    everything at the step's start (autodiff="func" takes that path) and as stage 2, whichever units stay gathered
+    from their forward into their backward."""
     model = torch.manual_seed(seed) and GPT(CFG)
-    policy = fzero.GatherPolicy(prefetch=prefetch)
+    policy = fzero.GatherPolicy(prefetch=prefetch, reuse_distance=reuse)
     _, per_unit, _ = train(model, world, micro=micro, gather=policy)
     mesh = fzero.SimMesh(world)
     tx = fzero.zero3(fzero.adamw(1e-2), accumulate=micro)
@@ -75,6 +82,20 @@ def test_gathered_elements_stay_bounded(prefetch):
         assert peak == root + blocks
     bounded = fzero.GatherPolicy(prefetch=2, max_live_elements=root + blocks)
     assert train(model, 2, gather=bounded)[2] == root + blocks  # prefetches that would exceed the bound wait
+
+
+def test_reuse_distance_keeps_the_units_deepspeed_keeps():
+    """A unit stays gathered into its backward when fewer elements than the distance are gathered between its two
+    uses (the later blocks' forwards and backwards: 2 blocks' worth per later block), the last always: with prefetch
+    0 the peak shows which stayed."""
+    model = GPT(CFG)
+    state = train(model, 2)[0]
+    units = state.layout.units
+    root, block = units[0].size, units[1].size
+    assert all(u.size == block for u in units[1:])  # (3 equal blocks)
+    for distance, kept in [(0, 1), (2 * block, 1), (2 * block + 1, 2), (4 * block + 1, 3), (10**9, 3)]:
+        policy = fzero.GatherPolicy(prefetch=0, reuse_distance=distance)
+        assert train(model, 2, gather=policy)[2] == root + kept * block, distance
 
 
 def test_sharded_construction_reproduces_the_model():

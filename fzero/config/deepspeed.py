@@ -62,8 +62,9 @@ __all__ = ["SCHEMA"]
 
 MOOT = "no effect: fzero reduces and gathers one flat buffer per unit, in one collective each"
 REUSE = (
-    "no effect: stage 3 keeps the last unit gathered from its forward into its backward and gathers every other "
-    "again (DeepSpeed keeps each parameter reused within this many elements); the results are the same either way"
+    "stage 3 keeps a unit gathered from its forward into its backward when fewer elements than this are gathered "
+    "between the two (DeepSpeed's rule, counted over fzero's units: the default keeps every unit of a model under half "
+    "a billion elements, a gather fewer per unit and step; 0 gathers each again but the last)"
 )
 GATHER = "stage 3 gathers one unit at a time: 0 disables prefetching (else one unit ahead); see fzero.GatherPolicy"
 INT_MAX = 2**63 - 1

@@ -22,6 +22,11 @@ class GatherPolicy:
         [`stage3_max_live_parameters`]. None: no bound beyond `prefetch`.
       persistence_threshold: units with at most this many elements stay gathered for the whole step
         [`stage3_param_persistence_threshold`].
+      reuse_distance: a unit stays gathered from its forward into its backward when fewer elements than this are
+        gathered between the two, DeepSpeed's count: the later units' forwards and backwards, `2 * sum(size(j) for
+        j after i)`. Each unit kept is a gather fewer a step (stage 3 then moves what stage 2 moves) and a buffer
+        alive through the forward; 0 keeps only the last unit (its backward comes next) [`stage3_max_reuse_distance`,
+        whose default, 1e9, keeps every unit of a model under half a billion elements].
       timings: report each gathered-on-demand unit's forward and backward wall time (seconds, rank 0's on a
         SimMesh) in the step's metrics as `unit_times`: `{unit name: (forward, backward)}`.
       overlap_reduce: start each unit's reduction as soon as its gradient is complete and go on with the backward
@@ -36,6 +41,7 @@ class GatherPolicy:
     prefetch: int = 1
     max_live_elements: int | None = None
     persistence_threshold: int = 0
+    reuse_distance: int = 0
     timings: bool = False
     overlap_reduce: bool | None = None
     reduce_bucket_elements: int = 500_000_000
@@ -53,7 +59,7 @@ class GatherPolicy:
         return dataclasses.replace(self, overlap_reduce=overlap_pays(mesh))
 
     def __post_init__(self) -> None:
-        for name in ("prefetch", "persistence_threshold"):
+        for name in ("prefetch", "persistence_threshold", "reuse_distance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"GatherPolicy.{name} must be an int >= 0, got {value!r}")

@@ -133,11 +133,24 @@ class Gatherer:
         )
         self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
         self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
-        # the backward begins where the forward ended: the last on-demand unit stays gathered into it, as DeepSpeed's
-        # `stage3_max_reuse_distance` keeps it (re-gathering it there would be a collective nothing overlaps)
-        self.last = self.sequence[-1] if self.sequence and reduction is not None else None
+        self.kept = self._kept() if reduction is not None else frozenset()
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
         self.times = {u.name: [0.0, 0.0] for u in self.units if u.module is not None} if policy.timings else None
+
+    def _kept(self) -> frozenset[int]:
+        """The on-demand units that stay gathered from their forward into their backward (`GatherPolicy.reuse_distance`,
+        DeepSpeed's rule: kept when the elements gathered between the two uses, each later unit's forward and
+        backward, are fewer than the distance). The last unit always stays: the backward begins with it, and
+        gathering it again there would be a collective nothing overlaps. With the compute shard on disk only the
+        last does: a tier for models bigger than memory reads each unit again rather than hold the model."""
+        kept: set[int] = set()
+        between = 0
+        distance = 0 if self.spaces.source is not None else self.policy.reuse_distance
+        for i in reversed(self.sequence):
+            if not kept or between < distance:
+                kept.add(i)
+            between += 2 * sum(self.units[i].sizes)
+        return frozenset(kept)
 
     @property
     def peak(self) -> int:
@@ -243,7 +256,7 @@ class Gatherer:
         hooked = [x for x in optree.tree_leaves(output) if isinstance(x, Tensor) and x.requires_grad]
         if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
-        if i != self.last:
+        if i not in self.kept:
             unit.reshard()
         for x in _hook_targets(hooked):  # tensor hooks, not an autograd Function: in-place ops stay legal
             x.register_hook(lambda g, i=i: self.pre_backward(i))
@@ -308,7 +321,7 @@ class Gatherer:
                 unit.passed = True
                 unit.unshard()
                 self._prefetch(j, 1)
-                if j != self.last:  # as its forward would (`post_forward`), so every rank's gathers pair
+                if j not in self.kept:  # as its forward would (`post_forward`), so every rank's gathers pair
                     unit.reshard()
 
     def _catch_up_backward(self, after: int | None = None, abandoned: bool = False) -> None:
