@@ -72,6 +72,13 @@ MiB (the 384 MiB gradient and the staging), yet its peak is the size of the whol
 each step's reduce-scatter copies the full gradient twice (`torch.stack` in `fzero.mesh.lockstep`, `torch.cat` in
 `fzero.layout.flat.to_rank_major`: 0.7 s of a 2 s step in memory at 100M), and glibc keeps what is freed (at ebdd146,
 one unit: 2006 MiB).
+
+Measured 2026-11-28 (`--no-stages --sizes 25,100`, same machine, busy), after the NVMe tier hands back what a step
+passed through (staging sets mapped per update, unit reads in mappings of their own, spares and heap pages handed
+back before the update: docs/offload.md, Memory), peak RssAnon over the start, construction / initialize / steps:
+25.2M nvme 96 / 284 / 163 (before 96 / 292 / 417), 100.7M nvme 384 / 861 / 567; last losses bitwise equal. The
+steps are under half the training state (192 / 768 MiB); initialize is not: it still builds the whole fp32 shard in
+memory beside the model before writing it to disk.
 """
 
 from __future__ import annotations

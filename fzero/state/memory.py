@@ -44,8 +44,9 @@ _CATEGORIES: dict[Role, str] = {"update": "optimizer", "accumulate": "accumulato
 def state_bytes(state: TrainState) -> dict[str, int]:
     """Bytes one rank holds, by category: `master`, `compute` (not counted again where it is the master tensor
     itself), `optimizer`, `accumulator`, `frozen` (frozen parameters: all of them, or this rank's shard at stage
-    3), `other` (buffers, counters, the loss scale, the random seed), `staging` (the NVMe tier's I/O buffers),
-    `total` (the sum: memory); `offloaded`, the bytes of the leaves kept on disk (`fzero.Offload("nvme")`;
+    3), `other` (buffers, counters, the loss scale, the random seed), `staging` (the NVMe tier's I/O buffers,
+    held while an update streams through the store: mapped for it, handed back after), `total` (the sum: memory);
+    `offloaded`, the bytes of the leaves kept on disk (`fzero.Offload("nvme")`;
     one version, not in the total); and `secondary`, what hpZ (`gather(secondary=axis)`) holds during a step on
     top of that, from each unit's forward to its backward: `1/S` of the compute and frozen parameters (`S` the
     axis's size), at most (units gathered for the whole step keep none), not in the total.

@@ -1,8 +1,8 @@
 """The storage layer under NVMe offload (ZeRO-Infinity's swap): files, aligned buffers, threads, checksums.
 
 Offload keeps state that does not fit in host memory in scratch files between its uses. This package is the
-bottom of that: it moves bytes between caller-owned host buffers and files, and knows nothing of models,
-optimizers or ranks (it imports nothing else from fzero).
+bottom of that: it moves bytes between host buffers and files, and knows nothing of models, optimizers or ranks
+(of fzero it imports only `fzero.host`, the layer under everything).
 
 - `SwapFile` (swapfile.py): one preallocated file of named regions, each at a 4096-aligned offset, in the
   safetensors layout, so `safetensors.safe_open` can read a swap file like any checkpoint. Preallocation makes a
@@ -18,9 +18,11 @@ optimizers or ranks (it imports nothing else from fzero).
 - errors.py: `StorageError` and its kinds (full disk, bad directory, corrupt file), each naming the file.
 - `Store`, `Offloaded` (store.py): versioned per-rank buffers on disk, built on the above (see its docstring).
 
-The memory bound: the layer allocates no buffers of its own. Every transfer reads into or writes from a tensor
-the caller passes, so host memory is exactly the buffers the caller allocated once (with `aligned_empty`) and
-reuses, however large the files grow; the pool holds only memoryviews over them while a transfer runs.
+The memory bound: `IOPool` and `SwapFile` allocate no buffers of their own. Every transfer reads into or writes from
+a tensor the caller passes; the pool holds only memoryviews over them while a transfer runs. `Store` maps its
+staging sets for each transfer and unmaps them after (`mapped_empty`), and reads each unit into a mapping of its own,
+so what it holds is bounded by its settings and the largest unit, however large the files grow, and goes back to the
+system once a transfer is over.
 
 Example: a float32 region written through a pool and read back, checksums verified.
 
@@ -36,10 +38,10 @@ Example: a float32 region written through a pool and read back, checksums verifi
     >>> len(crcs), torch.equal(back[: x.nbytes].view(torch.float32), x)
     (2, True)
 
-May import: nothing of fzero.
+May import: `fzero.host` (the step-sized buffers a unit's read reuses, the heap release).
 """
 
-from .aligned import ALIGN, aligned_empty, round_up
+from .aligned import ALIGN, aligned_empty, mapped_empty, round_up
 from .errors import StorageError, StorageFullError, StoragePathError, SwapCorruptError
 from .pool import IOPool
 from .reader import UnitReader
@@ -64,5 +66,6 @@ __all__ = [
     "UnitReader",
     "aligned_empty",
     "in_memory",
+    "mapped_empty",
     "round_up",
 ]

@@ -12,10 +12,11 @@ slice from the first aligned address. The slice is a view, which keeps the whole
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import torch
 
-__all__ = ["ALIGN", "aligned_empty", "buffer_address", "round_up", "tensor_bytes"]
+__all__ = ["ALIGN", "aligned_empty", "buffer_address", "mapped_empty", "round_up", "tensor_bytes"]
 
 ALIGN = 4096
 
@@ -57,6 +58,25 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     out = raw[skip : skip + size]
     assert out.data_ptr() % ALIGN == 0
     return out
+
+
+def mapped_empty(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of `round_up(nbytes)` bytes in a private anonymous mapping of its own (page-aligned,
+    so `ALIGN`-aligned), unmapped as soon as the last tensor on it goes: its memory goes back to the system then,
+    where the C heap would keep a freed block resident (`fzero.host.heap`). Its pages are mapped on first touch. Off
+    platforms without anonymous mappings, `aligned_empty`'s.
+
+    Args:
+        nbytes: the bytes needed, at least 0.
+
+    Returns:
+        An uninitialised tensor (zeros until written, on Linux).
+    """
+    size = round_up(nbytes)
+    if size == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return aligned_empty(nbytes)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8)
 
 
 def tensor_bytes(t: torch.Tensor, nbytes: int | None = None) -> memoryview:

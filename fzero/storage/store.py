@@ -8,14 +8,19 @@ checksums of its blocks. A new version is always written to the slot the input d
 step started from stays readable while the step writes its successor (a pure step; a speculative step rolled
 back). A version that a later write has overwritten cannot be read: `StaleStateError`, never silent garbage.
 
-Every transfer goes through staging buffers allocated once, at construction: `buffers` sets of one chunk per leaf
-(`chunk` elements, a multiple of 4096 so that every chunk starts on an aligned file offset). `stream` runs the
-three-stage pipeline over the rows' chunks: while chunk i is computed, chunk i+1 is read and chunk i-1 written.
-So the memory the store holds is, by construction,
+Every transfer goes through staging buffers: `buffers` sets of one chunk per leaf (`chunk` elements, a multiple of
+4096 so that every chunk starts on an aligned file offset). `stream` runs the three-stage pipeline over the rows'
+chunks: while chunk i is computed, chunk i+1 is read and chunk i-1 written. So the memory the store holds while a
+transfer runs is, by construction,
 
     buffers x chunk x (sum of the leaves' element sizes)        (+ the I/O threads' stacks)
 
-whatever the size of the model, and "out of buffers" cannot happen: a read waits for its set's previous write.
+whatever the size of the model, and "out of buffers" cannot happen: a read waits for its set's previous write. The
+sets are mapped when a transfer starts and unmapped when it ends (`mapped_empty`): between updates the store holds
+none, so the forward's and the backward's units do not sit beside them, and they are never blocks of the C heap,
+which would keep them resident once freed. (Mapping them costs a page fault per 4 KiB page each update: 16,384
+for the default sets' 64 MiB, small beside the update's I/O.) A unit read for the gathering (`read_unit`) goes into
+a mapping of its own too, reused within the step (`fzero.host.scratch`'s passing buffers).
 
 Example:
     >>> import tempfile, torch
@@ -40,7 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .aligned import ALIGN, aligned_empty
+from ..host import scratch
+from .aligned import ALIGN, mapped_empty
 from .errors import StorageError
 from .pool import IOPool
 from .scratch import ScratchDir
@@ -130,6 +136,17 @@ def in_memory(x: Any) -> Any:
     return x.read() if isinstance(x, Offloaded) else x
 
 
+_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+def _read_buffer(nbytes: int) -> Tensor:
+    """A buffer of `nbytes` (a multiple of `ALIGN`) for one unit's read: a mapping of its own, reused within the
+    step once nothing holds it (`fzero.host.scratch`'s passing buffers; the NVMe update lets them go), never a
+    block of the C heap, which would keep it resident once freed (`fzero.storage.reader`)."""
+    out = scratch.new_empty("unit read", _BYTES, (nbytes,), passing=True)
+    return out if out.data_ptr() % ALIGN == 0 else mapped_empty(nbytes)  # (reuse off: a fresh mapping)
+
+
 class Store:
     """Swap files for the leaves `leaves` of the rows `rows`, each row cut into `pieces` (see the module docstring).
 
@@ -184,11 +201,7 @@ class Store:
                     regions = [Region(f"{name}.{s}", dtype, n) for name, dtype in self.leaves.items() for s in (0, 1)]
                     self.files[r, u] = SwapFile(self.scratch.file(f"rank{rank}-unit{u}.swap"), regions, direct=direct)
             self.tasks = self._plan()
-            # allocated once: the memory bound does not depend on the model (module docstring)
-            self.staging = [
-                {name: aligned_empty(chunk * dtype.itemsize) for name, dtype in self.leaves.items()}
-                for _ in range(buffers)
-            ]
+            self.buffers = buffers
         except BaseException:
             self.close()
             raise
@@ -211,8 +224,23 @@ class Store:
 
     @property
     def staging_bytes(self) -> int:
-        """The memory the staging buffers hold (the store's whole footprint but for thread stacks)."""
-        return sum(b.numel() for s in getattr(self, "staging", ()) for b in s.values())
+        """The memory the staging buffers hold while a transfer runs (the store's whole footprint then, but for
+        thread stacks; between transfers it holds none)."""
+        return self.buffers * self.chunk * sum(dtype.itemsize for dtype in self.leaves.values())
+
+    def _staging(self) -> list[dict[str, Tensor]]:
+        """The staging buffers of one transfer: `buffers` sets of one chunk per leaf, each set a mapping of its
+        own, unmapped when the transfer ends (every I/O on them waited for): the memory goes back to the system
+        between updates, rather than sit beside the forward's and the backward's units."""
+        sizes = {name: self.chunk * dtype.itemsize for name, dtype in self.leaves.items()}
+        sets = []
+        for _ in range(self.buffers):
+            whole, at, views = mapped_empty(sum(sizes.values())), 0, {}
+            for name, n in sizes.items():  # (each a multiple of ALIGN: every view starts aligned)
+                views[name] = whole[at : at + n]
+                at += n
+            sets.append(views)
+        return sets
 
     def __repr__(self) -> str:
         return f"Store({str(self.scratch.path)!r}, rows={self.rows})"
@@ -335,7 +363,8 @@ class Store:
         crcs = {n: x.crcs for n, x in inputs.items()}
         if into is not None and self._slots[into[1]] != into[0]:
             raise StaleStateError(f"{self!r}: version {into[0]} was overwritten while it was being written")
-        nsets = len(self.staging)
+        staging_sets = self._staging()
+        nsets = len(staging_sets)
         pending_reads: dict[int, list[Future]] = {}
         pending_writes: dict[int, dict[str, Future]] = {}  # by position in `tasks`
         out_crcs: dict[str, dict[int, tuple[int, ...]]] = {n: {} for n in names}
@@ -348,7 +377,7 @@ class Store:
         def start_read(j: int) -> None:
             if j - nsets in pending_writes:  # the set's previous task must be on disk before it is overwritten
                 finish_write(j - nsets)
-            pending_reads[j] = self._read(tasks[j], reads, slots, crcs, self.staging[j % nsets]) if reads else []
+            pending_reads[j] = self._read(tasks[j], reads, slots, crcs, staging_sets[j % nsets]) if reads else []
 
         try:
             for j in range(min(ahead, len(tasks))):
@@ -358,7 +387,7 @@ class Store:
                     start_read(i + ahead)
                 for fut in pending_reads.pop(i):
                     fut.result()
-                staging = self.staging[i % nsets]
+                staging = staging_sets[i % nsets]
                 compute(task, self._views(task, staging))
                 if into is not None:
                     pending_writes[i] = self._write(task, names, into[1], staging)
@@ -410,13 +439,14 @@ class Store:
         with self._streaming:
             if self._slots[slot] != version:
                 raise StaleStateError(f"{self!r}: version {version} was overwritten while it was being written")
-            nsets, crcs = len(self.staging), [()] * len(self.tasks)
+            staging_sets = self._staging()
+            nsets, crcs = len(staging_sets), [()] * len(self.tasks)
             pending: dict[int, Future] = {}
             try:
                 for i, task in enumerate(self.tasks):
                     if i - nsets in pending:
                         crcs[i - nsets] = pending.pop(i - nsets).result()
-                    staging = self.staging[i % nsets]
+                    staging = staging_sets[i % nsets]
                     src = value[task.row] if self.stacked else value
                     self._views(task, staging)[name].copy_(src[task.start : task.stop])
                     pending[i] = self._write(task, [name], slot, staging)[name]
@@ -462,7 +492,7 @@ class Store:
         self._check(x)
         n, size = self.pieces[unit], x.dtype.itemsize
         stride = -(-n * size // ALIGN) * ALIGN  # each row's piece starts aligned (O_DIRECT reads into it)
-        buf = aligned_empty(stride * len(self.rows))
+        buf = _read_buffer(stride * len(self.rows))
         futures = []
         for task in self.tasks:
             if task.unit == unit:

@@ -21,8 +21,10 @@ master weights on an accelerator), cast from the new master just after it (`writ
 bitwise the in-memory run's (`.to(compute dtype)`, which the native kernel's fused copy-out equals), and memory holds
 no more of it than the staging buffers.
 
-Memory held for the tier: `buffers x chunk x (bytes per element of the store's leaves)`, for any model size
-(docs/offload.md).
+Memory held for the tier: `buffers x chunk x (bytes per element of the store's leaves)` while an update streams
+(mapped for it, handed back after), for any model size; before each update the spare buffers the step's units
+passed through and the C heap's free pages are handed back (`release_host_memory`), so the update's peak is the
+gradient and the staging sets, not what the step freed (docs/offload.md).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import optree
 import torch
 from torch import Tensor
 
+from ..host import scratch
+from ..host.hostmem import trim_heap
 from ..optim import Optimizer
 from ..storage import Offloaded, Store, Task
 
@@ -48,6 +52,7 @@ __all__ = [
     "nvme_init",
     "nvme_update",
     "offload_of",
+    "release_host_memory",
     "write_compute",
 ]
 
@@ -216,6 +221,7 @@ def nvme_update(
       where the store keeps it) and the bytes read and written per rank.
     """
     store = params.store
+    release_host_memory()
     if "tensors" in kw:
         raise ValueError("an optimizer that needs whole parameter tensors (Lamb, Muon) cannot run on the chunks of "
                          "an NVMe-offloaded shard; offload it to 'cpu' instead")  # fmt: skip
@@ -229,6 +235,16 @@ def nvme_update(
     io = take_io(store)
     new_state = piece.state_after(written)
     return written["params"], new_state, written[COMPUTE] if compute is None else compute.to(grads.device), io
+
+
+def release_host_memory() -> None:
+    """Before an update through the store: the spare buffers the step's units passed through
+    (`fzero.host.scratch`, kept for the next step's units where they are small) and the C heap's free pages, handed
+    back. The update holds the gradient and the staging buffers, neither of which the units' memory serves; kept,
+    they added a copy of the whole compute shard (every unit's spare) to the update's peak. The next step's units
+    map their buffers afresh (a page fault per 4 KiB page of the shard, a step)."""
+    scratch.drop_spares()
+    trim_heap()
 
 
 def update_step(piece: RangeUpdate, grads: Tensor, memory: dict[str, Tensor] | None = None) -> Stream:
