@@ -23,6 +23,10 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   `GatherPolicy(overlap_reduce=False)`), `fzero-zeroN-fresh` (stages 0-2: the same, every step-sized buffer fresh:
   `fzero.scratch.disabled()`) and `fzero-engine-zeroN` (`fzero.initialize`, the config's defaults; its module's
   parameters then views of the state's at stages 0-2, empty at stage 3: no fzero trainer keeps the model's copy);
+  at stage 3 both gather every unit again for its backward but the last (`GatherPolicy(reuse_distance=0)`,
+  `stage3_max_reuse_distance` unset); `fzero-zero3-keep` and `fzero-engine-zero3-keep` keep every unit of this model
+  gathered from its forward into its backward (a distance of 1e9, DeepSpeed's default: a gather fewer per unit, the
+  whole model gathered at the forward's end);
 - ZeRO++ and hybrid sharding at stage 3, on `DistMesh(shape={"replicate": nproc // 2, "shard": 2})` (a shard group
   of 2 consecutive ranks standing for a node): `fzero-hybrid3` (`zero3(hybrid=True)`: sharded over `shard`,
   averaged over `replicate`), and sharded over all ranks `fzero-hpz3` (`hpz=True`), `fzero-qwz3` (`qwz=True`),

@@ -172,7 +172,12 @@ def grid_mesh() -> fzero.DistMesh:
 
 
 def fzero_core(
-    stage: int, overlap: bool | None = None, two_d: bool = False, compile: bool = False, **options: bool
+    stage: int,
+    overlap: bool | None = None,
+    two_d: bool = False,
+    compile: bool = False,
+    reuse: int = 0,
+    **options: bool,
 ) -> Callable[..., Step]:
     """fzero's functional step under `fzero.zero{stage}(..., **options)`.
 
@@ -182,6 +187,8 @@ def fzero_core(
         default, decided by the mesh).
       two_d: on `grid_mesh()` instead of the 1-D `DistMesh()`.
       compile: `train_step(compile=True)`: each unit compiled (`fzero.sharding.compile`).
+      reuse: `GatherPolicy(reuse_distance=...)`: stage 3 keeps the units this distance covers gathered from their
+        forward into their backward (0, the core's default: the last only; 10**9, DeepSpeed's: every unit here).
       options: the preset's ZeRO++ and hybrid flags (`hybrid`, `hpz`, `qwz`, `qgz`).
 
     Returns:
@@ -199,7 +206,7 @@ def fzero_core(
         def loss_fn(params: dict, batch: dict) -> torch.Tensor:
             return lm_loss(fzero.call(model, params, batch["x"]), batch["y"])
 
-        policy = None if overlap is None else fzero.GatherPolicy(overlap_reduce=overlap)
+        policy = fzero.GatherPolicy(overlap_reduce=overlap, reuse_distance=reuse)
         train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy, compile=compile)
         box = [fzero.init(model, tx, mesh)]
         model.to("meta")  # the state holds the parameters: free the template's own (as `fully_shard` replaces them)
@@ -229,12 +236,17 @@ def fresh_buffers(build: Callable[..., Step]) -> Callable[..., Step]:
     return wrapped
 
 
-def fzero_engine(stage: int, micro: int = MICRO, compile: bool = False) -> Callable[[nn.Module, str], Step]:
-    """fzero's engine from `ds_config`; `compile`: `engine.compile()` (per unit, inductor)."""
+def fzero_engine(
+    stage: int, micro: int = MICRO, compile: bool = False, reuse: int | None = None
+) -> Callable[[nn.Module, str], Step]:
+    """fzero's engine from `ds_config`; `compile`: `engine.compile()` (per unit, inductor); `reuse`: the config's
+    `stage3_max_reuse_distance` (None: unset, fzero's 0)."""
 
     def build(model: nn.Module, precision: str) -> Step:
-        engine, *_ = fzero.initialize(model=model, config=ds_config(stage, precision, micro), mesh=fzero.DistMesh(),
-                                      printer=lambda line: None)  # fmt: skip
+        config = ds_config(stage, precision, micro)
+        if reuse is not None:
+            config["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+        engine, *_ = fzero.initialize(model=model, config=config, mesh=fzero.DistMesh(), printer=lambda line: None)
         return engine_step(engine, compile)
 
     return build
@@ -305,6 +317,8 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
         out[f"fzero-zero{stage}-fresh"] = fresh_buffers(fzero_core(stage))
     for stage in (0, 1, 2, 3):
         out[f"fzero-engine-zero{stage}"] = fzero_engine(stage)
+    out["fzero-zero3-keep"] = fzero_core(3, reuse=10**9)  # every unit kept into its backward: DeepSpeed's default
+    out["fzero-engine-zero3-keep"] = fzero_engine(3, reuse=10**9)
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
     for name, options in ZEROPP3.items():
         out[name] = fzero_core(3, two_d=True, **options)

@@ -539,9 +539,10 @@ def test_overlap_comm_and_reduce_bucket_size_take_effect(zero, overlap):
     assert policy.reduce_budget == (1234 if overlap else None)
 
 
-def test_stage3_max_reuse_distance_takes_effect():
-    """DeepSpeed's default (1e9) keeps every unit of a small model gathered into its backward; the value given is
-    the policy's (`test_zero3.test_reuse_distance_keeps_the_units_deepspeed_keeps` shows which units it keeps)."""
-    assert build_gather_policy(parse({"zero_optimization": {"stage": 3}})).reuse_distance == 10**9
-    zero = {"stage": 3, "stage3_max_reuse_distance": 5}
-    assert build_gather_policy(parse({"zero_optimization": zero})).reuse_distance == 5
+@pytest.mark.parametrize(("value", "distance"), [(None, 0), (5, 5), (1e9, 10**9), (0, 0)])
+def test_stage3_max_reuse_distance_takes_effect(value, distance):
+    """A value given is the policy's, DeepSpeed's rule (`test_zero3.test_reuse_distance_keeps_the_units_deepspeed_keeps`
+    shows which units it keeps); unset, 0: stage 3's least memory, where DeepSpeed's implicit 1e9 would hold a small
+    model's every unit gathered at the forward's end."""
+    zero = {"stage": 3} if value is None else {"stage": 3, "stage3_max_reuse_distance": value}
+    assert build_gather_policy(parse({"zero_optimization": zero})).reuse_distance == distance

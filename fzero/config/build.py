@@ -313,8 +313,9 @@ def build_gather_policy(cfg: Config) -> GatherPolicy:
     """The per-unit collectives' schedule from DeepSpeed's knobs: a prefetch bucket of 0 disables prefetching
     (otherwise one unit ahead), `stage3_max_live_parameters` bounds the gathered elements,
     `stage3_param_persistence_threshold` keeps small units gathered for the whole step, `stage3_max_reuse_distance`
-    keeps units gathered from their forward into their backward (DeepSpeed's rule; its default keeps every unit of a
-    model under half a billion elements); `overlap_comm` overlaps
+    keeps units gathered from their forward into their backward (DeepSpeed's rule; unset, 0, not DeepSpeed's 1e9,
+    which holds a small model's every unit gathered at the forward's end: stage 3 saves memory out of the box);
+    `overlap_comm` overlaps
     each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight (unset: decided for
     the mesh by `fzero.sharding.units.overlap_pays`, on for several processes; DeepSpeed's default is on at stage 3
     only)."""
@@ -324,7 +325,7 @@ def build_gather_policy(cfg: Config) -> GatherPolicy:
         prefetch=1 if zero["stage3_prefetch_bucket_size"] > 0 else 0,
         max_live_elements=max(1, int(zero["stage3_max_live_parameters"])),
         persistence_threshold=int(zero["stage3_param_persistence_threshold"]),
-        reuse_distance=int(zero["stage3_max_reuse_distance"]),
+        reuse_distance=int(zero["stage3_max_reuse_distance"] or 0),
         overlap_reduce=None if overlap is None else bool(overlap),
         reduce_bucket_elements=int(zero["reduce_bucket_size"]),
     )

@@ -63,8 +63,9 @@ __all__ = ["SCHEMA"]
 MOOT = "no effect: fzero reduces and gathers one flat buffer per unit, in one collective each"
 REUSE = (
     "stage 3 keeps a unit gathered from its forward into its backward when fewer elements than this are gathered "
-    "between the two (DeepSpeed's rule, counted over fzero's units: the default keeps every unit of a model under half "
-    "a billion elements, a gather fewer per unit and step; 0 gathers each again but the last)"
+    "between the two (DeepSpeed's rule, counted over fzero's units; 1e9, DeepSpeed's default, keeps every unit of a "
+    "model under half a billion elements: a gather fewer per unit and step, the whole model gathered at the "
+    "forward's end). Unset: 0, stage 3's least memory (every unit gathered again but the last)"
 )
 GATHER = "stage 3 gathers one unit at a time: 0 disables prefetching (else one unit ahead); see fzero.GatherPolicy"
 INT_MAX = 2**63 - 1
@@ -176,7 +177,7 @@ ZERO = Section(
         ),
         "stage3_model_persistence_threshold": Field(Int(0), INT_MAX, effect=MOOT),
         "stage3_max_live_parameters": Field(Int(0), 1_000_000_000, effect="bounds the gathered elements alive"),
-        "stage3_max_reuse_distance": Field(Int(0), 1_000_000_000, effect=REUSE),
+        "stage3_max_reuse_distance": Field(Nullable(Int(0)), None, effect=REUSE),
         "stage3_gather_16bit_weights_on_model_save": Field(
             Bool(),
             False,

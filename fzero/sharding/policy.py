@@ -25,8 +25,8 @@ class GatherPolicy:
       reuse_distance: a unit stays gathered from its forward into its backward when fewer elements than this are
         gathered between the two, DeepSpeed's count: the later units' forwards and backwards, `2 * sum(size(j) for
         j after i)`. Each unit kept is a gather fewer a step (stage 3 then moves what stage 2 moves) and a buffer
-        alive through the forward; 0 keeps only the last unit (its backward comes next) [`stage3_max_reuse_distance`,
-        whose default, 1e9, keeps every unit of a model under half a billion elements].
+        alive through the forward; 0 keeps only the last unit (its backward comes next) [`stage3_max_reuse_distance`;
+        DeepSpeed's default, 1e9, keeps every unit of a model under half a billion elements; the shell's, unset, 0].
       timings: report each gathered-on-demand unit's forward and backward wall time (seconds, rank 0's on a
         SimMesh) in the step's metrics as `unit_times`: `{unit name: (forward, backward)}`.
       overlap_reduce: start each unit's reduction as soon as its gradient is complete and go on with the backward
