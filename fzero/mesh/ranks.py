@@ -128,10 +128,10 @@ class _DistReduction:
     the shard and the reductions in flight are all that is held: never every unit's piece and their concatenation
     at once (twice the gradient shard, which an NVMe-offloaded run would otherwise keep as its peak).
 
-    With `reuse`, the result is a buffer kept from one step to the next (`fzero.scratch`), resident from the
-    backward's start: for steps that keep their units gathered to the end anyway (stages 0-2). A step that frees
-    each unit after its use (stage 3) trades speed for memory: its result is fresh, its pages touched unit by unit as
-    the backward reaches them (kept, the 1.4 GiB model of tests/test_zero3.py peaked 7% higher)."""
+    With `reuse`, the result is a buffer kept from one step to the next (`fzero.scratch`), resident between steps
+    (`fzero.sharding.units` asks for it wherever the units are in memory); without, it is fresh each step, its pages
+    faulted in unit by unit as the backward reaches them (the NVMe tier's: less memory through the forward, a page
+    fault per 4 KiB of the shard every step)."""
 
     def __init__(self, fn: ReduceFn, layout: Layout, budget: int | None, reuse: bool = False) -> None:
         self.fn, self.layout, self.budget, self.reuse = fn, layout, budget, reuse

@@ -42,11 +42,13 @@ def frozen_shard(frozen: Tensor | None, dtype: torch.dtype | None) -> Tensor | N
     return frozen.detach() if dtype is None or frozen.dtype == dtype else frozen.to(dtype)
 
 
-def _kept_to_end(layout: Layout, compute: Tensor, reader: UnitReader | None, keep: bool) -> bool:
-    """Whether the trainable units stay gathered to the end of the backward (`Spaces`: given whole, or `KEEP`), so
-    the reduction's result may be a reused buffer (`_DistReduction`'s `reuse`); units read from disk are never
-    given whole."""
-    return keep or (reader is None and layout.is_full(compute))
+def _reused_result(reader: UnitReader | None) -> bool:
+    """Whether the reduction's result, the gradient (shard), is a buffer kept from one step to the next
+    (`_DistReduction`'s `reuse`): wherever the units are in memory. At stage 3 it is then resident through the
+    forward too, where a fresh one would be faulted in unit by unit in the backward, every step: 13,300 page faults a
+    step for a 27.3M model on 2 ranks (docs/performance.md), for a peak at most its size higher (tests/test_zero3.py's
+    bound holds). Units read from disk get a fresh one: that tier is for models that do not fit."""
+    return reader is None
 
 
 def compute_device(model: nn.Module, frozen: Tensor | None = None) -> torch.device:
@@ -112,7 +114,7 @@ class UnitGathering:
         compute, self._reader = on_disk(compute, max(1, policy.prefetch), local=True, device=device)
         self.shard = compute.detach().requires_grad_(reducer is not None)
         shards = (self.shard, frozen_shard(frozen, frozen_dtype))
-        reuse = _kept_to_end(layout, compute, self._reader, keep)
+        reuse = _reused_result(self._reader)
         self._reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
         self._g = Gatherer(ranks, ranks.indices[0], layout, model, shards, shards, policy, self._reduction, keep,
                            self._reader, gather_spec)  # fmt: skip
@@ -215,7 +217,7 @@ def sharded_backward(
     """
     ranks = ranks_of(mesh)
     compute, reader = on_disk(shards[0], max(1, policy.prefetch), device=compute_device(model, shards[1]))
-    reuse = _kept_to_end(layout, compute, reader, keep)
+    reuse = _reused_result(reader)
     reduction = None if reducer is None else ranks.reduction(reducer, layout, policy.reduce_budget, reuse)
     outs, peak, kept, times, gathered = [], 0, 0, None, []
     shards = (compute, shards[1])
