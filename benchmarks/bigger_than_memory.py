@@ -2,7 +2,7 @@
 checkpointed and resumed, against the same model trained in memory (issue 24).
 
     .venv/bin/python benchmarks/bigger_than_memory.py [--layers 20] [--d-model 1280] [--steps 4] [--ratio 2.2]
-        [--dir DIR]
+        [--dir DIR] [--engine]
 
 Three runs of 2 gloo processes each, the GPT of `fzero.examples.gpt` built on the `meta` device and constructed
 unit by unit (`fzero.init(..., initializer=...)`, DeepSpeed's `zero.Init`: the full model never exists in a
@@ -12,12 +12,32 @@ process), stage 3, bf16 (gradients reduced in bf16), `cpu_adamw`:
 2. `Offload("nvme", params="nvme")`, each process capped: the first half of the steps, then a checkpoint;
 3. the same, capped: loaded from that checkpoint, the second half.
 
+With `--engine` the same three runs go through `fzero.initialize` with a DeepSpeed JSON config instead of the core:
+`zero_optimization.stage` 3, `offload_optimizer` and `offload_param` on `nvme` (the reference: `none`), bf16 with
+`communication_data_type` bf16 (gradients reduced in bf16, as the core runs), DeepSpeed's `AdamW`; the model built
+under `fzero.deepspeed.zero.Init(config_dict_or_path=...)` (DeepSpeed's `deepspeed.zero.Init`: each parameter
+partitioned as its module's `__init__` returns, so the full model never exists in a process; given the config
+without its offload blocks, since fzero's `zero.Init` refuses `offload_param` on `nvme`; the GPT's residual
+projections initialised through `apply`, which `zero.Init` gathers, rather than by a parent writing to a partitioned
+child), `loss = cross_entropy(engine(x), y); engine.backward(loss); engine.step()`, checkpointed with
+`engine.save_checkpoint` and resumed with `engine.load_checkpoint`. The losses are rank 0's own (the engine's loss is
+the rank's); the reference is the same engine in memory.
+
 The cap of each process is its share of the training state (`fzero.state_bytes`: resident plus offloaded bytes,
 i.e. master, Adam's moments and the compute copy) divided by `--ratio`. It is enforced by a cgroup-v1 memory
 controller where this machine lets us make one (`/sys/fs/cgroup/memory/...`, `memory.limit_in_bytes`: the kernel
 kills a process that goes over), and always by the process itself: a thread samples its `RssAnon` every 5 ms and
 exits with an error if it ever exceeds the cap (`benchmarks/procmem.py`'s `PeakRss`). The runs' losses must be the
 same numbers, bit for bit.
+
+Measured 2026-11-28 (`--engine --layers 8 --d-model 768 --steps 4 --ratio 1.0`, 2 shared cores, about 9 minutes; a
+cgroup-v1 group per process): GPT 57.0M, training state 380 MiB per process, cap 380 MiB. Peak RssAnon per process
+(MiB, torch's ~167 included), construction / steps: in memory 643 / 721; NVMe, 2 steps and `save_checkpoint` 345 /
+336; resumed with `load_checkpoint`, 2 steps 346 / 323; losses bitwise the in-memory run's. The ratio is 1.0, not
+2.2, at this size: a process's floor is torch (~167 MiB) plus what does not shrink with the model (the staging sets,
+64 MiB; a unit gathered), and `zero.Init` keeps every partition (4 bytes a parameter / world) in memory until
+`initialize`, which the engine empties only after `fzero.init` returns (`init(..., release=True)` would drop them
+unit by unit). A cap of 1/2.2 of the state needs some 230M parameters here.
 """
 
 from __future__ import annotations
@@ -56,6 +76,103 @@ def _model(args: argparse.Namespace):
                 torch.nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     return model, initializer
+
+
+def engine_config(args: argparse.Namespace, mode: str) -> dict:
+    """`--engine`'s DeepSpeed config: stage 3, bf16 (reduced in bf16), AdamW, both offloads on `nvme` (or none)."""
+    offload = {"device": "nvme", "nvme_path": args.swap} if mode == "nvme" else {"device": "none"}
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+        "bf16": {"enabled": True},
+        "communication_data_type": "bf16",
+        "zero_optimization": {"stage": 3, "offload_optimizer": offload, "offload_param": offload},
+        "steps_per_print": 10**9,
+    }
+
+
+def _zero_init_model(args: argparse.Namespace, config: dict):
+    """The GPT built under `zero.Init`: its residual projections' scaled initialisation runs through `apply` (which
+    `zero.Init` gathers for) on the projections themselves, marked as they are made."""
+    from fzero.deepspeed import zero
+    from fzero.examples.gpt import GPT, Block, GPTConfig
+
+    cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.d_model // 64, seq_len=args.seq_len)
+
+    class ZeroInitGPT(GPT):
+        def __init__(self, cfg: GPTConfig) -> None:
+            torch.nn.Module.__init__(self)  # (GPT's own writes to its blocks' partitioned projections)
+            self.cfg = cfg
+            self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.blocks = torch.nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.ln_f = torch.nn.LayerNorm(cfg.d_model)
+            self.head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.head.weight = self.wte.weight
+            residual = {id(lin) for block in self.blocks for lin in (block.proj, block.out)}
+            std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+            def init(m: torch.nn.Module) -> None:
+                GPT._init(m)
+                if id(m) in residual:
+                    torch.nn.init.normal_(m.weight, std=std)
+
+            self.apply(init)
+
+    # fzero's zero.Init refuses offload_param on nvme (its partitions live in host memory until initialize, which
+    # moves the state to the NVMe tier): it is given the config without the offload blocks (bf16 kept: the rounding)
+    built = {**config, "zero_optimization": {"stage": 3}}
+    with zero.Init(config_dict_or_path=built):
+        return ZeroInitGPT(cfg)
+
+
+def engine_worker(args: argparse.Namespace) -> None:
+    """`--engine`: one rank of a run through `fzero.initialize` (see the module docstring)."""
+    import torch.nn.functional as F
+
+    import fzero
+    from fzero.examples.gpt import corpus_tokens, sample_batch
+
+    watch = PeakRss(cap=args.cap)
+    torch.set_num_threads(1)
+    baseline = rss_anon()
+    os.environ.update(RANK=str(args.rank), WORLD_SIZE="2", LOCAL_RANK=str(args.rank), LOCAL_WORLD_SIZE="2")
+    fzero.host.process_group.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+                                                world_size=2, timeout=1800)  # fmt: skip
+    config = engine_config(args, args.mode)
+    torch.manual_seed(0)
+    model = _zero_init_model(args, config)
+    engine, *_ = fzero.initialize(model=model, model_parameters=model.parameters(), config=config)
+    del model  # (the script's name for it: the engine keeps what it needs)
+    first = 0
+    if args.phase == "resume":
+        engine.load_checkpoint(args.ckpt, tag="half")
+        first = engine.global_steps
+    sizes = fzero.state_bytes(engine.state)
+    init_peak, watch.peak = watch.peak, rss_anon()  # the construction's peak, apart from the steps'
+    tokens, gen = corpus_tokens(), torch.Generator().manual_seed(1)
+    batches = [sample_batch(tokens, 2 * args.batch, args.seq_len, gen) for _ in range(args.steps)]
+    losses, times = [], []
+    last = args.steps if args.phase != "first" else args.steps // 2
+    for i in range(first, last):
+        batch = {k: v.view(2, args.batch, -1)[args.rank] for k, v in batches[i].items()}
+        t = time.perf_counter()
+        logits = engine(batch["x"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+    if args.phase == "first":
+        engine.save_checkpoint(args.ckpt, tag="half")
+    peak = watch.stop()
+    if args.rank == 0:
+        out = {"losses": losses, "times": times, "state": sizes, "peak": peak, "init_peak": init_peak,
+               "baseline": baseline}  # fmt: skip
+        Path(args.out).write_text(json.dumps(out))
+    engine.destroy()
+    fzero.host.process_group.shutdown()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -125,6 +242,8 @@ def launch(args: argparse.Namespace, mode: str, phase: str, cap: int | None, wor
                 "--phase", phase, "--out", str(out), "--swap", str(work / "swap"), "--ckpt", str(work / "ckpt"),
                 "--layers", str(args.layers), "--d-model", str(args.d_model), "--steps", str(args.steps),
                 "--seq-len", str(args.seq_len), "--batch", str(args.batch)]  # fmt: skip
+        if args.engine:
+            argv.append("--engine")
         if cap:
             argv += ["--cap", str(cap)]
         if group is not None:  # join the group before anything is allocated: all of the process is charged to it
@@ -183,6 +302,7 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=2.2,
                    help="training state per process / the process's cap (0: no cap, to measure)")  # fmt: skip
     p.add_argument("--dir", default=None, help="where the swap files and the checkpoint go (default: under runs/)")
+    p.add_argument("--engine", action="store_true", help="through fzero.initialize, the model built under zero.Init")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--rank", "--cap"):
         p.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -191,7 +311,7 @@ def main() -> None:
     p.add_argument("--sweep", default=None, help="layer counts, e.g. 5,10,20: only the NVMe run's peaks, uncapped")
     args = p.parse_args()
     if args.worker:
-        worker(args)
+        engine_worker(args) if args.engine else worker(args)
         return
     if args.sweep:
         sweep(args)
@@ -211,8 +331,11 @@ def main() -> None:
     mib = 2**20
     params = sum(p.numel() for p in _model(args)[0].parameters())
     how = ("cgroup memory.limit_in_bytes and " if first["cgroup"] else "") + "each process's own RssAnon check"
+    through = ("fzero.initialize (DeepSpeed config, zero.Init), engine.save_checkpoint / load_checkpoint"
+               if args.engine else "fzero.init (meta model, initializer), fzero.checkpoint")  # fmt: skip
     print(f"GPT {params / 1e6:.1f}M parameters ({args.layers} blocks, d_model {args.d_model}), stage 3 bf16, "
-          f"2 gloo processes, cap {(cap or math.inf) / mib:.0f} MiB per process ({how})\n")  # fmt: skip
+          f"2 gloo processes, cap {(cap or math.inf) / mib:.0f} MiB per process ({how}); "
+          f"through {through}\n")  # fmt: skip
     nv = first["state"]
     print("| run | training state per process MiB (resident + on disk) | peak RssAnon MiB: construction / steps "
           "| losses |")  # fmt: skip

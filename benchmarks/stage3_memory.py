@@ -79,6 +79,13 @@ back before the update: docs/offload.md, Memory), peak RssAnon over the start, c
 25.2M nvme 96 / 284 / 163 (before 96 / 292 / 417), 100.7M nvme 384 / 861 / 567; last losses bitwise equal. The
 steps are under half the training state (192 / 768 MiB); initialize is not: it still builds the whole fp32 shard in
 memory beside the model before writing it to disk.
+
+Measured 2026-11-28 (`--no-stages --sizes 25,100`, same machine, busy), after `fzero.init` builds the NVMe tier's
+shard in a file under `nvme_path` (`fzero.storage.Spill`, each unit's pages dropped once written; docs/offload.md,
+Memory): 25.2M nvme 96 / 188 / 163, 100.7M nvme 384 / 473 / 551; last losses bitwise equal. All three phases are under
+half the training state. Initialize's peak is the model (built before it, emptied by the engine only after `init`)
+plus the staging sets (64 MiB) and a unit or two; the nvme peak RSS (VmHWM: 290 / 862) counts the spill's clean file
+pages while the store reads them back.
 """
 
 from __future__ import annotations

@@ -154,7 +154,10 @@ class Engine(
         # DeepSpeed's granularity where the ModuleList rule would leave one unit most of the model: each module of
         # at least the persistence threshold (DeepSpeed keeps smaller parameters gathered) a unit
         units = Auto(max(1, int(config["zero_optimization"]["stage3_param_persistence_threshold"])))
-        self.state: TrainState = init(model, tx, mesh, units=units)
+        # at stage 3 the module's parameters (and zero.Init's partitions) are emptied as their units go into the
+        # state, as DeepSpeed's stage 3 and fully_shard release them: the model and the state are never both whole
+        stage3 = config["zero_optimization"]["stage"] == 3
+        self.state: TrainState = init(model, tx, mesh, units=units, release=stage3)
         self.counters = EngineCounters()
         self._micro: MicroStep | None = None
         self._gathered = None

@@ -18,6 +18,11 @@ A model built partitioned (DeepSpeed's `zero.Init`, `fzero.deepspeed.zero`) hold
 stand-in; `partitioned_parameters` builds the state's shards from those, one unit at a time (`partitioned`,
 `shapes_shown`).
 
+Under the NVMe tier (`spill`: its directory) the trainable shard is built in a file there (`fzero.storage.Spill`),
+each unit's pages written back and dropped once placed: the store then takes it chunk by chunk, and the shard never
+sits in memory. With `release`, each parameter of a model handed over built (or partitioned) is emptied once its unit
+is placed, as `fully_shard` releases a module's parameters: the model goes as the state is made.
+
 Example:
     >>> import torch, fzero
     >>> with torch.device("meta"):
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
@@ -42,6 +48,7 @@ from torch import Tensor, nn
 from ..host.heap import HeapRelease
 from ..layout import Layout, dtype_of, flatten
 from ..mesh import Mesh, RankMesh
+from ..storage.spill import Spill
 
 __all__ = [
     "Partition",
@@ -124,12 +131,61 @@ class _Untouched:
         return out
 
 
+class _Shards:
+    """The shards a construction fills unit by unit, one per space (trainable, frozen): in memory, or the trainable
+    one in a file (`spill`: `fzero.storage.Spill` under that directory, each unit's pages written back and dropped
+    once placed, so the shard never sits in memory: the NVMe tier's store takes it from there)."""
+
+    def __init__(self, spaces: Sequence[Layout], spill: str | os.PathLike[str] | None) -> None:
+        self.spaces, self.spill = spaces, spill
+        self.shards: list[Tensor | None] = [None for _ in spaces]
+        self.file: Spill | None = None
+
+    def place(self, space: int, unit_index: int, piece: Tensor) -> None:
+        """Put `piece`, this rank's part of unit `unit_index` of space `space`, in its place."""
+        lay = self.spaces[space]
+        if self.shards[space] is None:
+            shape = (*piece.shape[:-1], lay.shard_numel)
+            if space == 0 and self.spill is not None and piece.device.type == "cpu":
+                self.file = Spill(self.spill, shape, piece.dtype)
+                self.shards[space] = self.file.tensor
+            else:
+                self.shards[space] = piece.new_empty(shape)
+        where = lay.unit_shard_slice(unit_index)
+        cast(Tensor, self.shards[space])[..., where].copy_(piece)
+        if space == 0 and self.file is not None:
+            self.file.written(where.stop)
+
+    def result(self) -> tuple[Tensor, Tensor | None]:
+        assert all(x is not None for x in self.shards)  # (a layout has units)
+        if self.file is not None:
+            self.file.close()  # (the mapping stays with the tensor)
+        return cast(Tensor, self.shards[0]), self.shards[1] if len(self.shards) > 1 else None
+
+
+def _release(param: Tensor) -> int:
+    """Empty `param` (its values are in the state now), and drop the partition it was built in: the bytes freed."""
+    part: Partition | None = param.__dict__.pop(PARTITION, None)
+    freed = 0
+    with torch.no_grad():
+        if part is not None:
+            freed += part.shard.numel() * part.shard.element_size()
+            # (the same tensor emptied: DeepSpeed's `ds_tensor` attribute refers to it too)
+            part.shard.data = torch.empty(0, dtype=part.shard.dtype, device=part.shard.device)
+        if not param.is_meta and param.untyped_storage().nbytes():
+            freed += param.untyped_storage().nbytes()
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return freed
+
+
 def sharded_parameters(
     model: nn.Module,
     layout: Layout,
     mesh: Mesh,
     initializer: Callable[[nn.Module], None] | None,
     device: torch.device | str = "cpu",
+    *,
+    spill: str | os.PathLike[str] | None = None,
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
     """Each rank's shard of the trainable and of the frozen parameters, and the buffers, of a `meta` model.
 
@@ -141,6 +197,8 @@ def sharded_parameters(
         ancestor may set its descendants'), e.g. a Hugging Face model's `model._init_weights`, or
         `lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None` for torch's own layers.
       device: where the shards live.
+      spill: a directory (the NVMe tier's): the trainable shard is built in a file there (`fzero.storage.Spill`),
+        each unit's pages dropped once written, rather than in memory.
 
     Returns:
       `(shard, frozen, buffers)`: the trainable shard per rank (`[shard_numel]`, or `[world, shard_numel]` on a
@@ -158,12 +216,7 @@ def sharded_parameters(
         )
     spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
     # each unit's piece goes straight into its place: the shards and one unit are all that exist at once
-    shards: list[Tensor | None] = [None for _ in spaces]
-
-    def place(space: int, lay: Layout, unit_index: int, piece: Tensor) -> None:
-        if shards[space] is None:
-            shards[space] = piece.new_empty(*piece.shape[:-1], lay.shard_numel)
-        cast(Tensor, shards[space])[..., lay.unit_shard_slice(unit_index)].copy_(piece)
+    shards = _Shards(spaces, spill)
 
     buffers: dict[str, Tensor] = {}
     buffer_names = {s.name for s in layout.buffers}
@@ -207,7 +260,7 @@ def sharded_parameters(
                         flat[start : start + leaf.numel].copy_(named[leaf.name].reshape(-1))
             flat = mesh.broadcast(mesh.replicate(flat), src=0)
             # this rank's chunk (hybrid: along the sharding axis), as `fzero.transforms.shard_params` cuts it
-            place(space, lay, unit_index, mesh.local_shard(flat, axis=lay.axis))
+            shards.place(space, unit_index, mesh.local_shard(flat, axis=lay.axis))
         for name, t in named.items():
             if name in buffer_names:
                 buffers[name] = mesh.broadcast(mesh.replicate(t.detach().clone()), src=0)
@@ -215,8 +268,7 @@ def sharded_parameters(
             m._parameters.update(params)
             m._buffers.update(bufs)
         del named
-    assert all(x is not None for x in shards)  # (a layout has units)
-    return cast(Tensor, shards[0]), shards[1] if len(shards) > 1 else None, buffers
+    return (*shards.result(), buffers)
 
 
 def replicated_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
@@ -430,17 +482,29 @@ def shapes_shown(model: nn.Module) -> Iterator[None]:
             module._parameters[name] = p
 
 
-def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tuple[Tensor, Tensor | None, dict]:
+def partitioned_parameters(
+    model: nn.Module,
+    layout: Layout,
+    mesh: Mesh,
+    *,
+    spill: str | os.PathLike[str] | None = None,
+    release: bool = False,
+) -> tuple[Tensor, Tensor | None, dict]:
     """Each rank's shard of the trainable and of the frozen parameters, and the buffers, of a model built
     partitioned (`Partition`) or in memory (`fzero.init` under a chain that shards): one unit at a time, each of
     its parameters all-gathered from its partition (one all-gather per unit) into the unit's flat buffer, of which
     this rank keeps its shard. Parameters not partitioned (made outside `zero.Init`) are taken as they are, rank 0's
-    values broadcast. The model is left as it is.
+    values broadcast. The model is left as it is, unless `release`.
 
     Args:
       model: the module (its parameters' values in their partitions or in themselves, none on `meta`).
       layout: its layout (`fzero.layout.from_module` under `shapes_shown`).
       mesh: the mesh the state is for.
+      spill: a directory (the NVMe tier's): the trainable shard is built in a file there (`fzero.storage.Spill`),
+        each unit's pages dropped once written, rather than in memory.
+      release: empty each parameter once its unit is in the shards (and drop its `Partition`), as `fully_shard`
+        and DeepSpeed's stage 3 release a module's parameters: the model's memory goes as the shard is built, so
+        the model and the shard never both exist whole. Its buffers are left.
 
     Returns:
       `(shard, frozen, buffers)`, as `sharded_parameters` returns them.
@@ -454,7 +518,7 @@ def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
         raise ValueError(f"init: parameters {meta[:8]} are on the meta device and were not built under zero.Init; "
                          "materialise them, or build the whole model under zero.Init")  # fmt: skip
     spaces = [lay for lay in (layout, layout.frozen_layout) if lay is not None]
-    shards: list[Tensor | None] = [None for _ in spaces]
+    shards = _Shards(spaces, spill)
     heap = HeapRelease()
     # the shard where the parameters are (a model on the GPU, a zero.Init stand-in made on it)
     device = next((p.device for p in named.values() if not p.is_meta), torch.device("cpu"))
@@ -474,21 +538,20 @@ def partitioned_parameters(model: nn.Module, layout: Layout, mesh: Mesh) -> tupl
             if any(p is None for p in parts):  # values made on each rank: rank 0's (a partition's are agreed)
                 flat = mesh.broadcast(flat, src=0)
             piece = mesh.local_shard(flat, axis=lay.axis)
-            if shards[space] is None:
-                shards[space] = piece.new_empty(*piece.shape[:-1], lay.shard_numel)
-            cast(Tensor, shards[space])[..., lay.unit_shard_slice(unit_index)].copy_(piece)
+            shards.place(space, unit_index, piece)
             # the unit, gathered and flattened, is freed here, beside the shards that stay: its pages handed back
             # (a heap keeps them resident, and cannot reuse them for the next unit: `fzero.host.heap`)
             nbytes = 2 * flat.numel() * flat.element_size()
-            del flat, piece, gathered
+            del flat, piece, gathered, parts
+            if release:
+                nbytes += sum(_release(named[leaf.name]) for leaf in leaves)
             heap.freed(nbytes)
     heap.release()
     module_buffers = dict(model.named_buffers())
     with torch.no_grad():
         buffers = {s.name: mesh.broadcast(mesh.replicate(module_buffers[s.name].detach().clone()), src=0)
                    for s in layout.buffers}  # fmt: skip
-    assert all(x is not None for x in shards)  # (a layout has units)
-    return cast(Tensor, shards[0]), shards[1] if len(shards) > 1 else None, buffers
+    return (*shards.result(), buffers)
 
 
 def external_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:

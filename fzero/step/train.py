@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,7 @@ def init(
     align: int = 16,
     initializer: Callable[[nn.Module], None] | None = None,
     seed: int | None = None,
+    release: bool = False,
 ) -> TrainState:
     """The initial `TrainState` of `model` under `tx` on `mesh`.
 
@@ -89,7 +91,9 @@ def init(
     values are broadcast so all ranks start equal (parameters and buffers). On the way, besides the model, `init`
     holds this rank's shard and one unit's flat buffer under a chain that shards (stages 1-3: the shard is made unit
     by unit, `fzero.sharding.construct.partitioned_parameters`), one full flat copy under one that does not (stage
-    0), or the state itself where that is larger.
+    0), or the state itself where that is larger. Under the NVMe tier (`Offload("nvme")`: `Does.spill`) the shard is
+    built in a file under its directory, each unit's pages dropped once written (`fzero.storage.Spill`), and the
+    store takes it from there chunk by chunk: init holds one unit and the store's staging buffers, not the shard.
 
     Args:
       model: the module; its trainable parameters must share one floating dtype (and so must its frozen ones). On
@@ -108,6 +112,10 @@ def init(
       initializer: for a `meta` model: run on every module, children first, as `model.apply(initializer)` would
         (e.g. a Hugging Face model's `_init_weights`); see `fzero.sharding.construct.sharded_parameters`.
       seed: the step's random stream (`fzero.state.rng`); default `torch.initial_seed()` (rank 0's).
+      release: under a chain that shards, empty each of the model's parameters (and drop its `zero.Init`
+        partition) once its unit is in the state, as `fully_shard` and DeepSpeed's stage 3 release them (what
+        `fzero.initialize` does): the model and the state are never both whole in memory. The model is unusable
+        for its own forward afterwards (its buffers stay); read the parameters back with `fzero.state_dict`.
     """
     _check_mesh(mesh)
     if not isinstance(tx, Transform):
@@ -120,10 +128,11 @@ def init(
     meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     # a model in memory under a sharding chain: its shard made unit by unit too (no full flat copy at init's peak)
     in_units = built or (not meta and shards(tx))
+    spill = _spill_of(tx)  # the NVMe tier writes the shard to disk at init: built in a file there, not in memory
     if in_units:
-        params, frozen, buffers = partitioned_parameters(model, layout, mesh)
+        params, frozen, buffers = partitioned_parameters(model, layout, mesh, spill=spill, release=release)
     elif meta:
-        params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer)
+        params, frozen, buffers = sharded_parameters(model, layout, mesh, initializer, spill=spill)
     else:
         params, frozen, buffers = replicated_parameters(model, layout, mesh)
     presharded = meta or in_units
@@ -150,6 +159,13 @@ def init(
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, frozen, buffers, stream, layout, frozen_dtype, plan
     )
+
+
+def _spill_of(tx: Transform) -> str | os.PathLike[str] | None:
+    """The directory a transform of chain `tx` writes the master shard to at init (`Does.spill`), or None."""
+    if tx.does.spill is not None:
+        return tx.does.spill
+    return next((d for _, child in tx.children if (d := _spill_of(child)) is not None), None)
 
 
 def _layout(model: nn.Module, world: int, align: int, units: Any, built: bool) -> Layout:

@@ -16,6 +16,8 @@ bottom of that: it moves bytes between host buffers and files, and knows nothing
 - `ScratchDir` (scratch.py): one directory per process under the offload path, removed at exit; a new one
   removes the directories this host's crashed runs left.
 - errors.py: `StorageError` and its kinds (full disk, bad directory, corrupt file), each naming the file.
+- `Spill` (spill.py): a buffer built piece by piece in a shared mapping of an unlinked file, its pages written
+  back and dropped as it goes (`fzero.init`'s shard for the NVMe tier, before the store takes it).
 - `Store`, `Offloaded` (store.py): versioned per-rank buffers on disk, built on the above (see its docstring).
 
 The memory bound: `IOPool` and `SwapFile` allocate no buffers of their own. Every transfer reads into or writes from
@@ -46,6 +48,7 @@ from .errors import StorageError, StorageFullError, StoragePathError, SwapCorrup
 from .pool import IOPool
 from .reader import UnitReader
 from .scratch import ScratchDir
+from .spill import Spill
 from .store import Offloaded, StaleStateError, Store, Task, in_memory
 from .swapfile import Region, SwapFile
 
@@ -55,6 +58,7 @@ __all__ = [
     "Offloaded",
     "Region",
     "ScratchDir",
+    "Spill",
     "StaleStateError",
     "StorageError",
     "StorageFullError",

@@ -31,6 +31,7 @@ therefore honoured identically at every stage. Example: docs/transforms.md.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -211,6 +212,9 @@ class Does(NamedTuple):
         re-gathered from a secondary copy).
       shards: its `init` shards the parameters and takes them already sharded (`Context.presharded`), so
         `fzero.init` may construct the shard unit by unit instead of cutting a full copy.
+      spill: its `init` writes the master shard to disk (the NVMe tier: `Offload("nvme")`'s directory), reading it
+        once, chunk by chunk: `fzero.init` may then construct the shard in a file under this directory rather than
+        in memory (`fzero.storage.Spill`). None: it keeps the shard in memory.
     """
 
     accumulates: int = 0
@@ -219,6 +223,7 @@ class Does(NamedTuple):
     gathers: str | None = None
     gather_spec: GatherSpec = EXACT
     shards: bool = False
+    spill: str | os.PathLike[str] | None = None
 
 
 class Transform(NamedTuple):

@@ -112,7 +112,9 @@ def shard_update(
         raise ValueError("Offload(speculate=True) updates each unit on its own as its gradient is reduced; an "
                          "optimizer that needs whole parameter tensors (Lamb, Muon) cannot")  # fmt: skip
     u = _ShardUpdate(optimizer, dtype, policy, compute_dtype, chunk)
-    return Transform(u.init, u.update, "shard_update", does=Does(updates=True),
+    # the master goes to disk at init, read once chunk by chunk: fzero.init may build it in a file there
+    spill = policy.path if policy.optimizer == "nvme" else None
+    return Transform(u.init, u.update, "shard_update", does=Does(updates=True, spill=spill),
                      speculate=u.speculate if policy.speculate else None, per_rank=False)  # fmt: skip
 
 
