@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,7 +133,6 @@ def engine_worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import fzero
-    from fzero.examples.gpt import corpus_tokens, sample_batch
 
     watch = PeakRss(cap=args.cap)
     torch.set_num_threads(1)
@@ -151,12 +151,8 @@ def engine_worker(args: argparse.Namespace) -> None:
         first = engine.global_steps
     sizes = fzero.state_bytes(engine.state)
     init_peak, watch.peak = watch.peak, rss_anon()  # the construction's peak, apart from the steps'
-    tokens, gen = corpus_tokens(), torch.Generator().manual_seed(1)
-    batches = [sample_batch(tokens, 2 * args.batch, args.seq_len, gen) for _ in range(args.steps)]
     losses, times = [], []
-    last = args.steps if args.phase != "first" else args.steps // 2
-    for i in range(first, last):
-        batch = {k: v.view(2, args.batch, -1)[args.rank] for k, v in batches[i].items()}
+    for batch in _batches(args, first):
         t = time.perf_counter()
         logits = engine(batch["x"])
         loss = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
@@ -175,9 +171,20 @@ def engine_worker(args: argparse.Namespace) -> None:
     fzero.host.process_group.shutdown()
 
 
+def _batches(args: argparse.Namespace, first: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batch of each step the phase runs, from step `first` on (the same data in every run)."""
+    from fzero.examples.gpt import corpus_tokens, sample_batch
+
+    tokens, gen = corpus_tokens(), torch.Generator().manual_seed(1)
+    batches = [sample_batch(tokens, 2 * args.batch, args.seq_len, gen) for _ in range(args.steps)]
+    last = args.steps if args.phase != "first" else args.steps // 2
+    for i in range(first, last):
+        yield {k: v.view(2, args.batch, -1)[args.rank] for k, v in batches[i].items()}
+
+
 def worker(args: argparse.Namespace) -> None:
     import fzero
-    from fzero.examples.gpt import corpus_tokens, gpt_loss, sample_batch
+    from fzero.examples.gpt import gpt_loss
 
     watch = PeakRss(cap=args.cap)
     torch.set_num_threads(1)
@@ -199,12 +206,8 @@ def worker(args: argparse.Namespace) -> None:
     sizes = fzero.state_bytes(state)
     init_peak, watch.peak = watch.peak, rss_anon()  # the construction's peak, apart from the steps'
     step = fzero.train_step(model, gpt_loss(model), tx, mesh)
-    tokens, gen = corpus_tokens(), torch.Generator().manual_seed(1)
-    batches = [sample_batch(tokens, 2 * args.batch, args.seq_len, gen) for _ in range(args.steps)]
     losses, times = [], []
-    last = args.steps if args.phase != "first" else args.steps // 2
-    for i in range(first, last):
-        batch = {k: v.view(2, args.batch, -1)[args.rank] for k, v in batches[i].items()}
+    for batch in _batches(args, first):
         t = time.perf_counter()
         state, metrics = step(state, batch)
         times.append(time.perf_counter() - t)
