@@ -315,10 +315,9 @@ def build_gather_policy(cfg: Config) -> GatherPolicy:
     `stage3_param_persistence_threshold` keeps small units gathered for the whole step, `stage3_max_reuse_distance`
     keeps units gathered from their forward into their backward (DeepSpeed's rule; unset, 0, not DeepSpeed's 1e9,
     which holds a small model's every unit gathered at the forward's end: stage 3 saves memory out of the box);
-    `overlap_comm` overlaps
-    each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight (unset: decided for
-    the mesh by `fzero.sharding.units.overlap_pays`, on for several processes; DeepSpeed's default is on at stage 3
-    only)."""
+    `overlap_comm` overlaps each unit's reduction with the backward, at most `reduce_bucket_size` elements in flight
+    (unset: decided for the mesh by `fzero.sharding.units.overlap_pays`, on for several processes; DeepSpeed's
+    default is on at stage 3 only)."""
     zero = cfg["zero_optimization"]
     overlap = zero["overlap_comm"]
     return GatherPolicy(

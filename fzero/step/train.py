@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +59,7 @@ from ..state import TrainState, count, rng
 from ..storage import in_memory
 from ..transforms import Context, Flow, Transform, apply_init, gather_params, plan_of, shard_params, unit_reducer
 from ..transforms.collective import sharding_world
-from ..transforms.planning import shards
+from ..transforms.planning import shards, spill_of
 from .microstep import MicroStep, compute_params, frozen_params, named_tensors, scaled
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
@@ -128,7 +127,7 @@ def init(
     meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     # a model in memory under a sharding chain: its shard made unit by unit too (no full flat copy at init's peak)
     in_units = built or (not meta and shards(tx))
-    spill = _spill_of(tx)  # the NVMe tier writes the shard to disk at init: built in a file there, not in memory
+    spill = spill_of(tx)  # the NVMe tier writes the shard to disk at init: built in a file there, not in memory
     if in_units:
         params, frozen, buffers = partitioned_parameters(model, layout, mesh, spill=spill, release=release)
     elif meta:
@@ -159,13 +158,6 @@ def init(
     return TrainState(
         count(0), flow.params, flow.compute, tx_state, frozen, buffers, stream, layout, frozen_dtype, plan
     )
-
-
-def _spill_of(tx: Transform) -> str | os.PathLike[str] | None:
-    """The directory a transform of chain `tx` writes the master shard to at init (`Does.spill`), or None."""
-    if tx.does.spill is not None:
-        return tx.does.spill
-    return next((d for _, child in tx.children if (d := _spill_of(child)) is not None), None)
 
 
 def _layout(model: nn.Module, world: int, align: int, units: Any, built: bool) -> Layout:

@@ -8,6 +8,7 @@ gathers, two accumulations, two loss scales, two optimizers), or an accumulation
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ..state.plan import EXACT, GatherMode, Plan, Role
 from .base import Transform
 
-__all__ = ["plan_of", "shards", "transform_at"]
+__all__ = ["plan_of", "shards", "spill_of", "transform_at"]
 
 
 def _leaves(tx: Transform, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Transform]]:
@@ -31,6 +32,12 @@ def shards(tx: Transform) -> bool:
     """Whether chain `tx` has a transform whose `init` shards the parameters and takes them presharded
     (`Does.shards`: `reduce_scatter()`, stages 1-3), so `fzero.init` can construct the shard unit by unit."""
     return any(t.does.shards for _, t in _leaves(tx))
+
+
+def spill_of(tx: Transform) -> str | os.PathLike[str] | None:
+    """The directory a transform of chain `tx` writes the master shard to at init (`Does.spill`: the NVMe tier), so
+    `fzero.init` may build the shard in a file there; None where none does."""
+    return next((t.does.spill for _, t in _leaves(tx) if t.does.spill is not None), None)
 
 
 def transform_at(tx: Transform, path: tuple[str, ...] | None) -> Transform:
