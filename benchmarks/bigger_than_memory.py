@@ -121,10 +121,8 @@ def _zero_init_model(args: argparse.Namespace, config: dict):
 
             self.apply(init)
 
-    # fzero's zero.Init refuses offload_param on nvme (its partitions live in host memory until initialize, which
-    # moves the state to the NVMe tier): it is given the config without the offload blocks (bf16 kept: the rounding)
-    built = {**config, "zero_optimization": {"stage": 3}}
-    with zero.Init(config_dict_or_path=built):
+    # (the config's offload_param on nvme: the partitions are written under its nvme_path as they are made)
+    with zero.Init(config_dict_or_path=config):
         return ZeroInitGPT(cfg)
 
 

@@ -90,6 +90,39 @@ def config(world: int) -> dict[str, Any]:
     }
 
 
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def on_nvme(rank: int, world: int, out_dir: str, cfg: dict[str, Any], zero: Any, fzero: Any) -> dict[str, Any]:
+    """`zero.Init` with the config's `offload_param` on `nvme`: the partitions in files under its `nvme_path`, bitwise
+    those kept in memory, taking none of the process's anonymous memory (the in-memory build is the control: it
+    grows by its partition); `fzero.init` builds the same state from either."""
+    path = os.path.join(out_dir, f"nvme-{world}-{rank}")
+    os.mkdir(path)
+    offload = {"offload_param": {"device": "nvme", "nvme_path": path}}
+    nvme_cfg = {**cfg, "zero_optimization": {**cfg["zero_optimization"], **offload}}
+    built, grown = {}, {}
+    for where, c in (("nvme", nvme_cfg), ("memory", cfg)):
+        torch.manual_seed(2)
+        before = rss_anon()
+        with zero.Init(config_dict_or_path=c):
+            built[where] = nn.Linear(2048, 2048)
+        grown[where] = rss_anon() - before
+    pairs = list(zip(built["nvme"].parameters(), built["memory"].parameters(), strict=True))
+    states = {
+        k: fzero.state_dict(fzero.init(m, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))) for k, m in built.items()
+    }
+    return {
+        "nvme_bitwise": all(torch.equal(a.ds_tensor, b.ds_tensor) for a, b in pairs)
+        and all(torch.equal(v, states["memory"][k]) for k, v in states["nvme"].items()),
+        "nvme_grown": grown["nvme"],
+        "memory_grown": grown["memory"],
+        "partition_bytes": sum(p.ds_tensor.numel() * 4 for p in built["memory"].parameters()),
+    }
+
+
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(GLOBAL, 6, generator=g), torch.randn(GLOBAL, 3, generator=g)
@@ -190,6 +223,7 @@ def run(rank: int, world: int, out_dir: str) -> None:
     state = fzero.init(rounded, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))
     expected = {k: v.to(torch.bfloat16).float() for k, v in ref.state_dict().items()}
     out["functional_init"] = all(torch.equal(v, expected[k]) for k, v in fzero.state_dict(state).items())
+    out.update(on_nvme(rank, world, out_dir, cfg, zero, fzero))
     # ------------------------------------------------------------- a write before initialize, on rank 0 only
     value = torch.arange(30, dtype=torch.float32).view(3, 10) / 100
     for z, model in ((deepspeed.zero, theirs), (zero, ours)):

@@ -55,6 +55,19 @@ def test_init_builds_the_values_of_a_normal_construction_and_of_deepspeeds_init(
 
 
 @pytest.mark.timeout(900)
+def test_init_on_nvme_keeps_the_partitions_in_files(runs):
+    """`zero.Init` under a config whose `offload_param` is on `nvme`: the partitions are bitwise those kept in
+    memory and `fzero.init` builds the same state from them, while the process's anonymous memory grows by less
+    than a quarter of the partitions' bytes (what stays: each parameter's last partial page, the stand-ins), where
+    the in-memory build (the control) grows by at least three quarters of them (its partitions are written zeros,
+    then values: resident)."""
+    for world, r in runs.items():
+        assert r["nvme_bitwise"] is True, world
+        assert r["nvme_grown"] < r["partition_bytes"] / 4, (world, r["nvme_grown"], r["partition_bytes"])
+        assert r["memory_grown"] >= 3 * r["partition_bytes"] / 4, (world, r["memory_grown"], r["partition_bytes"])
+
+
+@pytest.mark.timeout(900)
 def test_a_write_lost_to_a_stand_in_is_an_error(runs):
     for r in runs.values():
         assert "Overwrites.__init__ wrote to its parameter 'a.weight'" in r["lost_write"]
@@ -197,10 +210,15 @@ def test_outside_any_engine_or_partition_nothing_happens():
 
 
 def test_init_options_fzero_does_not_have_are_refused_by_name():
-    for kwargs in ({"zero_quantized_weights": True}, {"param_swapper": object()}, {"remote_device": "nvme"},
-                   {"config_dict_or_path": {"zero_optimization": {"offload_param": {"device": "nvme"}}}}):  # fmt: skip
+    for kwargs in ({"zero_quantized_weights": True}, {"param_swapper": object()}):
         with pytest.raises(NotImplementedError, match=r"deepspeed\.zero\.Init\(.*\) is not supported by fzero"):
             zero.Init(**kwargs)
+    for kwargs in ({"remote_device": "nvme"}, {"config_dict_or_path": {"zero_optimization": {"offload_param": {
+            "device": "nvme"}}}}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"zero_optimization\.offload_param\.nvme_path, which is not set"):
+            zero.Init(**kwargs)
+    with pytest.raises(ValueError, match=r"remote_device='disk'\): expected None, 'cpu' or 'nvme'"):
+        zero.Init(remote_device="disk")
     with zero.Init(enabled=False):
         layer = nn.Linear(3, 3)
     assert layer.weight.shape == (3, 3) and not hasattr(layer.weight, "ds_id")

@@ -16,8 +16,9 @@ bottom of that: it moves bytes between host buffers and files, and knows nothing
 - `ScratchDir` (scratch.py): one directory per process under the offload path, removed at exit; a new one
   removes the directories this host's crashed runs left.
 - errors.py: `StorageError` and its kinds (full disk, bad directory, corrupt file), each naming the file.
-- `Spill` (spill.py): a buffer built piece by piece in a shared mapping of an unlinked file, its pages written
-  back and dropped as it goes (`fzero.init`'s shard for the NVMe tier, before the store takes it).
+- `Spill`, `spilled` (spill.py): a buffer built piece by piece in a shared mapping of an unlinked file, its pages
+  written back and dropped as it goes (`fzero.init`'s shard for the NVMe tier, before the store takes it;
+  `zero.Init(remote_device="nvme")`'s partitions).
 - `Store`, `Offloaded` (store.py): versioned per-rank buffers on disk, built on the above (see its docstring).
 
 The memory bound: `IOPool` and `SwapFile` allocate no buffers of their own. Every transfer reads into or writes from
@@ -48,7 +49,7 @@ from .errors import StorageError, StorageFullError, StoragePathError, SwapCorrup
 from .pool import IOPool
 from .reader import UnitReader
 from .scratch import ScratchDir
-from .spill import Spill
+from .spill import Spill, spilled
 from .store import Offloaded, StaleStateError, Store, Task, in_memory
 from .swapfile import Region, SwapFile
 
@@ -72,4 +73,5 @@ __all__ = [
     "in_memory",
     "mapped_empty",
     "round_up",
+    "spilled",
 ]

@@ -34,7 +34,7 @@ import torch
 
 from .errors import storage_error
 
-__all__ = ["Spill"]
+__all__ = ["Spill", "spilled"]
 
 PAGE = mmap.PAGESIZE
 
@@ -107,3 +107,24 @@ class Spill:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def spilled(directory: str | os.PathLike[str], values: torch.Tensor) -> torch.Tensor:
+    """A copy of the 1-D tensor `values` in a `Spill` under `directory`, its pages written back and dropped: it holds
+    no memory until read (DeepSpeed's `zero.Init(remote_device="nvme")` partitions).
+
+    Args:
+      directory: where its file goes (it must exist).
+      values: the elements (1-D).
+
+    Returns:
+      A tensor equal to `values`, on the file.
+
+    Raises:
+      StorageError: the file cannot be made, naming it.
+    """
+    spill = Spill(directory, (values.numel(),), values.dtype)
+    spill.tensor.copy_(values)
+    spill.written(values.numel())
+    spill.close()
+    return spill.tensor

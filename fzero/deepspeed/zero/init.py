@@ -14,7 +14,10 @@ normally with the same seed, whatever initialisation code the modules run in the
 module's initialisation to replay it later on `meta` tensors cannot promise that: code in an `__init__` cannot be
 re-run, and a replay unit by unit draws in another order.) At any time a rank holds its partitions plus the
 parameters of the one module being finished (rank 0's values are received 256 KiB at a time, by `Partition.cut`, each
-rank keeping its piece; the pages of what is freed are handed back as it goes: `fzero.host.heap`). `Module.apply(fn)`
+rank keeping its piece; the pages of what is freed are handed back as it goes: `fzero.host.heap`); with
+`remote_device="nvme"` (or the config's `offload_param` on `nvme`) each partition is written to a file of its own under
+`nvme_path` and its pages dropped, so the partitions take no memory either until `initialize` reads them, one unit at a
+time (ZeRO-Infinity: a model larger than the host's memory). `Module.apply(fn)`
 (a parent initialising its children, as GPT-2 and Hugging Face models do) runs `fn` on each module with its
 parameters gathered and rank 0's result partitioned again, as DeepSpeed does; a parent's `__init__` that writes to a
 child's parameter after the child was partitioned would write to the stand-in and lose the value: it is an error
@@ -52,6 +55,7 @@ from ...host import accelerator
 from ...host.heap import HeapRelease
 from ...mesh import DistMesh
 from ...sharding.construct import PARTITION, Partition, partition_of
+from ...storage import spilled
 from .gathered import GatheredParameters
 
 __all__ = ["Init"]
@@ -172,10 +176,12 @@ class Init:
       data_parallel_group: the group to partition over: None or the world group (other groups: not supported).
       mem_efficient_linear: DeepSpeed's memory-saving `linear` for its partitioned parameters; fzero's parameters
         are gathered unit by unit by the engine, so it has nothing to do (accepted).
-      remote_device: where the partitions live: None (the accelerator) or "cpu" ("nvme": not supported).
+      remote_device: where the partitions live: None (the accelerator), "cpu", or "nvme" (each in a file under
+        the config's `zero_optimization.offload_param.nvme_path`, its pages dropped: `fzero.storage.spilled`);
+        default: the config's `offload_param.device`.
       pin_memory: pin the partitions (CPU partitions, with a GPU present).
       config_dict_or_path: the DeepSpeed config (a dict or a JSON file): its bf16 / fp16 `enabled` and
-        `zero_optimization.offload_param.device` are read.
+        `zero_optimization.offload_param.device` and `nvme_path` are read.
       config: DeepSpeed's deprecated name for `config_dict_or_path`.
       enabled: False: the context does nothing (models are built normally).
       dtype: round the values through this dtype (torch.half or torch.bfloat16; torch.float: as they are);
@@ -210,14 +216,19 @@ class Init:
         if not enabled:
             return
         cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
-        offload = ((cfg.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+        block = (cfg.get("zero_optimization") or {}).get("offload_param") or {}
+        offload = block.get("device")
         remote_device = offload if remote_device is None and offload not in (None, "none") else remote_device
-        if remote_device not in (None, "none", "cpu"):
-            raise NotImplementedError(
-                f"deepspeed.zero.Init(remote_device={remote_device!r}) is not supported by fzero: the partitions "
-                "live in memory (remote_device=None or 'cpu'); the engine offloads to NVMe from the config's "
-                "offload_optimizer / offload_param blocks at initialize"
-            )
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"deepspeed.zero.Init(remote_device={remote_device!r}): expected None, 'cpu' or 'nvme'")
+        self.nvme_path: str | None = None
+        if remote_device == "nvme":
+            if not block.get("nvme_path"):
+                raise ValueError(
+                    "deepspeed.zero.Init(remote_device='nvme') writes the partitions under the config's "
+                    "zero_optimization.offload_param.nvme_path, which is not set: pass config_dict_or_path with it"
+                )
+            self.nvme_path = str(block["nvme_path"])
         self.round_to = _round_to(cfg, dtype)
         if not (dist.is_available() and dist.is_initialized()):
             init_distributed()  # (as DeepSpeed's Init does: a group of one in a plain process)
@@ -226,7 +237,7 @@ class Init:
                 raise NotImplementedError("deepspeed.zero.Init(data_parallel_group=...) is not supported by fzero: "
                                           "it partitions over every rank (pass None)")  # fmt: skip
         self.mesh = DistMesh()
-        self.device = torch.device("cpu") if remote_device == "cpu" else accelerator.device()
+        self.device = torch.device("cpu") if remote_device in ("cpu", "nvme") else accelerator.device()
         self.pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
         # the whole values and received chunks freed leave holes in glibc's heap that it keeps resident and cannot
         # reuse for the next ones: their pages are handed back as the construction goes (`fzero.host.heap`)
@@ -266,7 +277,9 @@ class Init:
         # chunk in flight; rank 0's values, as DeepSpeed's: the ranks agree whatever their seeds
         for p in fresh:
             part = Partition.cut(self.mesh, p, self.device, src=0, round_to=self.round_to, freed=self._heap.freed)
-            if self.pin:
+            if self.nvme_path is not None:  # (in a file of its own: no memory until read, at initialize)
+                part.shard = spilled(self.nvme_path, part.shard)
+            elif self.pin:
                 part.shard = part.shard.pin_memory()
             setattr(p, PARTITION, part)
             nbytes = p.numel() * p.element_size()
