@@ -16,7 +16,9 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
 - `fsdp2-zeroN`: `fully_shard` on every block and the root (`reshard_after_forward=False` for ZeRO-2-like, True for
   ZeRO-3-like; bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), torch's AdamW;
 - `deepspeed-zeroN`: DeepSpeed's engine with the same JSON config, when DeepSpeed is installed (`pip install
-  ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`);
+  ".[bench]"`; it runs on the CPU with `DS_ACCELERATOR=cpu`), `memory_efficient_linear` off (on, its default,
+  DeepSpeed's stage 3 replaces `torch.nn.functional.linear` for the whole process: every trainer of the rotation would
+  run through DeepSpeed's linear, as they did in the runs before 2026-11-28 evening that had a `deepspeed-zero3` row);
 - `fzero-zeroN` (the functional core, `train_step(donate=True)`, the loss through `fzero.call`, its defaults: each
   unit's reduction overlapped with the backward on a mesh of several processes; the model moved to `meta` after
   `fzero.init`, which copies its parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:

@@ -139,8 +139,11 @@ def deepspeed_engine(stage: int, compile: bool = False) -> Callable[[nn.Module, 
     def build(model: nn.Module, precision: str) -> Step:
         import deepspeed
 
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(stage, precision))  # fmt: skip
+        config = ds_config(stage, precision)
+        # its default memory_efficient_linear would replace torch.nn.functional.linear for the whole process (every
+        # trainer in the rotation would then run through DeepSpeed's linear; fzero's engine refuses to)
+        config["zero_optimization"]["memory_efficient_linear"] = False
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         return engine_step(engine, compile)
 
     return build

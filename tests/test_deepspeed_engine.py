@@ -228,6 +228,22 @@ def test_a_boundary_per_micro_batch_with_a_step_each_is_plain_accumulation():
     assert all(torch.equal(a[k], b[k]) for k in a) and told.micro_steps == plain.micro_steps == 4
 
 
+def test_a_linear_replaced_by_deepspeeds_zero3_is_refused(monkeypatch):
+    """DeepSpeed's ZeRO-3 (`memory_efficient_linear`, its default) replaces `torch.nn.functional.linear` with its own
+    for the whole process: fzero's engine refuses to train through it (its arithmetic is not torch's), naming the
+    key that stops it; with torch's back, the same engine trains."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    engine = engine_of(gas=1)
+    monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
+    with pytest.raises(RuntimeError, match=r"DeepSpeed's zero3_linear_wrap .*\"memory_efficient_linear\": false"):
+        engine(micro_batch(0))
+    monkeypatch.undo()
+    engine.backward(engine(micro_batch(0)).square().mean())
+    engine.step()
+    assert engine.global_steps == 1
+
+
 def test_no_sync_refusals():
     engine = engine_of(stage=1, gas=1)
     with engine.no_sync(), pytest.raises(RuntimeError, match="reentry is unsupported"), engine.no_sync():
