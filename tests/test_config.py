@@ -323,6 +323,13 @@ def test_unsupported_features_raise(extra, key):
     assert isinstance(e.value, ValueError) and isinstance(e.value, NotImplementedError)
 
 
+def test_an_unsupported_open_block_is_shown_as_written():
+    with pytest.raises(
+        UnsupportedConfigError, match=r"sparse_attention: \{'mode': 'fixed'\} \(dict\) is not supported"
+    ):
+        parse({"sparse_attention": {"mode": "fixed"}})
+
+
 def test_disabled_features_are_accepted():
     parse({"amp": {"enabled": False}, "tensorboard": {"enabled": False, "output_path": "x"},
            "zero_optimization": {"offload_param": {"device": "none"}, "zero_quantized_weights": False},

@@ -299,12 +299,15 @@ class Field:
     supported: Callable[[Any], bool] | None = None
     effect: str = ""
 
-    def check_supported(self, value: Any, path: str) -> None:
+    def check_supported(self, value: Any, path: str, given: Any = None) -> None:
+        """Raise `UnsupportedConfigError` if the validated `value` is not a supported one, showing `given` (the value
+        as written: an open section's validated value holds only the keys it declares) or else `value`."""
         if self.unsupported is None:
             return
         ok = self.supported(value) if self.supported is not None else value == self.default
         if not ok:
-            raise UnsupportedConfigError(path, f"{_show(value)} is not supported by fzero: {self.unsupported}")
+            shown = _show(value if given is None else given)
+            raise UnsupportedConfigError(path, f"{shown} is not supported by fzero: {self.unsupported}")
 
 
 Check = Callable[[dict[str, Any], str], None]
@@ -375,7 +378,7 @@ class Section(Spec):
                     out[key] = f.default
                 continue
             checked = f.spec.validate(raw[key], where, unknown)
-            f.check_supported(checked, where)
+            f.check_supported(checked, where, given=raw[key])
             out[key] = checked
         for key in raw:
             if key not in self.fields and not self.open:
