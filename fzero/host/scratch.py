@@ -55,7 +55,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "KEPT_BELOW", "MIN_BYTES", "PASSING", "clear", "disabled", "drop_spares", "empty", "new_empty", "poisoned", "refill"
+    "KEPT_BELOW", "MIN_BYTES", "PASSING", "clear", "disabled", "drop_spares", "empty", "mapped_storage", "new_empty",
+    "poisoned", "refill",
 ]  # fmt: skip
 
 MIN_BYTES = 1 << 20
@@ -128,7 +129,7 @@ def new_empty(slot: str, like: Tensor, shape: Sequence[int], passing: bool = Fal
                 n = math.prod(shape) * like.element_size()
                 mapped = like.device.type == "cpu"
                 strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # (contiguous)
-                kept = like.new_empty(0).set_(_mapped(n), 0, shape, strides) if mapped else like.new_empty(shape)
+                kept = like.new_empty(0).set_(mapped_storage(n), 0, shape, strides) if mapped else like.new_empty(shape)
                 if len(kept_ones) < PASSING:
                     kept_ones.append(kept)
         else:
@@ -164,7 +165,7 @@ def refill(storage: torch.UntypedStorage, nbytes: int) -> None:
             spare = min(fits, key=lambda s: s.nbytes())
             spares.remove(spare)
         else:
-            spare = _mapped(nbytes)
+            spare = mapped_storage(nbytes)
         _lent[spare.data_ptr()] = (device, spare.nbytes())
         _swap(storage, spare)  # `storage` gets the memory; `spare`, now empty, goes
         lent = _lent_on(device)
@@ -176,7 +177,7 @@ def refill(storage: torch.UntypedStorage, nbytes: int) -> None:
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage).fill_(255)  # NaN in every float dtype
 
 
-def _mapped(nbytes: int) -> torch.UntypedStorage:
+def mapped_storage(nbytes: int) -> torch.UntypedStorage:
     """`nbytes` of host memory in a mapping of its own (unmapped once the last storage holding it goes: never a
     hole in the heap), where the platform has private anonymous mappings; else the allocator's."""
     if not hasattr(mmap, "MAP_PRIVATE") or not hasattr(mmap, "MAP_ANONYMOUS"):

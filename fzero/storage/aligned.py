@@ -16,6 +16,8 @@ import mmap
 
 import torch
 
+from ..host.scratch import mapped_storage
+
 __all__ = ["ALIGN", "aligned_empty", "buffer_address", "mapped_empty", "round_up", "tensor_bytes"]
 
 ALIGN = 4096
@@ -75,8 +77,7 @@ def mapped_empty(nbytes: int) -> torch.Tensor:
     size = round_up(nbytes)
     if size == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         return aligned_empty(nbytes)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8).set_(mapped_storage(size))
 
 
 def tensor_bytes(t: torch.Tensor, nbytes: int | None = None) -> memoryview:
