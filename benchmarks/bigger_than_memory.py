@@ -15,13 +15,13 @@ process), stage 3, bf16 (gradients reduced in bf16), `cpu_adamw`:
 With `--engine` the same three runs go through `fzero.initialize` with a DeepSpeed JSON config instead of the core:
 `zero_optimization.stage` 3, `offload_optimizer` and `offload_param` on `nvme` (the reference: `none`), bf16 with
 `communication_data_type` bf16 (gradients reduced in bf16, as the core runs), DeepSpeed's `AdamW`; the model built
-under `fzero.deepspeed.zero.Init(config_dict_or_path=...)` (DeepSpeed's `deepspeed.zero.Init`: each parameter
-partitioned as its module's `__init__` returns, so the full model never exists in a process; given the config
-without its offload blocks, since fzero's `zero.Init` refuses `offload_param` on `nvme`; the GPT's residual
-projections initialised through `apply`, which `zero.Init` gathers, rather than by a parent writing to a partitioned
-child), `loss = cross_entropy(engine(x), y); engine.backward(loss); engine.step()`, checkpointed with
-`engine.save_checkpoint` and resumed with `engine.load_checkpoint`. The losses are rank 0's own (the engine's loss is
-the rank's); the reference is the same engine in memory.
+under `fzero.deepspeed.zero.Init(config_dict_or_path=...)` with that config (DeepSpeed's `deepspeed.zero.Init`: each
+parameter partitioned as its module's `__init__` returns, so the full model never exists in a process; with
+`offload_param` on `nvme` each partition goes to a file under its `nvme_path`, so the partitions take no memory
+either; the GPT's residual projections initialised through `apply`, which `zero.Init` gathers, rather than by a
+parent writing to a partitioned child), `loss = cross_entropy(engine(x), y); engine.backward(loss); engine.step()`,
+checkpointed with `engine.save_checkpoint` and resumed with `engine.load_checkpoint`. The losses are rank 0's own
+(the engine's loss is the rank's); the reference is the same engine in memory.
 
 The cap of each process is its share of the training state (`fzero.state_bytes`: resident plus offloaded bytes,
 i.e. master, Adam's moments and the compute copy) divided by `--ratio`. It is enforced by a cgroup-v1 memory
@@ -30,14 +30,17 @@ kills a process that goes over), and always by the process itself: a thread samp
 exits with an error if it ever exceeds the cap (`benchmarks/procmem.py`'s `PeakRss`). The runs' losses must be the
 same numbers, bit for bit.
 
-Measured 2026-11-28 (`--engine --layers 8 --d-model 768 --steps 4 --ratio 1.0`, 2 shared cores, about 9 minutes; a
-cgroup-v1 group per process): GPT 57.0M, training state 380 MiB per process, cap 380 MiB. Peak RssAnon per process
-(MiB, torch's ~167 included), construction / steps: in memory 643 / 721; NVMe, 2 steps and `save_checkpoint` 345 /
-336; resumed with `load_checkpoint`, 2 steps 346 / 323; losses bitwise the in-memory run's. The ratio is 1.0, not
-2.2, at this size: a process's floor is torch (~167 MiB) plus what does not shrink with the model (the staging sets,
-64 MiB; a unit gathered), and `zero.Init` keeps every partition (4 bytes a parameter / world) in memory until
-`initialize`, which the engine empties only after `fzero.init` returns (`init(..., release=True)` would drop them
-unit by unit). A cap of 1/2.2 of the state needs some 230M parameters here.
+Measured 2026-11-28 on a 2-core AMD EPYC (Zen 3, AVX2), a cgroup-v1 group per process:
+
+- `--engine --layers 14 --d-model 1024 --steps 2 --ratio 2.0` (12 minutes; torch emulates bf16 on AVX2: a step takes
+  minutes): GPT 176.7M, training state 1179 MiB per process, **cap 590 MiB**. Peak RssAnon per process (MiB, torch's
+  ~150 included), construction / steps: in memory 1335 / 1728; NVMe, a step and `save_checkpoint` 300 / 497; resumed
+  with `load_checkpoint`, a step 511 / 499; losses bitwise the in-memory run's (5.4688, 5.6562).
+- `--engine --layers 8 --d-model 768 --steps 4 --ratio 1.0` (before `zero.Init` wrote its partitions to NVMe): GPT
+  57.0M, state 380 MiB per process, cap 380: NVMe 345 / 336, resumed 346 / 323, losses bitwise.
+
+A process's floor is torch plus what does not shrink with the model (the staging sets, 64 MiB; a unit or two
+gathered; the gradient shard, 4 bytes a parameter / world), so the ratio a cap can reach grows with the model.
 """
 
 from __future__ import annotations
