@@ -230,15 +230,25 @@ def test_a_boundary_per_micro_batch_with_a_step_each_is_plain_accumulation():
 
 def test_a_linear_replaced_by_deepspeeds_zero3_is_refused(monkeypatch):
     """DeepSpeed's ZeRO-3 (`memory_efficient_linear`, its default) replaces `torch.nn.functional.linear` with its own
-    for the whole process: fzero's engine refuses to train through it (its arithmetic is not torch's), naming the
-    key that stops it; with torch's back, the same engine trains."""
+    for the whole process: fzero's engine and core step refuse to train through it (its arithmetic is not torch's),
+    naming the key that stops it; with torch's back, the same engine and step train."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
     engine = engine_of(gas=1)
+    model, tx, mesh = frozen_net(), fzero.zero2(fzero.adamw(1e-2)), fzero.SimMesh(1)
+    state = fzero.init(model, tx, mesh)
+
+    def loss_fn(params, x):
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    step = fzero.train_step(model, loss_fn, tx, mesh)
     monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
     with pytest.raises(RuntimeError, match=r"DeepSpeed's zero3_linear_wrap .*\"memory_efficient_linear\": false"):
         engine(micro_batch(0))
+    with pytest.raises(RuntimeError, match=r"DeepSpeed's zero3_linear_wrap"):  # the core's step too
+        step(state, micro_batch(0)[None])
     monkeypatch.undo()
+    state, _ = step(state, micro_batch(0)[None])  # (a SimMesh batch: a row per rank)
     engine.backward(engine(micro_batch(0)).square().mean())
     engine.step()
     assert engine.global_steps == 1

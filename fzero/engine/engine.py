@@ -62,7 +62,7 @@ from ..sharding.units import UnitGathering
 from ..state import TrainState
 from ..state.precision import Policy
 from ..step import init
-from ..step.microstep import MicroStep, frozen_params, named_tensors, scaled
+from ..step.microstep import MicroStep, frozen_params, named_tensors, refuse_replaced_linear, scaled
 from ..transforms import Transform
 from .accessors import ConfigAccessors
 from .accumulation import Accumulation
@@ -230,7 +230,7 @@ class Engine(
         """`fn(*args, **kwargs)` (the module, or one of its methods: `__getattr__`) as the engine runs a forward:
         with gradients, in the open micro-step (opened if none); without, on the state's parameters."""
         t0 = time.perf_counter()
-        _refuse_replaced_linear()
+        refuse_replaced_linear()  # (per forward: DeepSpeed's stage 3 may be made after this engine)
         if self.config["fp16"]["auto_cast"]:
             args, kwargs = self._policy.cast_to_compute((args, kwargs))
         fn = self._under_autocast(fn)  # DeepSpeed's torch_autocast around every forward (fzero.engine.autocast)
@@ -520,20 +520,4 @@ class Engine(
         return (
             f"fzero.Engine(ZeRO-{c.stage}, {c.precision}, {self.mesh!r}, micro batch {c.micro_batch}, "
             f"accumulate {c.gas}, {self.state.layout.real_numel:,} parameters)"
-        )
-
-
-def _refuse_replaced_linear() -> None:
-    """Refuse to run a forward through DeepSpeed's `zero3_linear_wrap`: DeepSpeed's ZeRO-3 (`deepspeed.initialize`
-    at stage 3, or its `zero.Init`, with `memory_efficient_linear` on, its default) replaces
-    `torch.nn.functional.linear` for the whole process, and keeps it replaced. Its arithmetic is not torch's
-    (a matmul, then the bias added), so a model trained by fzero in that process would differ from plain PyTorch."""
-    module = getattr(torch.nn.functional.linear, "__module__", None) or ""
-    if module.startswith("deepspeed."):
-        raise RuntimeError(
-            f"torch.nn.functional.linear is DeepSpeed's {torch.nn.functional.linear.__name__} ({module}) in this "
-            "process: a DeepSpeed ZeRO-3 engine or deepspeed.zero.Init made here replaced it process-wide "
-            "(memory_efficient_linear), and fzero's engine would train through it rather than torch's linear. Set "
-            '"memory_efficient_linear": false in that DeepSpeed config\'s zero_optimization block, or run it in '
-            "another process"
         )
