@@ -62,7 +62,7 @@ from ..sharding.units import UnitGathering
 from ..state import TrainState
 from ..state.precision import Policy
 from ..step import init
-from ..step.microstep import MicroStep, frozen_params, named_tensors, refuse_replaced_linear, scaled
+from ..step.microstep import MicroStep, frozen_params, named_tensors, scaled
 from ..transforms import Transform
 from .accessors import ConfigAccessors
 from .accumulation import Accumulation
@@ -230,7 +230,6 @@ class Engine(
         """`fn(*args, **kwargs)` (the module, or one of its methods: `__getattr__`) as the engine runs a forward:
         with gradients, in the open micro-step (opened if none); without, on the state's parameters."""
         t0 = time.perf_counter()
-        refuse_replaced_linear()  # (per forward: DeepSpeed's stage 3 may be made after this engine)
         if self.config["fp16"]["auto_cast"]:
             args, kwargs = self._policy.cast_to_compute((args, kwargs))
         fn = self._under_autocast(fn)  # DeepSpeed's torch_autocast around every forward (fzero.engine.autocast)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Unavailable", "bound", "bound_to", "call", "carry_attributes", "submodules"]
+__all__ = ["Unavailable", "bound", "bound_to", "call", "carry_attributes", "refuse_replaced_linear", "submodules"]
 
 # each module's innermost binding: the mapping `bound` was given and its items as they were bound
 _BOUND: weakref.WeakKeyDictionary[nn.Module, tuple[Mapping[str, Tensor], tuple[tuple[str, Tensor], ...]]] = (
@@ -78,9 +78,15 @@ def carry_attributes(original: Any, value: Any) -> None:
 def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
     """Put `tensors` (parameter and buffer names of `model`, tied names included) in place of the module's own,
     with the parameters' own attributes (`carry_attributes`), and put the module's own back on exit, in reverse
-    order."""
+    order. Every forward fzero runs with a step's parameters enters it, so it is where a process-wide replaced
+    `linear` is refused (`refuse_replaced_linear`: DeepSpeed's stage 3 may be built after fzero's step or engine).
+
+    Raises:
+      RuntimeError: `torch.nn.functional.linear` is DeepSpeed's (`refuse_replaced_linear`).
+    """
     saved: list[tuple[dict[str, Any], str, Any]] = []
     modules = submodules(model)
+    refuse_replaced_linear()
     outer = _BOUND.get(model)
     try:
         for name, value in tensors.items():
@@ -97,6 +103,26 @@ def bound(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
             _BOUND.pop(model, None)
         else:
             _BOUND[model] = outer
+
+
+def refuse_replaced_linear() -> None:
+    """Refuse to run a forward through DeepSpeed's `zero3_linear_wrap`: DeepSpeed's ZeRO-3 (`deepspeed.initialize`
+    at stage 3, or its `zero.Init`, with `memory_efficient_linear` on, its default) replaces
+    `torch.nn.functional.linear` for the whole process, and keeps it replaced. Its arithmetic is not torch's
+    (a matmul, then the bias added), so a model trained by fzero in that process would differ from plain PyTorch.
+
+    Raises:
+      RuntimeError: `torch.nn.functional.linear` is DeepSpeed's, naming the config key that stops it.
+    """
+    module = getattr(torch.nn.functional.linear, "__module__", None) or ""
+    if module.startswith("deepspeed."):
+        raise RuntimeError(
+            f"torch.nn.functional.linear is DeepSpeed's {torch.nn.functional.linear.__name__} ({module}) in this "
+            "process: a DeepSpeed ZeRO-3 engine or deepspeed.zero.Init made here replaced it process-wide "
+            "(memory_efficient_linear), and fzero would train through it rather than torch's linear. Set "
+            '"memory_efficient_linear": false in that DeepSpeed config\'s zero_optimization block, or run it in '
+            "another process"
+        )
 
 
 def bound_to(model: nn.Module) -> Mapping[str, Tensor] | None:

@@ -23,7 +23,6 @@ import contextlib
 import math
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
@@ -48,7 +47,6 @@ __all__ = [
     "frozen_params",
     "loss_scale",
     "named_tensors",
-    "refuse_replaced_linear",
     "scaled",
 ]
 
@@ -186,7 +184,6 @@ class MicroStep:
 
     def __init__(self, state: TrainState, tx: Transform, mesh: Mesh, policy: GatherPolicy | None = None,
                  autodiff: str = "autograd") -> None:  # fmt: skip
-        refuse_replaced_linear()
         self.state, self.tx, self.mesh = state, tx, mesh
         self.policy = (policy or GatherPolicy()).on(mesh)
         self.per_unit = autodiff == "autograd" and state.plan.per_unit and reduce_per_unit(state, mesh)
@@ -342,23 +339,3 @@ class _Reducer:
     def __call__(self, grads: Tensor | Pieces, index: int, place: Any = None) -> Any:
         with record_function("fzero.reduce"):
             return self.unit(grads, index, self.ctx if place is None else self.ctx._replace(place=place))
-
-
-def refuse_replaced_linear() -> None:
-    """Refuse to run a forward through DeepSpeed's `zero3_linear_wrap`: DeepSpeed's ZeRO-3 (`deepspeed.initialize`
-    at stage 3, or its `zero.Init`, with `memory_efficient_linear` on, its default) replaces
-    `torch.nn.functional.linear` for the whole process, and keeps it replaced. Its arithmetic is not torch's
-    (a matmul, then the bias added), so a model trained by fzero in that process would differ from plain PyTorch.
-
-    Raises:
-      RuntimeError: `torch.nn.functional.linear` is DeepSpeed's, naming the config key that stops it.
-    """
-    module = getattr(torch.nn.functional.linear, "__module__", None) or ""
-    if module.startswith("deepspeed."):
-        raise RuntimeError(
-            f"torch.nn.functional.linear is DeepSpeed's {torch.nn.functional.linear.__name__} ({module}) in this "
-            "process: a DeepSpeed ZeRO-3 engine or deepspeed.zero.Init made here replaced it process-wide "
-            "(memory_efficient_linear), and fzero would train through it rather than torch's linear. Set "
-            '"memory_efficient_linear": false in that DeepSpeed config\'s zero_optimization block, or run it in '
-            "another process"
-        )
