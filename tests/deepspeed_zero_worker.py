@@ -21,6 +21,7 @@ from torch import nn
 
 from fzero.host import process_group
 from tests.spawn import init_worker, report
+from tests.support import proc_status
 
 GLOBAL, STEPS = 8, 6
 
@@ -90,11 +91,6 @@ def config(world: int) -> dict[str, Any]:
     }
 
 
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-
-
 def on_nvme(rank: int, world: int, out_dir: str, cfg: dict[str, Any], zero: Any, fzero: Any) -> dict[str, Any]:
     """`zero.Init` with the config's `offload_param` on `nvme`: the partitions in files under its `nvme_path`, bitwise
     those kept in memory, taking none of the process's anonymous memory (the in-memory build is the control: it
@@ -106,10 +102,10 @@ def on_nvme(rank: int, world: int, out_dir: str, cfg: dict[str, Any], zero: Any,
     built, grown = {}, {}
     for where, c in (("nvme", nvme_cfg), ("memory", cfg)):
         torch.manual_seed(2)
-        before = rss_anon()
+        before = proc_status("RssAnon")
         with zero.Init(config_dict_or_path=c):
             built[where] = nn.Linear(2048, 2048)
-        grown[where] = rss_anon() - before
+        grown[where] = proc_status("RssAnon") - before
     pairs = list(zip(built["nvme"].parameters(), built["memory"].parameters(), strict=True))
     states = {
         k: fzero.state_dict(fzero.init(m, fzero.zero3(fzero.adamw()), fzero.SimMesh(2))) for k, m in built.items()

@@ -85,3 +85,12 @@ def reference_run(model: nn.Module, loss_of, batches, micro: int, make_opt) -> d
         loss_fn({**params, **dict(ref.named_buffers())}, full).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
+def proc_status(key: str) -> int:
+    """A size from this process's /proc/self/status (`VmHWM`, `VmRSS`, `RssAnon`), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")

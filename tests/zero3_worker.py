@@ -14,6 +14,7 @@ from torch import nn
 import fzero
 from fzero.host import process_group
 from tests.spawn import init_worker
+from tests.support import proc_status
 
 
 class Wide(nn.Module):
@@ -36,17 +37,8 @@ def initializer(module: nn.Module) -> None:
         module.reset_parameters()
 
 
-def _status_bytes(key: str) -> int:
-    """A size from /proc/self/status (`VmHWM`, `VmRSS`), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def peak_rss() -> int:
-    return _status_bytes("VmHWM")
+    return proc_status("VmHWM")
 
 
 def reset_peak() -> None:
@@ -55,7 +47,7 @@ def reset_peak() -> None:
 
 
 def current_rss() -> int:
-    return _status_bytes("VmRSS")
+    return proc_status("VmRSS")
 
 
 def run_init(rank: int, world: int, out_dir: str, stage: int, d: int, layers: int) -> None:
