@@ -8,12 +8,13 @@ statistics; then parameter groups (the kernel with two groups against one).
 For each size (float32 elements) and thread count (`torch.set_num_threads`, which the kernel follows):
 
 - plain AdamW update, in place: `fzero.native.adam_step`; `torch.optim.AdamW(fused=True)` and `(foreach=True)`
-  `.step()`; `DeepSpeedCPUAdam.step()`; and `fzero.native.ceiling`, a kernel with Adam's exact memory traffic
+  `.step()`; `DeepSpeedCPUAdam.step()`; the update as `torch.compile` fuses it (`compiled_variant`: what fusing
+  the update into a compiled step would give); and `fzero.native.ceiling`, a kernel with Adam's exact memory traffic
   (read p, g, m, v; write p, m, v) and fused multiply-adds only: what memory bandwidth allows any Adam kernel;
 - the full offload update (the gradient factor 1/loss-scale x clip coefficient, AdamW, a bfloat16 copy of the new
   parameters): the kernel in one pass, against torch's fastest composition of the same work, the best of
   `grad.mul_(f)` + fused AdamW + `out.copy_(p)`, `torch._fused_adamw_(..., grad_scale=1/f)` + `out.copy_(p)`, and
-  the foreach equivalent;
+  the foreach equivalent, and the compiled fusion of all three;
 - the gradient statistics (sum of squares in float64, non-finite flag): `fzero.native.grad_stats` against
   `torch.linalg.vector_norm(g, dtype=float64) ** 2` (what `grad_stats` in fzero/transforms/base.py did before);
 - parameter groups: `adam_step(..., segments=...)` with two groups (different lr and weight decay) against the
@@ -80,6 +81,35 @@ def deepspeed_variant(p, g, m, v) -> Callable[[], None] | None:
     return opt.step
 
 
+def compiled_variant(p, g, m, v, out: torch.Tensor | None = None) -> Callable[[], None]:
+    """AdamW (with the gradient factor and the bfloat16 copy where `out` is given) as `torch.compile` fuses it: one
+    inductor loop over the buffers. The bias corrections enter as 0-d tensors set before each call (computed in
+    the graph they cost two `pow`s per vector of elements, 3x slower here; as Python floats, a recompilation per
+    step): what fusing the update into a compiled step could be at best."""
+    beta1, beta2 = BETAS
+    scalars = torch.zeros(2)  # LR / (1 - beta1^t), sqrt(1 - beta2^t)
+
+    def update(p, g, m, v, scalars, out):
+        if out is not None:
+            g = g * FACTOR
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        p.mul_(1 - LR * WD).sub_(m / (v.sqrt() / scalars[1] + EPS) * scalars[0])
+        if out is not None:
+            out.copy_(p)
+
+    torch.compiler.reset()  # (a graph per size and thread count: dynamo's recompile limit would be reached)
+    fused = torch.compile(update, fullgraph=True, dynamic=False)
+    step = [1]
+
+    def run():
+        step[0] += 1
+        scalars[0], scalars[1] = LR / (1 - beta1 ** step[0]), (1 - beta2 ** step[0]) ** 0.5
+        fused(p.detach(), g, m, v, scalars, out)
+
+    return run
+
+
 # Every variant updates the same buffers in place: where four 2^26-element buffers land in physical memory
 # changes a memory-bound kernel's speed by several percent, so separate buffers would measure placement.
 # The ceiling runs with a = 0 (no value changes) on them too.
@@ -96,6 +126,7 @@ def plain_variants(p, g, m, v) -> dict[str, Callable[[], None]]:
         "native": kernel,
         "torch fused": torch_optimizer(p, g, m, v, fused=True).step,
         "torch foreach": torch_optimizer(p, g, m, v, foreach=True).step,
+        "torch compiled": compiled_variant(p, g, m, v),
         "ceiling": lambda: native.ceiling(p.detach(), g, m, v, 0.0),
     }
     ds = deepspeed_variant(p, g, m, v)
@@ -139,6 +170,7 @@ def offload_variants(p, g, m, v) -> dict[str, Callable[[], None]]:
         "torch mul+fused+cast": mul_then(fused),
         "torch _fused_adamw_(grad_scale)+cast": fused_grad_scale_cast,
         "torch foreach mul+step+cast": mul_then(foreach),
+        "torch compiled": compiled_variant(p, g, m, v, out),
     }
 
 
@@ -255,14 +287,15 @@ def main() -> None:
             p, g, m, v = buffers(n)
             if "plain" in args.parts:
                 plain = measure(plain_variants(p, g, m, v), args.rounds)
-                report("plain AdamW update", n, plain, [("native", "torch fused"), ("native", "torch foreach"),
-                                                        ("native", "deepspeed"), ("native", "ceiling")])  # fmt: skip
+                pairs = [("native", other) for other in ("torch fused", "torch foreach", "torch compiled", "deepspeed",
+                                                         "ceiling")]  # fmt: skip
+                report("plain AdamW update", n, plain, pairs)
             if "offload" in args.parts:
                 full = measure(offload_variants(p, g, m, v), args.rounds)
                 best = min((k for k in full if k.startswith("torch")), key=lambda k: statistics.median(full[k]))
                 full["torch fastest"] = full[best]
                 report(f"offload update: factor + AdamW + bf16 copy (torch fastest: {best})", n, full,
-                       [("native fused", "torch fastest")])  # fmt: skip
+                       [("native fused", "torch fastest"), ("native fused", "torch compiled")])  # fmt: skip
             if "stats" in args.parts:
                 stats = measure(stats_variants(g), args.rounds)
                 report("gradient statistics", n, stats, [("native grad_stats", "torch vector_norm(float64)**2")])
