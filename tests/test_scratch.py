@@ -6,6 +6,7 @@ show NaN)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -194,3 +195,34 @@ def test_the_end_of_a_step_drops_only_the_large_spares():
     scratch.drop_spares(at_least=large)  # (a step's end drops those of KEPT_BELOW or more)
     assert _spare_bytes() == small
     assert scratch.new_empty("p", torch.zeros(1), (small // 4,), passing=True).data_ptr() == kept
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The `VmFlags` of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps") or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+    reason="no transparent huge pages, or no /proc/self/smaps to read the advice from",
+)
+def test_large_mappings_start_on_a_huge_page_and_ask_for_huge_pages():
+    n = 3 * scratch.HUGE_PAGE + 4096  # (whole huge pages, then a partial one left on 4 KiB pages)
+    storage = scratch.mapped_storage(n)
+    assert storage.nbytes() == n and storage.data_ptr() % scratch.HUGE_PAGE == 0
+    x = torch.empty(0, dtype=torch.uint8).set_(storage)
+    x.fill_(7)
+    assert int(x.sum()) == 7 * n
+    assert "hg" in _vm_flags(storage.data_ptr())  # madvise(MADV_HUGEPAGE) on the whole pages
+    assert "hg" not in _vm_flags(storage.data_ptr() + 3 * scratch.HUGE_PAGE)  # the tail: no 2 MiB page resident
+    small = scratch.mapped_storage(scratch.HUGE_PAGE - 4096)
+    assert small.nbytes() == scratch.HUGE_PAGE - 4096 and "hg" not in _vm_flags(small.data_ptr())
