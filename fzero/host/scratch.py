@@ -69,8 +69,9 @@ PASSING = 4
 KEPT_BELOW = 32 << 20
 """Spares and `passing` buffers smaller than this are kept from one step to the next (each step would fault them in
 afresh: 15-18% of a 27.3M model's step at stages 2-3 on 2 ranks, measured); larger ones go when a step's units are
-released (`drop_spares`), so the update's peak does not carry them. glibc's malloc maps and unmaps every block this
-large itself (its largest mmap threshold on 64-bit), so a model whose units are this big pays those faults anyway."""
+released (`drop_spares`), so the update's peak does not carry them, and are mapped afresh the next step, on huge
+pages (`mapped_storage`: 16 faults per 32 MiB where 4 KiB pages take 8192). glibc's malloc maps and unmaps every
+block this large itself (its largest mmap threshold on 64-bit), on 4 KiB pages unless asked otherwise."""
 HUGE_PAGE = 2 << 20
 """A transparent huge page on x86-64 and most arm64 kernels: `mapped_storage` aligns its large mappings to it."""
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (private; where absent, nothing is reused)
