@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
                                             [--memory] [--first-steps [10]] [--tuned [--default-malloc]]
                                             [--threads 1] [--profile] [--floor] [--nproc 2] [--comm] [--sweep 6,12,24]
-                                            [--compile]
+                                            [--compile] [--fresh]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -51,7 +51,14 @@ DDP (their ratio to DDP within 1 +- the spread: this run cannot tell them from D
 time apart.
 
 Every trainer lives in the same processes and runs in rotating order, round after round (machine noise hits
-them alike); each round times `--steps` steps after two warm-up steps. Prints the median step time per trainer, its
+them alike); each round times `--steps` steps after two warm-up steps. Shared processes share an allocator: glibc
+raises its mmap threshold when a large mapped block is freed, so a trainer's speed there depends on those timed
+before it (DDP ran at 0.79-0.86 s a step in the rotation against 0.94-1.05 s in fresh processes, 2026-11-29).
+`--fresh` times what a user's process runs instead, one trainer: each round starts every trainer alone in a fresh
+pair of processes, in rotating order, and takes the median of its `--steps` steps after 3 warm-up steps (the A/A
+row: two DDPs, each in its own fresh pairs); it costs a start and a build per trainer and round (~20 s on a shared
+2-core machine), and takes neither `--sweep`, `--profile` nor `--comm`. With `--first-steps` the same runs also give
+the time to step N (the round with the median one). Prints the median step time per trainer, its
 ratio to DDP's, rank 0's process CPU time per step (`time.process_time`: its threads', gloo's included; on a
 machine whose cores the ranks fill, a step costs what its CPU time costs) and its ratio to DDP's, with `--floor` its
 ratio to the floor (the same model's forward + backward alone, without communication or optimizer, plus the update
@@ -106,6 +113,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -201,8 +209,8 @@ def tuned_processes(tuned: bool, default_malloc: bool) -> Iterator[None]:
 
 
 def measure(tmp: str, precision: str, args: argparse.Namespace, n_layer: int = CFG.n_layer) -> Run:
-    """Times `args.only` together in one pair of processes and, with `--memory` or `--first-steps`, runs each alone
-    in a fresh pair.
+    """Times `args.only` together in one pair of processes (with `--fresh`, each alone in fresh pairs, round after
+    round) and, with `--memory` or `--first-steps`, runs each alone in a fresh pair.
 
     Args:
       tmp: an empty folder for the process-group stores and the workers' result files.
@@ -215,6 +223,8 @@ def measure(tmp: str, precision: str, args: argparse.Namespace, n_layer: int = C
       `tuning`) and, by trainer, the alone worker's (`peak` MiB per rank, `build_s`, `steps_s`, `to_last_s`: None
       for one skipped, or, under `--sweep`, one whose worker died).
     """
+    if args.fresh:
+        return measure_fresh(tmp, precision, args)
     store = os.path.join(tmp, f"store-{precision}")
     mp.start_processes(time_worker, args=(args.nproc, store, args, precision, n_layer), nprocs=args.nproc,
                        start_method="spawn")  # fmt: skip
@@ -225,27 +235,78 @@ def measure(tmp: str, precision: str, args: argparse.Namespace, n_layer: int = C
     for name in times["median"] if args.memory or args.first_steps else ():
         sized = f", {n_layer} layers" if args.sweep else ""
         print(f"alone: {name} ({precision}{sized})", flush=True)  # a worker that dies is named
-        store = os.path.join(tmp, f"store-alone-{name}-{precision}")
         try:
-            mp.start_processes(alone_worker, args=(args.nproc, store, name, precision, args.threads, n_steps, n_layer),
-                               nprocs=args.nproc, start_method="spawn")  # fmt: skip
+            alone[name] = run_alone(tmp, name, precision, args, n_steps, n_layer)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             if not args.sweep:
                 raise
             print(f"alone: {name} ({precision}{sized}): the worker died: {e}", flush=True)  # keep the sweep
             alone[name] = {"peak": None, "to_last_s": None}
-            continue
-        with open(os.path.join(tmp, f"alone-{name}-{precision}.json")) as f:
-            alone[name] = json.load(f)
     return {"times": times, "alone": alone}
 
 
+def run_alone(tmp: str, name: str, precision: str, args: argparse.Namespace, n_steps: int, n_layer: int) -> dict:
+    """Trainer `name` alone in a fresh pair of processes for `n_steps` steps: the alone worker's JSON."""
+    store = os.path.join(tmp, f"store-alone-{name}-{precision}")
+    mp.start_processes(alone_worker, args=(args.nproc, store, name, precision, args.threads, n_steps, n_layer),
+                       nprocs=args.nproc, start_method="spawn")  # fmt: skip
+    with open(os.path.join(tmp, f"alone-{name}-{precision}.json")) as f:
+        return json.load(f)
+
+
+def measure_fresh(tmp: str, precision: str, args: argparse.Namespace) -> Run:
+    """`--fresh`: each trainer of `args.only` alone in a fresh pair of processes, as a user's script runs one,
+    `args.rounds` rounds in rotating order (machine noise hits them alike); a round's figure is the median of its
+    `args.steps` steps after `FRESH_WARMUP`, wall and CPU time (rank 0's).
+
+    Returns:
+      `measure`'s `{"times", "alone"}`: `times` the median over the rounds (`all`: each round's), `alone` by trainer
+      the round whose time to step `--first-steps` (else its peak) is the median's, its peak the highest of the
+      rounds'.
+    """
+    n_first = args.first_steps or FRESH_WARMUP + args.steps
+    n_steps = max(n_first, FRESH_WARMUP + args.steps)
+    timed = slice(FRESH_WARMUP, FRESH_WARMUP + args.steps)
+    order = list(args.only)
+    rounds: dict[str, list[dict]] = {name: [] for name in order}
+    for r in range(args.rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            print(f"fresh: round {r + 1}/{args.rounds}: {name} ({precision})", flush=True)
+            os.makedirs(folder := os.path.join(tmp, f"round-{r}"), exist_ok=True)
+            rounds[name].append(run_alone(folder, name, precision, args, n_steps, CFG.n_layer))
+    skipped = {name: runs[0]["skipped"] for name, runs in rounds.items() if runs[0]["skipped"]}
+    kept = {name: runs for name, runs in rounds.items() if name not in skipped}
+    wall = {name: [statistics.median(a["steps_s"][timed]) for a in runs] for name, runs in kept.items()}
+    cpu = {name: [statistics.median(a["cpu_s"][timed]) for a in runs] for name, runs in kept.items()}
+    alone = {}
+    for name, runs in kept.items():
+        for a in runs:  # the time to step n_first, rank 0's steps (the worker's last barrier is past step n_steps)
+            a["to_last_s"], a["steps_s"] = sum(a["steps_s"][:n_first]), a["steps_s"][:n_first]
+        middle = sorted(runs, key=lambda a: a["to_last_s"])[len(runs) // 2]
+        alone[name] = {**middle, "peak": max(a["peak"] for a in runs)}
+    times = {
+        "median": {name: statistics.median(t) for name, t in wall.items()},
+        "all": wall,
+        "cpu": {name: statistics.median(t) for name, t in cpu.items()},
+        "skipped": skipped,
+        "comm": {},
+        "tuning": next(iter(rounds.values()))[0]["tuning"],  # the workers' (this process applies none)
+    }
+    return {"times": times, "alone": {**alone, **{name: {"peak": None, "to_last_s": None} for name in skipped}}}
+
+
+FRESH_WARMUP = 3
+"""`--fresh`'s warm-up steps in each fresh pair (the user script's): a fresh process's first steps build its heap."""
+
+
 def rotation(only: list[str]) -> list[str]:
-    """`only` with the A/A row: `ddp-again` in the middle of the rotation when `ddp` is there (and it is not)."""
-    if "ddp" not in only or AGAIN in only:
-        return only
-    middle = (len(only) + 1) // 2
-    return [*only[:middle], AGAIN, *only[middle:]]
+    """`only` with the A/A rows: `ddp-again` in the middle of the rotation when `ddp` is there (and it is not), and
+    `ddp-again-compiled` likewise beside `ddp-compiled`."""
+    for base, again in (("ddp", AGAIN), ("ddp" + COMPILED, AGAIN + COMPILED)):
+        if base in only and again not in only:
+            middle = (len(only) + 1) // 2
+            only = [*only[:middle], again, *only[middle:]]
+    return only
 
 
 def main() -> None:
@@ -274,6 +335,9 @@ def main() -> None:
                         help="repeat for each layer count; one table per metric, a column per size")  # fmt: skip
     parser.add_argument("--default-malloc", action="store_true",
                         help="with --tuned: the -tuned rows keep glibc's malloc (huge pages alone)")  # fmt: skip
+    parser.add_argument("--fresh", action="store_true",
+                        help="time each trainer alone in a fresh pair of processes, round after round (as a user's "
+                        f"script runs one), its --steps after {FRESH_WARMUP} warm-up steps")  # fmt: skip
     parser.add_argument("--compile", action="store_true",
                         help="also each row's compiled twin (NAME-compiled) beside it, where it has one")  # fmt: skip
     args = parser.parse_args()
@@ -283,6 +347,9 @@ def main() -> None:
         parser.error("--sweep times and measures memory; --profile profiles one size: give one of them")
     if args.sweep and (args.tuned or args.first_steps):
         parser.error("--sweep takes neither --tuned nor --first-steps: run them at one size")
+    if args.fresh and (args.sweep or args.profile or args.comm):
+        parser.error("--fresh times each trainer in its own processes; --sweep, --profile and --comm use the shared "
+                     "rotation: give one or the other")  # fmt: skip
     if args.first_steps < 0:
         parser.error(f"--first-steps takes a positive step count, got {args.first_steps}")
     if args.only is None:
@@ -295,7 +362,7 @@ def main() -> None:
         args.rounds = 5 if args.nproc <= 2 else 3
     if args.steps is None:
         args.steps = 4 if args.nproc <= 2 else 2
-    args.comm = args.comm or any(n in ZEROPP3 for n in args.only)
+    args.comm = args.comm or (not args.fresh and any(n in ZEROPP3 for n in args.only))
     if args.comm:
         grid(args.nproc)  # an odd count fails here, naming --nproc, not in the workers
     if args.floor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from compare_trainers import AGAIN, CFG, FLOOR, MICRO, PEERS3, grid, make_model
+from compare_trainers import AGAIN, CFG, COMPILED, FLOOR, MICRO, PEERS3, grid, make_model
 
 import fzero
 
@@ -57,15 +57,18 @@ def header(run: Run, precision: str, psi: int, args: argparse.Namespace) -> None
     """The table's first lines: the setup, the process settings and the A/A spread."""
     tuning = run["times"].get("tuning", "none")
     settings = "no fzero.hostmem call (what a user's own script runs)" if tuning == "none" else f"tuned: {tuning}"
+    where = ("each trainer alone in a fresh pair of processes each round, its steps after its warm-up (--fresh)"
+             if getattr(args, "fresh", False) else "every trainer in the same pair of processes")  # fmt: skip
     print(f"\n{precision}: {psi / 1e6:.1f}M parameters, {args.nproc} gloo ranks x {args.threads} thread(s), "
-          f"micro-batch {MICRO} x {CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps; "
+          f"micro-batch {MICRO} x {CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps, {where}; "
           f"process settings: {settings}")  # fmt: skip
     median, cpu = run["times"]["median"], run["times"]["cpu"]
     aa, aa_cpu = spread(median), spread(cpu)
     if aa is not None:
         rounds = run["times"].get("all", {})
         each = " ".join(f"{b / a - 1:+.1%}" for a, b in zip(rounds["ddp"], rounds[AGAIN], strict=True))
-        print(f"A/A spread (|{AGAIN} / ddp - 1|, two DDPs in the same rotation): step time {aa:.1%}, CPU time "
+        pairs = "each in its own fresh processes" if getattr(args, "fresh", False) else "in the same processes"
+        print(f"A/A spread (|{AGAIN} / ddp - 1|, two DDPs {pairs}, the same rotation): step time {aa:.1%}, CPU time "
               f"{aa_cpu:.1%}; {AGAIN} / ddp - 1 round by round: {each}")  # fmt: skip
     else:
         print(f"A/A spread: - (name ddp in --only: {AGAIN} is added beside it)")
@@ -103,12 +106,31 @@ def report(plain: Run, tuned: Run | None, precision: str, psi: int, args: argpar
               f"{within(name, cpu_ratio, aa_cpu)} |{over}{mem}")  # fmt: skip
     for name, why in times["skipped"].items():
         print(f"| {name} | {why} | | | | | |{' |' if floor else ''}{' |' if memory else ''}")
+    if "ddp" + COMPILED in median:
+        report_compiled(median, cpu)
     if tuned is not None:
         report_tuned(plain, tuned, precision, psi, args)
     if args.first_steps:
         report_first(plain, tuned, args.first_steps)
     if times.get("comm"):
         report_comm(times["comm"], args.nproc)
+
+
+def report_compiled(median: dict[str, float], cpu: dict[str, float]) -> None:
+    """`--compile`'s rows against DDP compiled: each compiled row's step and CPU time over `ddp-compiled`'s, beside the
+    compiled A/A spread (`ddp-again-compiled`) and its eager twin's ratio to eager DDP."""
+    compiled = {name.removesuffix(COMPILED): t for name, t in median.items() if name.endswith(COMPILED)}
+    compiled_cpu = {name.removesuffix(COMPILED): t for name, t in cpu.items() if name.endswith(COMPILED)}
+    aa, aa_cpu = spread(compiled), spread(compiled_cpu)
+    print(f"\ncompiled rows against DDP compiled; A/A spread (|{AGAIN}{COMPILED} / ddp{COMPILED} - 1|): step time "
+          f"{'-' if aa is None else f'{aa:.1%}'}, CPU time {'-' if aa_cpu is None else f'{aa_cpu:.1%}'}")  # fmt: skip
+    print("| trainer | step s | vs DDP compiled | within A/A | CPU vs DDP compiled | eager twin vs DDP |")
+    print("|---|---|---|---|---|---|")
+    for name, t in compiled.items():
+        cell, ratio = ratio_cell(t, compiled["ddp"])
+        eager = ratio_cell(median.get(name), median.get("ddp"))[0]
+        print(f"| {name}{COMPILED} | {t:.3f} | {cell} | {within(name, ratio, aa)} | "
+              f"{ratio_cell(compiled_cpu[name], compiled_cpu['ddp'])[0]} | {eager} |")  # fmt: skip
 
 
 def report_tuned(plain: Run, tuned: Run, precision: str, psi: int, args: argparse.Namespace) -> None:
@@ -135,7 +157,8 @@ def report_tuned(plain: Run, tuned: Run, precision: str, psi: int, args: argpars
 def report_first(plain: Run, tuned: Run | None, n: int) -> None:
     """The first steps: per trainer alone in fresh processes, the wall time from the trainer built to the end of
     step `n`, its ratio to DDP's (and the A/A spread of the two DDPs' fresh runs), beside `n` times the steady
-    median of the timed rotation, and rank 0's time of each of the `n` steps."""
+    median of the timed rotation, and rank 0's time of each of the `n` steps (`--fresh`: the same runs; the time to
+    step `n` rank 0's, the round with the median one)."""
     print(f"\ntime to step {n}: each trainer alone in a fresh pair of processes, from the trainer built to the end of "
           f"step {n} (both ranks), beside {n} x its steady median step (the rotation's)")  # fmt: skip
     print(f"| trainer | build s | to step {n} s | vs DDP | within A/A | {n} x steady s | to step {n} / ({n} x steady) "

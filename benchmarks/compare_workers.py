@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import itertools
 import json
 import os
@@ -32,12 +33,24 @@ def init(rank: int, world: int, store: str, threads: int) -> None:
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
 
 
+def release(steps: dict) -> None:
+    """The worker's end: drops its trainers while the process group is alive, then shuts the group down (not
+    `destroy_process_group`: see `fzero.host.process_group`). A DDP whose reducer outlives the group frees the gloo
+    group itself, holding the GIL, while gloo's threads wait for the GIL to free a finished collective's tensors: a
+    worker hung at its exit that way (2026-11-29, DDP alone in fresh processes; `gdb`: `~ProcessGroupGloo` under the
+    `Reducer`'s dealloc)."""
+    steps.clear()
+    gc.collect()  # the trainers' closures and modules hold cycles
+    process_group.shutdown()
+
+
 def time_worker(
     rank: int, world: int, store: str, args: argparse.Namespace, precision: str, n_layer: int = CFG.n_layer
 ) -> None:
     """`args.only` in one pair of processes, in rotating order: two warm-up steps each, then `args.rounds` rounds of
     `args.steps` steps each; rank 0 writes `times-{precision}.json` (medians over the rounds, wall and CPU)."""
     init(rank, world, store, args.threads)
+    steps: dict = {}
     try:
         steps, skipped = build_all(args.only, precision, n_layer)
         data = batches(rank, args.steps)
@@ -65,7 +78,7 @@ def time_worker(
                 json.dump({"median": result, "all": times, "cpu": cpu_median, "skipped": skipped, "comm": comm,
                            "tuning": TUNING}, f)  # fmt: skip
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
+        release(steps)
 
 
 PHASES = {  # torch profiler event names -> phase; the first matching pattern wins
@@ -90,6 +103,7 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
     from torch.profiler import ProfilerActivity, profile
 
     init(rank, world, store, args.threads)
+    steps: dict = {}
     try:
         steps, _ = build_all(args.only, precision)
         data = batches(rank, args.steps)
@@ -129,7 +143,7 @@ def profile_worker(rank: int, world: int, store: str, args: argparse.Namespace, 
                 big = [e.self_cpu_memory_usage for e in allocs.events() if e.self_cpu_memory_usage >= 2 << 20]
                 print(f"|   allocations of 2 MiB or more | {len(big)} a step, {sum(big) / 2**20:.0f} MiB |", flush=True)
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
+        release(steps)
 
 
 def high_water_mib(reset: bool = False) -> float:
@@ -147,28 +161,31 @@ def alone_worker(
     rank: int, world: int, store: str, name: str, precision: str, threads: int, n_steps: int, n_layer: int = CFG.n_layer
 ) -> None:
     """Trainer `name` alone in a fresh pair of processes (`--memory`, `--first-steps`): builds it, then runs
-    `n_steps` steps, each on a micro-batch of its own.
+    `n_steps` steps, each on a micro-batch of its own (`--fresh`: one round's run of a trainer).
 
     Rank 0 writes `alone-{name}-{precision}.json`: `peak` (MiB per rank over the process's life, the larger rank's;
     None for a skipped trainer), `built` and `stepped` (the peak while building the model and the trainer, and
-    during the steps), `build_s` (wall time to build it), `steps_s` (rank 0's wall time of each step) and `to_last_s`
+    during the steps), `build_s` (wall time to build it), `steps_s` and `cpu_s` (rank 0's wall and process CPU time
+    of each step, its threads' included) and `to_last_s`
     (from the trainer built to the end of the last step, both ranks there: the time a user waits for step
-    `n_steps`), and `tuning` (the process settings it ran with).
+    `n_steps`), `skipped` (why it was not built, or None) and `tuning` (the process settings it ran with).
     """
     init(rank, world, store, threads)
+    steps: dict = {}
     try:
         data = batches(rank, n_steps)  # (made before the clock starts; the same tokens as the timed rotation's)
         high_water_mib(reset=True)
         dist.barrier()
         t0 = time.perf_counter()
-        steps, _ = build_all([name], precision, n_layer)
+        steps, skipped = build_all([name], precision, n_layer)
         dist.barrier()
         built_at = time.perf_counter()
         phases = [high_water_mib(reset=True)]  # the model built and the trainer set up (fzero.init: the state)
-        marks = [built_at]
+        marks, cpu_marks = [built_at], [time.process_time()]
         for batch in data if name in steps else ():
             steps[name](batch)
             marks.append(time.perf_counter())
+            cpu_marks.append(time.process_time())
         dist.barrier()
         to_last = time.perf_counter() - built_at
         phases.append(high_water_mib())  # the steps
@@ -185,10 +202,12 @@ def alone_worker(
                 "stepped": stepped,
                 "build_s": built_at - t0,
                 "steps_s": [b - a for a, b in itertools.pairwise(marks)],
+                "cpu_s": [b - a for a, b in itertools.pairwise(cpu_marks)],
                 "to_last_s": to_last if name in steps else None,
+                "skipped": skipped.get(name),
                 "tuning": TUNING,
             }
             with open(os.path.join(os.path.dirname(store), f"alone-{name}-{precision}.json"), "w") as f:
                 json.dump(result, f)
     finally:
-        process_group.shutdown()  # not destroy_process_group: see fzero.host.process_group
+        release(steps)
