@@ -50,36 +50,35 @@ rotation: what this run's noise alone does to a ratio), and the table says which
 DDP (their ratio to DDP within 1 +- the spread: this run cannot tell them from DDP), for the wall time and the CPU
 time apart.
 
-Every trainer lives in the same processes and runs in rotating order, round after round (machine noise hits
-them alike); each round times `--steps` steps after two warm-up steps. Shared processes share an allocator: glibc
-raises its mmap threshold when a large mapped block is freed, so a trainer's speed there depends on those timed
-before it (DDP ran at 0.79-0.86 s a step in the rotation against 0.94-1.05 s in fresh processes, 2026-11-29).
-`--fresh` times what a user's process runs instead, one trainer: each round starts every trainer alone in a fresh
-pair of processes, in rotating order, and takes the median of its `--steps` steps after 3 warm-up steps (the A/A
-row: two DDPs, each in its own fresh pairs); it costs a start and a build per trainer and round (~20 s on a shared
-2-core machine), and takes neither `--sweep`, `--profile` nor `--comm`. With `--first-steps` the same runs also give
-the time to step N (the round with the median one). Prints the median step time per trainer, its
-ratio to DDP's, rank 0's process CPU time per step (`time.process_time`: its threads', gloo's included; on a
-machine whose cores the ranks fill, a step costs what its CPU time costs) and its ratio to DDP's, with `--floor` its
-ratio to the floor (the same model's forward + backward alone, without communication or optimizer, plus the update
-alone over a 1/W share of the parameters: the physical limit of a ZeRO step on this machine; `floor-fwdbwd` and
-`floor-update` are timed in the same rotation), and with `--memory` the peak resident memory per rank of each trainer
-run alone in a fresh pair of processes (the table: over the process's life; a line per trainer also splits it into
-building the model and the trainer, `fzero.init` for fzero's, and its steps: 3 steps, or `--first-steps`' N).
-`--first-steps [N]` (N: 10 when not given) times the first steps in those same fresh pairs: the wall time from the
-trainer built to the end of step N (a micro-batch each, both ranks there), each trainer's ratio to DDP's beside the
-fresh runs' own A/A spread (`ddp-again` alone against `ddp` alone), N times the steady median beside it, and rank 0's
-time of each step. It costs one fresh pair of processes per trainer (and per `-tuned` trainer): the start and
-imports (~5 s), the build (3 s for fzero's, 7-10 s for DDP's on a shared 2-core AVX2 machine) and N steps: about
-35 s a trainer there in fp32 at 6 layers (2.4 s a step under the other jobs' load); with `--memory` both come from
-the same fresh pairs (its steps phase then covers the N steps). `--profile` prints instead rank 0's
-per-phase split of a step (compute, waiting on communication, optimizer, copies; the profiler's self CPU time, the
-rest of the wall time unaccounted), and for fzero's steps the time inside each of its `record_function` phases
-(`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`, `fzero.update`, `fzero.agree`; the engine's
-`fzero.forward`, `fzero.backward`), its ten costliest aten ops (self time and calls a step), and the count and total
-size of one step's allocations of 2 MiB or more (`torch.profiler`'s `profile_memory`, in a step of their own). On a
-machine the ranks' threads fill, an op's self time includes the time its thread waited for a core (gloo's threads
-run on the same cores): a small op can show tens of milliseconds.
+Every trainer lives in the same processes and runs in rotating order, round after round (machine noise hits them
+alike); each round times `--steps` steps after two warm-up steps. Shared processes share an allocator and its state
+(glibc raises its mmap threshold when a large mapped block is freed), so a trainer's speed there may depend on those
+built and timed beside it. `--fresh` times what a user's process runs instead, one trainer: each round starts every
+trainer alone in a fresh pair of processes, in rotating order, and takes the median of its `--steps` steps after 3
+warm-up steps (the A/A row: two DDPs, each in its own fresh pairs); it costs a start and a build per trainer and
+round (~12 s with 11 steps on a shared 2-core machine), and takes neither `--sweep`, `--profile` nor `--comm`. With
+`--first-steps` the same runs also give the time to step N (the round with the median one). Prints the median step
+time per trainer, its ratio to DDP's, rank 0's process CPU time per step (`time.process_time`: its threads', gloo's
+included; on a machine whose cores the ranks fill, a step costs what its CPU time costs) and its ratio to DDP's,
+with `--floor` its ratio to the floor (the same model's forward + backward alone, without communication or
+optimizer, plus the update alone over a 1/W share of the parameters: the physical limit of a ZeRO step on this
+machine; `floor-fwdbwd` and `floor-update` are timed in the same rotation), and with `--memory` the peak resident
+memory per rank of each trainer run alone in a fresh pair of processes (the table: over the process's life; a line
+per trainer also splits it into building the model and the trainer, `fzero.init` for fzero's, and its steps: 3
+steps, or `--first-steps`' N). `--first-steps [N]` (N: 10 when not given) times the first steps in those same fresh
+pairs: the wall time from the trainer built to the end of step N (a micro-batch each, both ranks there), each
+trainer's ratio to DDP's beside the fresh runs' own A/A spread (`ddp-again` alone against `ddp` alone), N times the
+steady median beside it, and rank 0's time of each step. It costs one fresh pair of processes per trainer (and per
+`-tuned` trainer): the start and imports (~5 s), the build (3 s for fzero's, 7-10 s for DDP's on a shared 2-core
+AVX2 machine) and N steps: about 35 s a trainer there in fp32 at 6 layers (2.4 s a step under the other jobs' load);
+with `--memory` both come from the same fresh pairs (its steps phase then covers the N steps). `--profile` prints
+instead rank 0's per-phase split of a step (compute, waiting on communication, optimizer, copies; the profiler's
+self CPU time, the rest of the wall time unaccounted), and for fzero's steps the time inside each of its
+`record_function` phases (`fzero.gather`, `fzero.forward_backward`, `fzero.reduce`, `fzero.update`, `fzero.agree`;
+the engine's `fzero.forward`, `fzero.backward`), its ten costliest aten ops (self time and calls a step), and the
+count and total size of one step's allocations of 2 MiB or more (`torch.profiler`'s `profile_memory`, in a step of
+their own). On a machine the ranks' threads fill, an op's self time includes the time its thread waited for a core
+(gloo's threads run on the same cores): a small op can show tens of milliseconds.
 
 `--nproc N` runs N processes instead of 2 (`--rounds` and `--steps` then default to 3 and 2: on this 2-core machine
 4 processes share the cores). With `--comm`, or whenever a 2-D trainer above runs, every `fzero-zeroN*` and 2-D row
@@ -93,6 +92,8 @@ with `fzero-zero3`'s cross-node bytes over the row's.
 `torch.compile(model)`, FSDP2 with each block compiled under `fully_shard` (`block.compile()`, torchtitan's way),
 DeepSpeed's `engine.compile()`, fzero's core with `train_step(compile=True)` and its engine with `engine.compile()`
 (each unit compiled: `fzero.sharding.compile`), all with inductor; the first steps, which compile, are the warm-up.
+With `ddp-compiled` comes `ddp-again-compiled`, the compiled A/A row, and a second table: each compiled row against
+DDP compiled, beside that A/A spread.
 
 `--sweep 6,12,24` repeats the run for each layer count (the model otherwise the same; `--only` then defaults to
 `ddp fsdp2-zero3 deepspeed-zero3 fzero-zero3 fzero-engine-zero3`): each size is timed in its own processes, every
@@ -254,6 +255,10 @@ def run_alone(tmp: str, name: str, precision: str, args: argparse.Namespace, n_s
         return json.load(f)
 
 
+FRESH_WARMUP = 3
+"""`--fresh`'s warm-up steps in each fresh pair (the user script's): a fresh process's first steps build its heap."""
+
+
 def measure_fresh(tmp: str, precision: str, args: argparse.Namespace) -> Run:
     """`--fresh`: each trainer of `args.only` alone in a fresh pair of processes, as a user's script runs one,
     `args.rounds` rounds in rotating order (machine noise hits them alike); a round's figure is the median of its
@@ -261,8 +266,8 @@ def measure_fresh(tmp: str, precision: str, args: argparse.Namespace) -> Run:
 
     Returns:
       `measure`'s `{"times", "alone"}`: `times` the median over the rounds (`all`: each round's), `alone` by trainer
-      the round whose time to step `--first-steps` (else its peak) is the median's, its peak the highest of the
-      rounds'.
+      the round whose time to step `--first-steps` (else to its last timed step) is the median, with the highest
+      peak of the rounds.
     """
     n_first = args.first_steps or FRESH_WARMUP + args.steps
     n_steps = max(n_first, FRESH_WARMUP + args.steps)
@@ -293,10 +298,6 @@ def measure_fresh(tmp: str, precision: str, args: argparse.Namespace) -> Run:
         "tuning": next(iter(rounds.values()))[0]["tuning"],  # the workers' (this process applies none)
     }
     return {"times": times, "alone": {**alone, **{name: {"peak": None, "to_last_s": None} for name in skipped}}}
-
-
-FRESH_WARMUP = 3
-"""`--fresh`'s warm-up steps in each fresh pair (the user script's): a fresh process's first steps build its heap."""
 
 
 def rotation(only: list[str]) -> list[str]:

@@ -10,6 +10,7 @@ it from DDP.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from compare_trainers import AGAIN, CFG, COMPILED, FLOOR, MICRO, PEERS3, grid, make_model
 
@@ -44,6 +45,15 @@ def within(name: str, ratio: float | None, aa: float | None) -> str:
     if abs(off) <= aa:
         return "yes"
     return f"no, {'slower' if off > 0 else 'faster'} by {abs(off) - aa:.1%} beyond"
+
+
+def per_round(rounds: dict[str, list[float]], name: str) -> str:
+    """Row `name`'s ratio to DDP round by round, as a cell: the median of the per-round ratios (each round's two
+    figures were timed minutes apart at most, so a drift of the machine's load between rounds cancels), "-" where
+    either row lacks its rounds."""
+    if not rounds.get(name) or not rounds.get("ddp"):
+        return "-"
+    return f"{statistics.median(a / b for a, b in zip(rounds[name], rounds['ddp'], strict=True)):.2f}x"
 
 
 def ratio_cell(value: float | None, base: float | None) -> tuple[str, float | None]:
@@ -94,18 +104,19 @@ def report(plain: Run, tuned: Run | None, precision: str, psi: int, args: argpar
     header(plain, precision, psi, args)
     if floor is not None:
         print(f"floor (forward + backward alone, plus ZeRO's 1/{args.nproc} share of the update alone): {floor:.3f} s")
-    print(f"| trainer | step s | vs DDP | within A/A | CPU s | CPU vs DDP | CPU within A/A |"
+    print(f"| trainer | step s | vs DDP | within A/A | per-round vs DDP | CPU s | CPU vs DDP | CPU within A/A |"
           f"{' vs floor |' if floor else ''}{' peak RSS MiB/rank |' if memory else ''}")  # fmt: skip
-    print(f"|---|---|---|---|---|---|---|{'---|' if floor else ''}{'---|' if memory else ''}")
+    print(f"|---|---|---|---|---|---|---|---|{'---|' if floor else ''}{'---|' if memory else ''}")
     for name, t in median.items():
         cell, ratio = ratio_cell(t, base)
+        paired = per_round(times.get("all", {}), name)
         cpu_cell, cpu_ratio = ratio_cell(cpu[name], cpu_base)
         over = f" {t / floor:.2f}x |" if floor else ""
         mem = f" {memory[name]:.0f} |" if memory.get(name) else (" - |" if memory else "")
-        print(f"| {name} | {t:.3f} | {cell} | {within(name, ratio, aa)} | {cpu[name]:.3f} | {cpu_cell} | "
+        print(f"| {name} | {t:.3f} | {cell} | {within(name, ratio, aa)} | {paired} | {cpu[name]:.3f} | {cpu_cell} | "
               f"{within(name, cpu_ratio, aa_cpu)} |{over}{mem}")  # fmt: skip
     for name, why in times["skipped"].items():
-        print(f"| {name} | {why} | | | | | |{' |' if floor else ''}{' |' if memory else ''}")
+        print(f"| {name} | {why} | | | | | | |{' |' if floor else ''}{' |' if memory else ''}")
     if "ddp" + COMPILED in median:
         report_compiled(median, cpu)
     if tuned is not None:
