@@ -335,9 +335,8 @@ COMPILED = "-compiled"
 
 def compiled_trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
     """The compiled rows, each named after its eager one: DDP on `torch.compile(model)` (twice: the compiled A/A
-    row), FSDP2 with each block
-    compiled, DeepSpeed's `engine.compile()`, fzero's core (`train_step(compile=True)`) and engine
-    (`engine.compile()`), at the stages of the eager rows."""
+    row), FSDP2 with each block compiled, DeepSpeed's `engine.compile()`, fzero's core (`train_step(compile=True)`)
+    and engine (`engine.compile()`), at the stages of the eager rows."""
     compiled_ddp = functools.partial(ddp, compile=True)
     out: dict[str, Callable[[nn.Module, str], Step]] = {"ddp" + COMPILED: compiled_ddp, AGAIN + COMPILED: compiled_ddp}
     for stage in (2, 3):
