@@ -158,6 +158,7 @@ from compare_trainers import (
     has_ledger,
     lm_loss,
     make_model,
+    rotated,
     step_ledger,
     trainers,
 )
@@ -169,8 +170,8 @@ __all__ = [  # the names other benchmarks import from here (re-exported from the
     "deepspeed_engine", "device_type", "ds_config", "floor_forward_backward", "floor_update", "fresh_buffers",
     "fsdp2", "fzero_core", "fzero_engine", "grid", "grid_mesh", "has_ledger", "high_water_mib", "init",
     "layer_counts", "lm_loss", "main", "make_model", "measure", "n_params", "profile_worker", "report",
-    "report_comm", "report_sweep", "spread", "step_ledger", "time_worker", "trainers", "trend", "tuned_processes",
-    "within", "within_peers",
+    "report_comm", "report_sweep", "rotated", "spread", "step_ledger", "time_worker", "trainers", "trend",
+    "tuned_processes", "within", "within_peers",
 ]  # fmt: skip
 
 
@@ -275,7 +276,7 @@ def measure_fresh(tmp: str, precision: str, args: argparse.Namespace) -> Run:
     order = list(args.only)
     rounds: dict[str, list[dict]] = {name: [] for name in order}
     for r in range(args.rounds):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
+        for name in rotated(order, r):
             print(f"fresh: round {r + 1}/{args.rounds}: {name} ({precision})", flush=True)
             os.makedirs(folder := os.path.join(tmp, f"round-{r}"), exist_ok=True)
             rounds[name].append(run_alone(folder, name, precision, args, n_steps, CFG.n_layer))

@@ -68,7 +68,7 @@ def header(run: Run, precision: str, psi: int, args: argparse.Namespace) -> None
     tuning = run["times"].get("tuning", "none")
     settings = "no fzero.hostmem call (what a user's own script runs)" if tuning == "none" else f"tuned: {tuning}"
     where = ("each trainer alone in a fresh pair of processes each round, its steps after its warm-up (--fresh)"
-             if getattr(args, "fresh", False) else "every trainer in the same pair of processes")  # fmt: skip
+             if args.fresh else "every trainer in the same pair of processes")  # fmt: skip
     print(f"\n{precision}: {psi / 1e6:.1f}M parameters, {args.nproc} gloo ranks x {args.threads} thread(s), "
           f"micro-batch {MICRO} x {CFG.seq_len}, median of {args.rounds} rounds of {args.steps} steps, {where}; "
           f"process settings: {settings}")  # fmt: skip
@@ -77,7 +77,7 @@ def header(run: Run, precision: str, psi: int, args: argparse.Namespace) -> None
     if aa is not None:
         rounds = run["times"].get("all", {})
         each = " ".join(f"{b / a - 1:+.1%}" for a, b in zip(rounds["ddp"], rounds[AGAIN], strict=True))
-        pairs = "each in its own fresh processes" if getattr(args, "fresh", False) else "in the same processes"
+        pairs = "each in its own fresh processes" if args.fresh else "in the same processes"
         print(f"A/A spread (|{AGAIN} / ddp - 1|, two DDPs {pairs}, the same rotation): step time {aa:.1%}, CPU time "
               f"{aa_cpu:.1%}; {AGAIN} / ddp - 1 round by round: {each}")  # fmt: skip
     else:

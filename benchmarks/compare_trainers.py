@@ -283,6 +283,15 @@ def floor_update(model: nn.Module, precision: str) -> Step:
 
 
 AGAIN = "ddp-again"  # the A/A row: DDP built a second time, timed in the same rotation
+
+
+def rotated(order: list[str], r: int) -> list[str]:
+    """Round `r`'s order of a rotation: `order` started `r` places on, so each name leads in turn and machine noise
+    hits them alike."""
+    k = r % len(order)
+    return order[k:] + order[:k]
+
+
 FLOOR = ("floor-fwdbwd", "floor-update")
 SWEEP = ("ddp", "fsdp2-zero3", "deepspeed-zero3", "fzero-zero3", "fzero-engine-zero3")  # --sweep's default --only
 PEERS3 = ("fsdp2-zero3", "deepspeed-zero3")  # --sweep: the stage-3 peak RSS that fzero's rows should stay within

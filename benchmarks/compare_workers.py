@@ -19,7 +19,16 @@ import time
 
 import torch
 import torch.distributed as dist
-from compare_trainers import CFG, COLLECTIVE_TIMEOUT_S, TUNING, batches, build_all, has_ledger, step_ledger
+from compare_trainers import (
+    CFG,
+    COLLECTIVE_TIMEOUT_S,
+    TUNING,
+    batches,
+    build_all,
+    has_ledger,
+    rotated,
+    step_ledger,
+)
 
 from fzero.host import process_group
 
@@ -61,7 +70,7 @@ def time_worker(
         cpu: dict[str, list[float]] = {name: [] for name in steps}
         order = list(steps)
         for r in range(args.rounds):
-            for name in order[r % len(order) :] + order[: r % len(order)]:
+            for name in rotated(order, r):
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 for batch in data:

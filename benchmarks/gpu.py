@@ -55,7 +55,7 @@ def measure(precision: str, rounds: int, steps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in built}
     order = list(built)
     for r in range(rounds):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
+        for name in compare.rotated(order, r):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for batch in data:

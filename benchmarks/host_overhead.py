@@ -48,7 +48,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
             times: dict[str, list[float]] = {name: [] for name in built}
             order = list(built)
             for r in range(args.rounds):
-                for name in order[r % len(order) :] + order[: r % len(order)]:
+                for name in compare.rotated(order, r):
                     t0 = time.process_time()
                     for batch in data:
                         built[name](batch)

@@ -45,7 +45,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from compare import LR, MICRO, WD, batches, lm_loss, make_model  # (benchmarks/): the model and the data
+from compare import LR, MICRO, WD, batches, lm_loss, make_model, rotated  # (benchmarks/): the model, the data
 from compare_report import within
 
 import fzero
@@ -229,7 +229,7 @@ def main() -> None:
             medians: dict[str, list[float]] = {name: [] for name in order}
             to_step: dict[str, list[float]] = {name: [] for name in order}
             for r in range(args.rounds):
-                for name in order[r % len(order) :] + order[: r % len(order)]:
+                for name in rotated(order, r):
                     result = launch(name, precision, folder)
                     medians[name].append(result["median_s"])
                     to_step[name].append(result["to_step_s"])
