@@ -16,7 +16,7 @@ from torch import nn
 
 import fzero
 from fzero.layout import ROOT_UNIT, Auto, unit_policy
-from tests.real_models import assert_bitwise, train
+from tests.real_models import assert_bitwise, gpt2, llama, token_batches, train
 
 WIDTH = 512  # four bias-free layers of 512 x 512: 2**20 elements, the smallest model the rule splits
 
@@ -102,13 +102,38 @@ def test_cnn_units_follow_its_convolutions():
 
 
 def test_models_with_a_module_list_keep_its_units():
-    """HF GPT-2 (its blocks in a ModuleList, the embeddings under half the model) and small models: unchanged."""
+    """HF GPT-2: its blocks (the ModuleList's children) are units; outside the list, the position table (262,144
+    elements) is a unit of its own, while the token embedding, tied to the head (both modules read it), and the final
+    norm (under 100,000 elements) stay in the root unit; small models: unchanged."""
     transformers = pytest.importorskip("transformers")
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000))
     auto, by_list = unit_policy(gpt2, None), unit_policy(gpt2, "module_list")
-    assert all(auto(n) == by_list(n) for n, _ in gpt2.named_parameters())
+    assert all(auto(n) == by_list(n) for n, _ in gpt2.named_parameters() if not n.startswith("transformer.wpe."))
+    assert auto("transformer.wpe.weight") == "transformer.wpe" and by_list("transformer.wpe.weight") == ROOT_UNIT
+    assert auto("transformer.wte.weight") == auto("transformer.ln_f.weight") == ROOT_UNIT
     small = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))  # under 2**20 elements: one unit, as before
     assert {unit_policy(small, None)(n) for n, _ in small.named_parameters()} == {ROOT_UNIT}
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero3"])
+def test_embedding_and_head_outside_the_list_are_units_and_train_bitwise(preset):
+    """An untied Llama: its embedding and head, outside the ModuleList, are units of their own (with `Auto(1000)`
+    these tiny ones are over the minimum), gathered when their modules run and reduced as their gradients complete;
+    the final norm stays in the root unit. Stage 2 and stage 3 on 2 ranks train to the parameters of the same model
+    with both in the root unit, bitwise (the same elementwise arithmetic; no clipping). A GPT-2, whose head shares
+    the embedding's weight, keeps that weight in the root unit (both modules read it), its position table a unit."""
+    pytest.importorskip("transformers")
+    batches = token_batches(2, 2)
+    split, _ = train(llama(), batches, preset, units=Auto(1000))
+    names = {u.name for u in split.layout.units}
+    assert {"model.embed_tokens", "lm_head", ROOT_UNIT} <= names, names
+    rooted, _ = train(llama(), batches, preset, units="module_list")
+    assert "lm_head" not in {u.name for u in rooted.layout.units}
+    assert_bitwise(fzero.state_dict(split), fzero.state_dict(rooted))
+    tied, _ = train(gpt2(), batches, preset, units=Auto(500))
+    unit_of = {leaf.name: tied.layout.units[leaf.unit].name for leaf in tied.layout.leaves}
+    assert unit_of["transformer.wte.weight"] == ROOT_UNIT and unit_of["transformer.wpe.weight"] == "transformer.wpe"
+    assert_bitwise(fzero.state_dict(tied), fzero.state_dict(train(gpt2(), batches, preset, units="module_list")[0]))
 
 
 def test_auto_min_numel_and_the_warning():

@@ -1,10 +1,12 @@
 """Unit policies: which parameters ZeRO-3 gathers together. A policy maps a parameter's name to its unit's name
 (a module path, or `ROOT_UNIT` for what no unit claims); `fzero.layout.flat.from_module` lays the units out.
 
-- `Auto()` (the default): each child of an `nn.ModuleList` is a unit (a transformer's blocks), unless that would
-  leave one unit holding most of a model of a million elements or more (a model without a `ModuleList`: an
-  `nn.Sequential`, a CNN); then units follow the modules, as DeepSpeed's ZeRO-3 gathers each module's own
-  parameters, with the modules under `min_numel` elements merged into the unit around them (`BySize(min_numel)`).
+- `Auto()` (the default): each child of an `nn.ModuleList` is a unit (a transformer's blocks), and so is each
+  module outside the list with `min_numel` elements or more of its own that no other module shares (an untied
+  embedding, a language-model head); unless that would leave one unit holding most of a model of a million elements
+  or more (a model without a `ModuleList`: an `nn.Sequential`, a CNN); then units follow the modules, as DeepSpeed's
+  ZeRO-3 gathers each module's own parameters, with the modules under `min_numel` elements merged into the unit
+  around them (`BySize(min_numel)`).
 - `"module_list"`: the `ModuleList` children alone; `BySize(n)`: module subtrees of at least `n` elements;
   `"single"`: one unit; `"param"`: one unit per parameter; or any callable from a name to a unit's name.
 
@@ -21,6 +23,7 @@ collectives a step makes.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +56,18 @@ class BySize:
 
 @dataclass(frozen=True)
 class Auto:
-    """The default unit policy: the `nn.ModuleList` children, or, where those would leave one unit holding more
-    than half of a model of at least 2**20 elements, `BySize(min_numel)`: every module owning `min_numel` elements
-    or more (counted children first) a unit, as DeepSpeed gathers module by module.
+    """The default unit policy: the `nn.ModuleList` children, and outside the list every module owning `min_numel`
+    elements or more (counted children first) that share no parameter with another module; or, where those would
+    leave one unit holding more than half of a model of at least 2**20 elements, `BySize(min_numel)`: every module
+    owning `min_numel` elements or more a unit, as DeepSpeed gathers module by module.
+
+    A language model's embedding and head are then units of their own, not part of the root unit: at stages 1-2 the
+    head is gathered in the forward when its turn comes (the root unit, gathered before the first layer, waits for
+    nothing else to overlap with) and its gradient is reduced as the backward starts, overlapped with it, where the
+    root unit's is reduced after the backward's end (2026-11-29, a 27.3M GPT on 2 gloo ranks: stage 2's step
+    0.97x DDP's against 1.06-1.08x with both in the root unit, `benchmarks/compare.py --fresh`). A parameter tied
+    between two modules (a head sharing the embedding's weight) stays in the root unit, gathered for the whole
+    step, since both modules read it.
 
     Attributes:
       min_numel: the smallest unit below the root, in elements; smaller modules join the unit around them. The
@@ -88,12 +100,15 @@ def module_list_units(model: nn.Module) -> Callable[[str], str]:
     return unit_of
 
 
-def size_units(model: nn.Module, min_numel: int) -> Callable[[str], str]:
+def size_units(
+    model: nn.Module, min_numel: int, eligible: Callable[[str, nn.Parameter], bool] | None = None
+) -> Callable[[str], str]:
     """The `BySize(min_numel)` policy (see `BySize`): parameters (trainable and frozen, tied ones once) counted
     children first; a module other than the root whose not-yet-assigned elements reach `min_numel` becomes a
-    unit."""
+    unit. With `eligible`, only the parameters it accepts (by name and tensor) count and are assigned; the others
+    map to `ROOT_UNIT` here (the caller's other policy places them)."""
     assigned: dict[str, str] = {}
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for n, p in model.named_parameters() if eligible is not None and not eligible(n, p)}
 
     def visit(prefix: str, module: nn.Module) -> list[tuple[str, int]]:
         """The (name, numel) of the parameters under `module` not yet in a unit."""
@@ -121,6 +136,20 @@ def concentrated(sizes: Mapping[str, int]) -> str | None:
     return biggest if biggest is not None and total >= _AUTO_MODEL_NUMEL and sizes[biggest] > total / 2 else None
 
 
+def _module_list_and_leftovers(model: nn.Module, min_numel: int) -> Callable[[str], str]:
+    """`Auto`'s first rule: the `ModuleList` children, then, of the parameters left in the root unit, those of each
+    module with `min_numel` of them or more, unshared (`size_units` over the leftovers)."""
+    by_list = module_list_units(model)
+    owners = Counter(id(p) for _, m in model.named_modules(remove_duplicate=False) for p in m.parameters(recurse=False))
+    leftovers = size_units(model, min_numel, lambda name, p: by_list(name) == ROOT_UNIT and owners[id(p)] == 1)
+
+    def unit_of(name: str) -> str:
+        unit = by_list(name)
+        return leftovers(name) if unit == ROOT_UNIT else unit
+
+    return unit_of
+
+
 def _sizes(model: nn.Module, unit_of: Callable[[str], str]) -> dict[str, int]:
     """Each unit's element count under `unit_of` (tied parameters once, frozen ones included)."""
     sizes: dict[str, int] = {}
@@ -139,8 +168,8 @@ def unit_policy(model: nn.Module, units: str | BySize | Auto | Callable[[str], s
     if units is None or units == "auto":
         units = Auto()
     if isinstance(units, Auto):
-        by_list = module_list_units(model)
-        return size_units(model, units.min_numel) if concentrated(_sizes(model, by_list)) else by_list
+        listed = _module_list_and_leftovers(model, units.min_numel)
+        return size_units(model, units.min_numel) if concentrated(_sizes(model, listed)) else listed
     if units == "module_list":
         return module_list_units(model)
     if units == "single":
