@@ -23,8 +23,10 @@ The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gp
   unit's reduction overlapped with the backward on a mesh of several processes; the model moved to `meta` after
   `fzero.init`, which copies its parameters into the state), `fzero-zeroN-serial` (the same, each reduction waited for:
   `GatherPolicy(overlap_reduce=False)`), `fzero-zeroN-fresh` (stages 0-2: the same, every step-sized buffer fresh:
-  `fzero.scratch.disabled()`) and `fzero-engine-zeroN` (`fzero.initialize`, the config's defaults; its module's
-  parameters then views of the state's at stages 0-2, empty at stage 3: no fzero trainer keeps the model's copy);
+  `fzero.scratch.disabled()`), `fzero-zeroN-rooted` (stages 2-3: the same with the embedding and the head in the
+  root unit, `units="module_list"`, the default layout before 2026-11-29) and `fzero-engine-zeroN`
+  (`fzero.initialize`, the config's defaults; its module's parameters then views of the state's at stages 0-2, empty
+  at stage 3: no fzero trainer keeps the model's copy);
   at stage 3 both gather every unit again for its backward but the last (`GatherPolicy(reuse_distance=0)`,
   `stage3_max_reuse_distance` unset); `fzero-zero3-keep` and `fzero-engine-zero3-keep` keep every unit of this model
   gathered from its forward into its backward (a distance of 1e9, DeepSpeed's default: a gather fewer per unit, the

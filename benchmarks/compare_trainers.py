@@ -180,6 +180,7 @@ def fzero_core(
     two_d: bool = False,
     compile: bool = False,
     reuse: int = 0,
+    units: str | None = None,
     **options: bool,
 ) -> Callable[..., Step]:
     """fzero's functional step under `fzero.zero{stage}(..., **options)`.
@@ -192,6 +193,9 @@ def fzero_core(
       compile: `train_step(compile=True)`: each unit compiled (`fzero.sharding.compile`).
       reuse: `GatherPolicy(reuse_distance=...)`: stage 3 keeps the units this distance covers gathered from their
         forward into their backward (0, the core's default: the last only; 10**9, DeepSpeed's: every unit here).
+      units: `fzero.init(units=...)`: None, the default (`fzero.layout.Auto()`: the blocks, the embedding and the
+        head each a unit); "module_list" keeps the embedding and the head in the root unit (the default before
+        2026-11-29).
       options: the preset's ZeRO++ and hybrid flags (`hybrid`, `hpz`, `qwz`, `qgz`).
 
     Returns:
@@ -211,7 +215,7 @@ def fzero_core(
 
         policy = fzero.GatherPolicy(overlap_reduce=overlap, reuse_distance=reuse)
         train = fzero.train_step(model, loss_fn, tx, mesh, donate=True, gather=policy, compile=compile)
-        box = [fzero.init(model, tx, mesh)]
+        box = [fzero.init(model, tx, mesh, units=units)]
         model.to("meta")  # the state holds the parameters: free the template's own (as `fully_shard` replaces them)
 
         def step(batch: dict[str, torch.Tensor]) -> None:
@@ -329,6 +333,8 @@ def trainers() -> dict[str, Callable[[nn.Module, str], Step]]:
         out[f"fzero-zero{stage}-fresh"] = fresh_buffers(fzero_core(stage))
     for stage in (0, 1, 2, 3):
         out[f"fzero-engine-zero{stage}"] = fzero_engine(stage)
+    for stage in (2, 3):
+        out[f"fzero-zero{stage}-rooted"] = fzero_core(stage, units="module_list")
     out["fzero-zero3-keep"] = fzero_core(3, reuse=10**9)  # every unit kept into its backward: DeepSpeed's default
     out["fzero-engine-zero3-keep"] = fzero_engine(3, reuse=10**9)
     out.update(zip(FLOOR, (floor_forward_backward, floor_update), strict=True))
