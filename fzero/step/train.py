@@ -105,8 +105,9 @@ def init(
       tx: the transform (e.g. `fzero.zero2(fzero.adamw(3e-4))`).
       mesh: `SimMesh(world=W)` or `DistMesh()`.
       units: how parameters group into units (`fzero.layout.units`). Default `fzero.layout.Auto()`: each child of
-        an `nn.ModuleList`, or, where that would leave one unit holding most of the model, module by module (every
-        module of 100,000 elements or more). E.g. `fzero.layout.BySize(n)`, `"module_list"`, a callable.
+        an `nn.ModuleList` and each untied module outside it of 100,000 elements or more (an embedding, a head), or,
+        where that would leave one unit holding most of the model, module by module (every module of 100,000
+        elements or more). E.g. `fzero.layout.BySize(n)`, `"module_list"`, a callable.
       align: padding quantum per rank, in elements.
       initializer: for a `meta` model: run on every module, children first, as `model.apply(initializer)` would
         (e.g. a Hugging Face model's `_init_weights`); see `fzero.sharding.construct.sharded_parameters`.
