@@ -64,8 +64,9 @@ class Auto:
     A language model's embedding and head are then units of their own, not part of the root unit: at stages 1-2 the
     head is gathered in the forward when its turn comes (the root unit, gathered before the first layer, waits for
     nothing else to overlap with) and its gradient is reduced as the backward starts, overlapped with it, where the
-    root unit's is reduced after the backward's end (2026-11-29, a 27.3M GPT on 2 gloo ranks: stage 2's step
-    0.97x DDP's against 1.06-1.08x with both in the root unit, `benchmarks/compare.py --fresh`). A parameter tied
+    root unit's is reduced after the backward's end (2026-11-29, a 27.3M GPT on 2 gloo ranks: stage 2's step 3-12%
+    faster than with both in the root unit in four runs, stage 3's as fast and its peak 4-7% lower;
+    docs/performance.md, `benchmarks/compare.py --fresh`'s `-rooted` rows). A parameter tied
     between two modules (a head sharing the embedding's weight) stays in the root unit, gathered for the whole
     step, since both modules read it.
 
