@@ -1,8 +1,8 @@
-"""The default unit choice (`fzero.layout.Auto`): the `nn.ModuleList` children, or module by module where those
-would leave one unit holding most of the model (an `nn.Sequential`, a CNN). Stage 3 then gathers a fraction of the
-model at once, and trains to the same parameters, bitwise, as the same layers in a `ModuleList` and as one unit:
-gradients, their mean over ranks and AdamW are elementwise, so the layout changes no element's arithmetic (no
-clipping here: the gradient norm's summation order follows the layout)."""
+"""The default unit choice (`fzero.layout.Auto`): the `nn.ModuleList` children and the large untied modules outside
+the list, or module by module where those would leave one unit holding most of the model (an `nn.Sequential`, a
+CNN). Stage 3 then gathers a fraction of the model at once, and trains to the same parameters, bitwise, as the same
+layers in a `ModuleList` and as one unit: gradients, their mean over ranks and AdamW are elementwise, so the layout
+changes no element's arithmetic (no clipping here: the gradient norm's summation order follows the layout)."""
 
 from __future__ import annotations
 
@@ -106,9 +106,9 @@ def test_models_with_a_module_list_keep_its_units():
     elements) is a unit of its own, while the token embedding, tied to the head (both modules read it), and the final
     norm (under 100,000 elements) stay in the root unit; small models: unchanged."""
     transformers = pytest.importorskip("transformers")
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000))
-    auto, by_list = unit_policy(gpt2, None), unit_policy(gpt2, "module_list")
-    assert all(auto(n) == by_list(n) for n, _ in gpt2.named_parameters() if not n.startswith("transformer.wpe."))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000))
+    auto, by_list = unit_policy(model, None), unit_policy(model, "module_list")
+    assert all(auto(n) == by_list(n) for n, _ in model.named_parameters() if not n.startswith("transformer.wpe."))
     assert auto("transformer.wpe.weight") == "transformer.wpe" and by_list("transformer.wpe.weight") == ROOT_UNIT
     assert auto("transformer.wte.weight") == auto("transformer.ln_f.weight") == ROOT_UNIT
     small = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))  # under 2**20 elements: one unit, as before

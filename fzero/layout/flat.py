@@ -340,7 +340,8 @@ def from_module(
       model: the module.
       world, align, dtype: see `make_layout`.
       units: how parameters group into units (`fzero.layout.units`): None (`Auto()`: each child of an
-        `nn.ModuleList`, or module by module where that would leave one unit holding most of the model),
+        `nn.ModuleList` and each untied module outside it of 100,000 elements or more, or module by module where
+        that would leave one unit holding most of the model),
         `"module_list"`, `BySize(n)` (module subtrees of at least `n` elements), `"single"`, `"param"` (one unit
         per parameter), or a callable from a parameter's name to its unit's name.
 

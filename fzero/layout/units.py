@@ -66,9 +66,9 @@ class Auto:
     nothing else to overlap with) and its gradient is reduced as the backward starts, overlapped with it, where the
     root unit's is reduced after the backward's end (2026-11-29, a 27.3M GPT on 2 gloo ranks: stage 2's step 3-12%
     faster than with both in the root unit in four runs, stage 3's as fast and its peak 4-7% lower;
-    docs/performance.md, `benchmarks/compare.py --fresh`'s `-rooted` rows). A parameter tied
-    between two modules (a head sharing the embedding's weight) stays in the root unit, gathered for the whole
-    step, since both modules read it.
+    docs/performance.md, `benchmarks/compare.py --fresh`'s `-rooted` rows). A parameter tied between two modules
+    (a head sharing the embedding's weight) stays in the root unit, gathered for the whole step, since both modules
+    read it.
 
     Attributes:
       min_numel: the smallest unit below the root, in elements; smaller modules join the unit around them. The
@@ -141,7 +141,7 @@ def _module_list_and_leftovers(model: nn.Module, min_numel: int) -> Callable[[st
     """`Auto`'s first rule: the `ModuleList` children, then, of the parameters left in the root unit, those of each
     module with `min_numel` of them or more, unshared (`size_units` over the leftovers)."""
     by_list = module_list_units(model)
-    owners = Counter(id(p) for _, m in model.named_modules(remove_duplicate=False) for p in m.parameters(recurse=False))
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # (a tied one: 2 or more)
     leftovers = size_units(model, min_numel, lambda name, p: by_list(name) == ROOT_UNIT and owners[id(p)] == 1)
 
     def unit_of(name: str) -> str:
