@@ -380,7 +380,7 @@ def stages(rank: int, world: int, deepspeed: Any, fds: Any, ds_tf: Any, fz_tf: A
 def external(rank: int, world: int, deepspeed: Any, fds: Any, zero: Any) -> dict[str, Any]:
     """A weight used outside its unit's forward, registered (`register_external_parameter`) on a model built under
     `zero.Init`, before `initialize`: both train alike; unregistered, fzero's stage 3 says which parameter was used
-    where."""
+    where, and at stage 2 both train alike (a unit stays gathered there once its module ran)."""
     cfg = config(world)
     losses = []
     for z, make in ((deepspeed.zero, deepspeed.initialize), (zero, fds.initialize)):
@@ -399,7 +399,19 @@ def external(rank: int, world: int, deepspeed: Any, fds: Any, zero: Any) -> dict
         unregistered = "no error"
     except Exception as e:  # (at world 1 nothing is sharded at rest: no error)
         unregistered = str(e)
-    return {"same_losses": losses[0] == losses[1], "unregistered": unregistered}
+    stage2 = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage": 2}}
+    unregistered_losses = []
+    for make in (deepspeed.initialize, fds.initialize):  # stage 2 keeps every unit once gathered: no registration
+        torch.manual_seed(0)
+        model = Shared()
+        extra = {"printer": lambda _: None} if make is fds.initialize else {}
+        engine = make(model=model, config=stage2, model_parameters=model.parameters(), **extra)[0]
+        unregistered_losses.append([loss_of(engine, step, rank, world) for step in (1, 2)])
+    return {
+        "same_losses": losses[0] == losses[1],
+        "unregistered": unregistered,
+        "stage2_unregistered_same": unregistered_losses[0] == unregistered_losses[1],
+    }
 
 
 def errors(engine: Any, params: dict[str, Any], zero: Any, tf: Any) -> dict[str, str]:

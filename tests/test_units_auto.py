@@ -13,10 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 import fzero
 from fzero.layout import ROOT_UNIT, Auto, unit_policy
-from tests.real_models import assert_bitwise, gpt2, llama, token_batches, train
+from fzero.sharding.schedule import Gatherer
+from tests.real_models import V, assert_bitwise, gpt2, llama, token_batches, train
 
 WIDTH = 512  # four bias-free layers of 512 x 512: 2**20 elements, the smallest model the rule splits
 
@@ -134,6 +136,60 @@ def test_embedding_and_head_outside_the_list_are_units_and_train_bitwise(preset)
     unit_of = {leaf.name: tied.layout.units[leaf.unit].name for leaf in tied.layout.leaves}
     assert unit_of["transformer.wte.weight"] == ROOT_UNIT and unit_of["transformer.wpe.weight"] == "transformer.wpe"
     assert_bitwise(fzero.state_dict(tied), fzero.state_dict(train(gpt2(), batches, preset, units="module_list")[0]))
+
+
+class TiedLogits(nn.Module):
+    """x-transformers' tied embedding: no head module, the logits read the embedding's weight (`h @ emb.weight.T`)
+    after the embedding ran; with `early`, the forward first reads the last layer's weight (a regularizer), before
+    the forward reaches that layer."""
+
+    def __init__(self, early: bool = False, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.early, self.emb = early, nn.Embedding(V, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        penalty = self.layers[-1].weight.square().mean() if self.early else x.new_zeros((), dtype=torch.float32)
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h @ self.emb.weight.T, penalty
+
+
+def _next_token_loss(model: nn.Module):
+    def loss_fn(params, batch):
+        logits, penalty = torch.func.functional_call(model, params, (batch["x"],))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["x"][:, 1:].flatten()) + penalty
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_weight_read_outside_its_module(early, monkeypatch):
+    """A unit's weight read outside its module: at stages 0-2, where a unit stays gathered once gathered, the read
+    gets the tensor its module computes with (gathered first, in forward order, where the forward has not reached
+    it), so the tied logits and a penalty on a later layer train to the parameters of the same model with the
+    embedding in the root unit, bitwise; at stage 3 the unit is freed after its forward, and the read is an error
+    naming the weight. A model that reads no weight outside its modules makes no such read (nothing is gathered
+    ahead of the forward)."""
+    reads: list[str] = []
+    real_read = Gatherer.read
+    monkeypatch.setattr(Gatherer, "read", lambda self, i, n: reads.append(n) or real_read(self, i, n))
+    batches = token_batches(2, 2)
+    for preset in ("zero0", "zero1", "zero2"):
+        split, _ = train(TiedLogits(early), batches, preset, loss=_next_token_loss, units=Auto(1000))
+        assert "emb" in {u.name for u in split.layout.units} and "emb.weight" in reads
+        rooted, _ = train(TiedLogits(early), batches, preset, loss=_next_token_loss, units="module_list")
+        assert "emb" not in {u.name for u in rooted.layout.units}
+        assert_bitwise(fzero.state_dict(split), fzero.state_dict(rooted))
+    name = "'layers.1.weight'" if early else "'emb.weight'"
+    with pytest.raises(RuntimeError, match=f"parameter {name} was used .* outside the forward of its stage-3 unit"):
+        train(TiedLogits(early), batches, "zero3", loss=_next_token_loss, units=Auto(1000))
+    pytest.importorskip("transformers")
+    reads.clear()
+    train(llama(), batches, "zero2", units=Auto(1000))
+    assert reads == []
 
 
 def test_auto_min_numel_and_the_warning():

@@ -8,9 +8,9 @@ tensors into the module around the forward and the backward; `functional_call` i
 in the same tensors and, on its way out, restores the bound ones, so every recompute sees exactly the step's
 parameters.
 
-Parameters that are not available (stage 3's units that are gathered only while their module runs) are bound to
-`Unavailable` placeholders: using one outside its module's forward raises an error that names it, instead of
-computing with a stale tensor.
+Parameters that are not available (units gathered on demand, outside their module's forward) are bound to
+`Unavailable` placeholders: reading one gets the parameter's gathered tensor where its unit stays gathered (stages
+1-2), and raises an error that names it where not (stage 3), instead of computing with a stale tensor.
 
 Since the step has bound them, `functional_call`'s swapping in and back out is work that changes nothing: `call`
 skips it where the tensors it is given are exactly those bound (`bound_to`), and is `functional_call` elsewhere.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -68,7 +68,9 @@ def carry_attributes(original: Any, value: Any) -> None:
     which the module's forward may read: mup's `MuReadout` reads `self.weight.infshape`, DeepSpeed's Muon tags
     `use_muon`. Placeholders (`Unavailable`) stay bare."""
     extra = getattr(original, "__dict__", None)
-    if extra and isinstance(value, Tensor) and not isinstance(value, Unavailable) and value is not original:
+    if isinstance(original, Unavailable) or isinstance(value, Unavailable) or value is original:
+        return  # (a placeholder's attributes are fzero's, not the parameter's)
+    if extra and isinstance(value, Tensor):
         for key, attr in extra.items():
             if not hasattr(value, key):
                 setattr(value, key, attr)
@@ -169,23 +171,62 @@ def _unchanged(params: Mapping[str, Tensor], items: tuple[tuple[str, Tensor], ..
     return len(params) == len(items) and all(params.get(name) is value for name, value in items)
 
 
-class Unavailable(Tensor):
-    """A placeholder with a parameter's shape, dtype and device, and no data: any operation on it raises an error
-    that names the parameter (stage 3 binds it where a unit's parameter is not gathered)."""
+# what a placeholder answers without data (a property's or a method's name): a read of these gathers nothing
+_METADATA = frozenset({
+    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda", "is_cpu", "is_meta",
+    "is_sparse", "is_quantized", "is_nested", "names", "grad", "grad_fn", "size", "dim", "ndimension", "numel",
+    "nelement", "element_size", "is_floating_point", "is_complex", "stride", "__len__",
+})  # fmt: skip
 
-    # (torch's stubs type Tensor.__torch_function__ as a classmethod and the disabled impl as a plain function; this
-    # is torch's documented way to turn torch-function wrapping off for a subclass)
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # (see above)
+
+def _reads_data(func: Any) -> bool:
+    """Whether a torch function (a property's getter: by the property's name) may read its tensors' data."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name not in _METADATA
+
+
+def _real(x: Unavailable) -> Tensor:
+    """The parameter's tensor where its unit gives it (`Unavailable.read`), else the placeholder."""
+    real = x.read() if x.read is not None else None
+    return x if real is None else real
+
+
+class Unavailable(Tensor):
+    """A placeholder with a parameter's shape, dtype and device, and no data, bound where a unit's parameter is not
+    gathered. Its metadata is there; an operation reading its data gets the parameter's real tensor in its place
+    where the unit can give it exactly (`read`: stages 1-2 keep a unit gathered from its gather to the step's end,
+    so a weight read outside its module, as x-transformers' tied logits read the embedding's, is the same tensor its
+    module computes with, its gradient included), and otherwise raises an error that names the parameter (stage 3
+    frees a unit after its forward)."""
 
     param_name: str
     unit_name: str
+    read: Callable[[], Tensor | None] | None
+
+    @classmethod
+    def __torch_function__(  # type: ignore[override]  # (torch's stubs type the base's as a plain attribute function)
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _reads_data(func):
+            args, kwargs = torch.utils._pytree.tree_map_only(Unavailable, _real, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():  # (metadata, or a placeholder left: its dispatch raises)
+            return func(*args, **kwargs)
 
     @staticmethod
     def __new__(
-        cls, name: str, unit: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+        cls,
+        name: str,
+        unit: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        read: Callable[[], Tensor | None] | None = None,
     ) -> Unavailable:
         t = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        t.param_name, t.unit_name = name, unit
+        t.param_name, t.unit_name, t.read = name, unit, read
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]  # Tensor's takes a keyword this class has no use for
@@ -200,6 +241,7 @@ class Unavailable(Tensor):
         raise RuntimeError(
             f"parameter {name!r} was used ({func}) outside the forward of its stage-3 unit {unit!r}: at stage 3 a "
             "unit's parameters exist only while its module runs. Keep that parameter in a unit that is gathered "
-            "for the whole step (e.g. fzero.init(..., units=...) placing it in the root unit), or call the module "
-            "instead of reading its parameter"
+            "for the whole step (e.g. fzero.init(..., units=...) placing it in the root unit; in the DeepSpeed "
+            "shell, deepspeed.zero.register_external_parameter(the module reading it, the parameter) before "
+            "initialize), or call the module instead of reading its parameter"
         )

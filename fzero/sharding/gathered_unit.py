@@ -34,7 +34,7 @@ from ..mesh import Work
 from ..mesh.ranks import Ranks
 from .bind import carry_attributes, submodules
 
-__all__ = ["EXACT", "FROZEN", "TRAIN", "GatherSpec", "GatheredUnit", "Phase", "Spaces", "build_units"]
+__all__ = ["EXACT", "FROZEN", "RESHARD", "TRAIN", "GatherSpec", "GatheredUnit", "Phase", "Spaces", "build_units"]
 
 # the two flat spaces a unit has: trainable parameters, frozen parameters
 TRAIN: Final = 0

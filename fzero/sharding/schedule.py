@@ -29,7 +29,8 @@ The everyday habits of real models hold: hooks firing inside a backward are an a
 unit right after it ran; the output hooks are tensor hooks, so in-place operations on a unit's outputs stay legal;
 the views stay in the unit's modules through its backward, where a recompute of a layer's `forward` (not
 `__call__`, as Hugging Face checkpoints it) reads them; a parameter read outside its unit's forward is an
-`Unavailable` placeholder that raises an error naming it.
+`Unavailable` placeholder, which gives the gathered tensor where the unit stays gathered (stages 1-2: `read`) and
+raises an error naming it where not (stage 3).
 
 Why this mechanism: `torch.func` can neither differentiate through collectives nor accept saved-tensor hooks
 (docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full trainable buffer is
@@ -42,6 +43,7 @@ the arithmetic (a rank-ordered sum divided by the world size) and the ledger are
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +57,7 @@ from ..layout import Layout
 from ..layout.pieces import Pieces
 from ..mesh.ranks import Ranks, Reduction
 from .bind import Unavailable
-from .gathered_unit import EXACT, FROZEN, TRAIN, GatheredUnit, GatherSpec, Phase, Spaces, build_units
+from .gathered_unit import EXACT, FROZEN, RESHARD, TRAIN, GatheredUnit, GatherSpec, Phase, Spaces, build_units
 from .policy import GatherPolicy
 
 __all__ = ["Abandoned", "Gatherer"]
@@ -175,11 +177,26 @@ class Gatherer:
                     if leaf.unit == unit.index:
                         shard = self.spaces.shards[space]
                         assert shard is not None  # (a space with leaves has a buffer)
-                        out[leaf.name] = Unavailable(leaf.name, unit.name, leaf.shape, shard.dtype, shard.device)
+                        read = functools.partial(self.read, unit.index, leaf.name)
+                        out[leaf.name] = Unavailable(leaf.name, unit.name, leaf.shape, shard.dtype, shard.device, read)
         for alias, name in self.layout.aliases:
             if name in out:
                 out[alias] = out[name]
         return out
+
+    def read(self, i: int, name: str) -> Tensor | None:
+        """Parameter `name` of unit `i`, read outside the unit's module (its `Unavailable` placeholder's data: the
+        logits of x-transformers' tied embedding are `h @ emb.weight.T`). Where the unit, once gathered, stays so to
+        the step's end (each of its spaces `FULL` or `KEEP`: stages 0-2), the view its module computes with, through
+        the same autograd node (its gradient joins the module's); gathered first if the forward has not reached it,
+        with the units before it, in forward order, as every rank's gathers go (`catch_up_forward`). None where the
+        unit is freed after its forward (`RESHARD`: stage 3), whose placeholder then raises."""
+        unit = self.units[i]
+        if any(size and mode == RESHARD for size, mode in zip(unit.sizes, self.spaces.modes, strict=True)):
+            return None
+        if not (unit.ran or unit.passed):
+            self.catch_up_forward(upto=i)
+        return unit.views()[name]
 
     def _prefetch(self, i: int, step: int) -> None:
         """Start gathering the next `prefetch` units after `i` in forward (`step=1`) or backward (`-1`) order."""
