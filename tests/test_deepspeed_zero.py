@@ -117,12 +117,11 @@ def test_safe_get_and_set_equal_deepspeeds(runs):
 @pytest.mark.timeout(900)
 def test_external_parameters(runs):
     """A weight used outside its unit's forward, registered before `initialize`, trains as DeepSpeed's; not
-    registered, fzero's stage 3 names it (at world 1 nothing is sharded at rest, so nothing is missing), and its
-    stage 2 trains as DeepSpeed's."""
-    assert runs[1]["external"] == {"same_losses": True, "unregistered": "no error", "stage2_unregistered_same": True}
-    two = runs[2]["external"]
-    assert two["same_losses"] is True and two["stage2_unregistered_same"] is True
-    assert "'layers.0.weight' was used (aten.mm.default) outside the forward of its stage-3 unit" in two["unregistered"]
+    registered too, at stage 3 (read after its unit's forward: gathered again, `Gatherer.read`) and at stage 2."""
+    for world, r in runs.items():
+        assert r["external"] == {
+            "same_losses": True, "stage3_unregistered_same": True, "stage2_unregistered_same": True
+        }, world  # fmt: skip
 
 
 @pytest.mark.timeout(900)

@@ -9,8 +9,9 @@ in the same tensors and, on its way out, restores the bound ones, so every recom
 parameters.
 
 Parameters that are not available (units gathered on demand, outside their module's forward) are bound to
-`Unavailable` placeholders: reading one gets the parameter's gathered tensor where its unit stays gathered (stages
-1-2), and raises an error that names it where not (stage 3), instead of computing with a stale tensor.
+`Unavailable` placeholders: reading one gets the parameter's gathered tensor where its unit can give it (stages 0-2;
+at stage 3 between its module's forward and its backward), and raises an error that names it where not, instead of
+computing with a stale tensor.
 
 Since the step has bound them, `functional_call`'s swapping in and back out is work that changes nothing: `call`
 skips it where the tensors it is given are exactly those bound (`bound_to`), and is `functional_call` elsewhere.
@@ -196,10 +197,9 @@ def _real(x: Unavailable) -> Tensor:
 class Unavailable(Tensor):
     """A placeholder with a parameter's shape, dtype and device, and no data, bound where a unit's parameter is not
     gathered. Its metadata is there; an operation reading its data gets the parameter's real tensor in its place
-    where the unit can give it exactly (`read`: stages 1-2 keep a unit gathered from its gather to the step's end,
-    so a weight read outside its module, as x-transformers' tied logits read the embedding's, is the same tensor its
-    module computes with, its gradient included), and otherwise raises an error that names the parameter (stage 3
-    frees a unit after its forward)."""
+    where the unit can give it exactly (`read`: a weight read outside its module, as x-transformers' tied logits
+    read the embedding's, is then the same tensor its module computes with, its gradient included), and otherwise
+    raises an error that names the parameter (at stage 3, a read before the unit's forward or after its backward)."""
 
     param_name: str
     unit_name: str
@@ -240,8 +240,9 @@ class Unavailable(Tensor):
         name, unit = (found.param_name, found.unit_name) if found is not None else ("?", "?")
         raise RuntimeError(
             f"parameter {name!r} was used ({func}) outside the forward of its stage-3 unit {unit!r}: at stage 3 a "
-            "unit's parameters exist only while its module runs. Keep that parameter in a unit that is gathered "
-            "for the whole step (e.g. fzero.init(..., units=...) placing it in the root unit; in the DeepSpeed "
-            "shell, deepspeed.zero.register_external_parameter(the module reading it, the parameter) before "
-            "initialize), or call the module instead of reading its parameter"
+            "unit's parameters exist while its module runs, and outside it only between its forward and its "
+            "backward (gathered again there), not before its forward or after its backward. Keep that parameter "
+            "in a unit that is gathered for the whole step (e.g. fzero.init(..., units=...) placing it in the root "
+            "unit; in the DeepSpeed shell, deepspeed.zero.register_external_parameter(the module reading it, the "
+            "parameter) before initialize), or call the module instead of reading its parameter"
         )

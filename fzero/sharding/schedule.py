@@ -29,8 +29,8 @@ The everyday habits of real models hold: hooks firing inside a backward are an a
 unit right after it ran; the output hooks are tensor hooks, so in-place operations on a unit's outputs stay legal;
 the views stay in the unit's modules through its backward, where a recompute of a layer's `forward` (not
 `__call__`, as Hugging Face checkpoints it) reads them; a parameter read outside its unit's forward is an
-`Unavailable` placeholder, which gives the gathered tensor where the unit stays gathered (stages 1-2: `read`) and
-raises an error naming it where not (stage 3).
+`Unavailable` placeholder, which gives the gathered tensor where the unit can (`read`: stages 0-2; stage 3 after the
+unit's forward, gathering it again) and raises an error naming it where not.
 
 Why this mechanism: `torch.func` can neither differentiate through collectives nor accept saved-tensor hooks
 (docs/design.md, "Stage 3: one unit at a time"), so this path runs plain autograd. A unit's full trainable buffer is
@@ -186,16 +186,25 @@ class Gatherer:
 
     def read(self, i: int, name: str) -> Tensor | None:
         """Parameter `name` of unit `i`, read outside the unit's module (its `Unavailable` placeholder's data: the
-        logits of x-transformers' tied embedding are `h @ emb.weight.T`). Where the unit, once gathered, stays so to
-        the step's end (each of its spaces `FULL` or `KEEP`: stages 0-2), the view its module computes with, through
-        the same autograd node (its gradient joins the module's); gathered first if the forward has not reached it,
-        with the units before it, in forward order, as every rank's gathers go (`catch_up_forward`). None where the
-        unit is freed after its forward (`RESHARD`: stage 3), whose placeholder then raises."""
+        logits of x-transformers' tied embedding are `h @ emb.weight.T`): the view its module computes with, through
+        the same autograd node (the read's gradient joins the module's), or None (the placeholder then raises).
+
+        Where the unit, once gathered, stays so to the step's end (each of its spaces `FULL` or `KEEP`: stages 0-2),
+        it is gathered first if the forward has not reached it, with the units before it, in forward order, as
+        every rank's gathers go (`catch_up_forward`). Where it is freed after its forward (`RESHARD`: stage 3), a
+        read after its forward and before its backward gathers it again, as every rank's same read does, and holds
+        it until its backward frees it (`post_backward`): the read's saved tensors are used before then, since
+        autograd completes the unit's gradient after every use. None at stage 3 before the unit's forward (its
+        gather would break the forward order of the ranks' gathers), while its module computes (its forward would
+        free it under the read), after its backward, and for units read from disk (the reader's order)."""
         unit = self.units[i]
-        if any(size and mode == RESHARD for size, mode in zip(unit.sizes, self.spaces.modes, strict=True)):
+        if not any(size and mode == RESHARD for size, mode in zip(unit.sizes, self.spaces.modes, strict=True)):
+            if not (unit.ran or unit.passed):
+                self.catch_up_forward(upto=i)
+        elif unit.phase is Phase.IDLE and unit.ran and self.spaces.source is None:
+            unit.unshard()
+        elif unit.phase is not Phase.BACKWARD:
             return None
-        if not (unit.ran or unit.passed):
-            self.catch_up_forward(upto=i)
         return unit.views()[name]
 
     def _prefetch(self, i: int, step: int) -> None:
