@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/compare.py [--precision fp32 bf16] [--rounds 5] [--steps 4] [--only NAME ...]
                                             [--memory] [--first-steps [10]] [--tuned [--default-malloc]]
                                             [--threads 1] [--profile] [--floor] [--nproc 2] [--comm] [--sweep 6,12,24]
-                                            [--compile] [--fresh]
+                                            [--compile] [--fresh] [--json PATH]
 
 The same model (a 27.3M-parameter 6-layer pre-LN transformer: `fzero.examples.gpt` with vocabulary 8192, width 512,
 8 heads, an untied head), the same data (each rank its own micro-batch of 4 x 64 tokens) and the same optimizer
@@ -95,7 +95,10 @@ with `fzero-zero3`'s cross-node bytes over the row's.
 DeepSpeed's `engine.compile()`, fzero's core with `train_step(compile=True)` and its engine with `engine.compile()`
 (each unit compiled: `fzero.sharding.compile`), all with inductor; the first steps, which compile, are the warm-up.
 With `ddp-compiled` comes `ddp-again-compiled`, the compiled A/A row, and a second table: each compiled row against
-DDP compiled, beside that A/A spread.
+DDP compiled, beside that A/A spread, and against its eager twin, each also round by round.
+
+`--json PATH` also writes every round's figures (by precision and trainer, with the command line) to PATH, for
+ratios the tables do not print (one row over another, round by round).
 
 `--sweep 6,12,24` repeats the run for each layer count (the model otherwise the same; `--only` then defaults to
 `ddp fsdp2-zero3 deepspeed-zero3 fzero-zero3 fzero-engine-zero3`): each size is timed in its own processes, every
@@ -344,6 +347,8 @@ def main() -> None:
                         f"script runs one), its --steps after {FRESH_WARMUP} warm-up steps")  # fmt: skip
     parser.add_argument("--compile", action="store_true",
                         help="also each row's compiled twin (NAME-compiled) beside it, where it has one")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the run's figures (every round's, by precision) to PATH as JSON")  # fmt: skip
     args = parser.parse_args()
     if args.default_malloc and not args.tuned:
         parser.error("--default-malloc changes the -tuned rows (the default rows never tune malloc): add --tuned")
@@ -372,6 +377,7 @@ def main() -> None:
     if args.floor:
         args.only = [*args.only, *(n for n in FLOOR if n not in args.only)]
     variants = (False, True) if args.tuned else (False,)
+    saved: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precision:
             if args.sweep:
@@ -400,6 +406,10 @@ def main() -> None:
                 with tuned_processes(tuned, args.default_malloc):
                     results.append(measure(folder, precision, args))
             report(results[0], results[1] if args.tuned else None, precision, n_params(CFG.n_layer), args)
+            saved[precision] = {"plain": results[0], "tuned": results[1] if args.tuned else None}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": sys.argv, "runs": saved}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,16 @@ def within(name: str, ratio: float | None, aa: float | None) -> str:
     return f"no, {'slower' if off > 0 else 'faster'} by {abs(off) - aa:.1%} beyond"
 
 
-def per_round(rounds: dict[str, list[float]], name: str) -> str:
-    """Row `name`'s ratio to DDP round by round, as a cell: the median of the per-round ratios (each round's two
-    figures were timed minutes apart at most, so a drift of the machine's load between rounds cancels), their range,
-    and in how many rounds the row was the faster one (a sign test's reading: faster in every one of 5 rounds happens
-    by chance 1 time in 32 when the two are the same), "-" where either row lacks its rounds."""
-    if not rounds.get(name) or not rounds.get("ddp"):
+def per_round(rounds: dict[str, list[float]], name: str, base: str = "ddp") -> str:
+    """Row `name`'s ratio to row `base` (DDP) round by round, as a cell: the median of the per-round ratios (each
+    round's two figures were timed minutes apart at most, so a drift of the machine's load between rounds cancels),
+    their range, and in how many rounds the row was the faster one (a sign test's reading: faster in every one of 5
+    rounds happens by chance 1 time in 32 when the two are the same), "-" where either row lacks its rounds."""
+    if not rounds.get(name) or not rounds.get(base):
         return "-"
-    if name == "ddp":
+    if name == base:
         return "1.00x"
-    ratios = [a / b for a, b in zip(rounds[name], rounds["ddp"], strict=True)]
+    ratios = [a / b for a, b in zip(rounds[name], rounds[base], strict=True)]
     faster = sum(r < 1 for r in ratios)
     return (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, faster in "
             f"{faster}/{len(ratios)})")  # fmt: skip
@@ -124,7 +124,7 @@ def report(plain: Run, tuned: Run | None, precision: str, psi: int, args: argpar
     for name, why in times["skipped"].items():
         print(f"| {name} | {why} | | | | | | |{' |' if floor else ''}{' |' if memory else ''}")
     if "ddp" + COMPILED in median:
-        report_compiled(median, cpu)
+        report_compiled(median, cpu, times.get("all", {}))
     if tuned is not None:
         report_tuned(plain, tuned, precision, psi, args)
     if args.first_steps:
@@ -133,21 +133,28 @@ def report(plain: Run, tuned: Run | None, precision: str, psi: int, args: argpar
         report_comm(times["comm"], args.nproc)
 
 
-def report_compiled(median: dict[str, float], cpu: dict[str, float]) -> None:
+def report_compiled(median: dict[str, float], cpu: dict[str, float], rounds: dict[str, list[float]]) -> None:
     """`--compile`'s rows against DDP compiled: each compiled row's step and CPU time over `ddp-compiled`'s, beside the
-    compiled A/A spread (`ddp-again-compiled`) and its eager twin's ratio to eager DDP."""
+    compiled A/A spread (`ddp-again-compiled`), round by round (`per_round`), and against its eager twin (the
+    median step's ratio, then round by round: "no slower than eager" reads there)."""
     compiled = {name.removesuffix(COMPILED): t for name, t in median.items() if name.endswith(COMPILED)}
     compiled_cpu = {name.removesuffix(COMPILED): t for name, t in cpu.items() if name.endswith(COMPILED)}
     aa, aa_cpu = spread(compiled), spread(compiled_cpu)
     print(f"\ncompiled rows against DDP compiled; A/A spread (|{AGAIN}{COMPILED} / ddp{COMPILED} - 1|): step time "
           f"{'-' if aa is None else f'{aa:.1%}'}, CPU time {'-' if aa_cpu is None else f'{aa_cpu:.1%}'}")  # fmt: skip
-    print("| trainer | step s | vs DDP compiled | within A/A | CPU vs DDP compiled | eager twin vs DDP |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| trainer | step s | vs DDP compiled | within A/A | per-round vs DDP compiled | CPU vs DDP compiled | "
+        "eager twin vs DDP | vs its eager twin | per-round vs its eager twin |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, t in compiled.items():
         cell, ratio = ratio_cell(t, compiled["ddp"])
         eager = ratio_cell(median.get(name), median.get("ddp"))[0]
-        print(f"| {name}{COMPILED} | {t:.3f} | {cell} | {within(name, ratio, aa)} | "
-              f"{ratio_cell(compiled_cpu[name], compiled_cpu['ddp'])[0]} | {eager} |")  # fmt: skip
+        paired = per_round(rounds, name + COMPILED, "ddp" + COMPILED)
+        own, own_paired = ratio_cell(t, median.get(name))[0], per_round(rounds, name + COMPILED, name)
+        cpu_cell = ratio_cell(compiled_cpu[name], compiled_cpu["ddp"])[0]
+        print(f"| {name}{COMPILED} | {t:.3f} | {cell} | {within(name, ratio, aa)} | {paired} | {cpu_cell} | {eager} | "
+              f"{own} | {own_paired} |")  # fmt: skip
 
 
 def report_tuned(plain: Run, tuned: Run, precision: str, psi: int, args: argparse.Namespace) -> None:

@@ -175,8 +175,9 @@ def _unchanged(params: Mapping[str, Tensor], items: tuple[tuple[str, Tensor], ..
 # what a placeholder answers without data (a property's or a method's name): a read of these gathers nothing
 _METADATA = frozenset({
     "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda", "is_cpu", "is_meta",
-    "is_sparse", "is_quantized", "is_nested", "names", "grad", "grad_fn", "size", "dim", "ndimension", "numel",
-    "nelement", "element_size", "is_floating_point", "is_complex", "stride", "__len__",
+    "is_sparse", "is_quantized", "is_nested", "is_inference", "names", "grad", "grad_fn", "itemsize", "nbytes",
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
+    "storage_offset", "is_contiguous", "get_device", "type", "__len__", "__hash__",
 })  # fmt: skip
 
 

@@ -136,6 +136,7 @@ class Gatherer:
         self.units = build_units(layout, model, self.spaces, policy.persistence_threshold, self.post_backward)
         self.sequence = [u.index for u in self.units if u.module is not None]  # forward order of on-demand units
         self.kept = self._kept() if reduction is not None else frozenset()
+        self.held: set[int] = set()  # units gathered again for a read after their forward (`read`), to their backward
         self.clock: dict[int, float] = {}  # when the unit's current forward or backward began
         self.times = {u.name: [0.0, 0.0] for u in self.units if u.module is not None} if policy.timings else None
 
@@ -193,16 +194,18 @@ class Gatherer:
         it is gathered first if the forward has not reached it, with the units before it, in forward order, as
         every rank's gathers go (`catch_up_forward`). Where it is freed after its forward (`RESHARD`: stage 3), a
         read after its forward and before its backward gathers it again, as every rank's same read does, and holds
-        it until its backward frees it (`post_backward`): the read's saved tensors are used before then, since
-        autograd completes the unit's gradient after every use. None at stage 3 before the unit's forward (its
-        gather would break the forward order of the ranks' gathers), while its module computes (its forward would
-        free it under the read), after its backward, and for units read from disk (the reader's order)."""
+        it until its backward frees it (`post_backward`; a later call of its module frees nothing): the read's saved
+        tensors are used before then, since autograd completes the unit's gradient after every use. None at stage 3
+        before the unit's forward (its gather would break the forward order of the ranks' gathers), while its module
+        computes (its forward would free it under the read), after its backward, and for units read from disk (the
+        reader's order)."""
         unit = self.units[i]
         if not any(size and mode == RESHARD for size, mode in zip(unit.sizes, self.spaces.modes, strict=True)):
             if not (unit.ran or unit.passed):
                 self.catch_up_forward(upto=i)
         elif unit.phase is Phase.IDLE and unit.ran and self.spaces.source is None:
             unit.unshard()
+            self.held.add(i)  # (a second call of its module must not free it under the read's saved tensors)
         elif unit.phase is not Phase.BACKWARD:
             return None
         return unit.views()[name]
@@ -277,12 +280,13 @@ class Gatherer:
         self._tick(i, 0)
         unit.phase = Phase.IDLE
         if not (self.reduction is not None and torch.is_grad_enabled()):  # nothing was saved for a backward
-            unit.reshard()
+            if i not in self.held:  # (by this forward: a read's saved tensors may still need it)
+                unit.reshard()
             return output
         hooked = [x for x in optree.tree_leaves(output) if isinstance(x, Tensor) and x.requires_grad]
         if not hooked:  # no output to hook the re-gather on: keep the unit until its gradient is reduced
             return output
-        if i not in self.kept:
+        if i not in self.kept and i not in self.held:
             unit.reshard()
         for x in _hook_targets(hooked):  # tensor hooks, not an autograd Function: in-place ops stay legal
             x.register_hook(lambda g, i=i: self.pre_backward(i))
