@@ -382,31 +382,28 @@ def external(rank: int, world: int, deepspeed: Any, fds: Any, zero: Any) -> dict
     `zero.Init`, before `initialize`: both train alike; unregistered, fzero's stage 3 trains as registered (the read,
     after the unit's forward, gathers it again: `Gatherer.read`), and its stage 2 as DeepSpeed's."""
     cfg = config(world)
-    losses = []
-    for z, make in ((deepspeed.zero, deepspeed.initialize), (zero, fds.initialize)):
-        torch.manual_seed(0)
-        with z.Init(config_dict_or_path=cfg):
-            model = Shared()
-        z.register_external_parameter(model, model.layers[0].weight)
-        extra = {"printer": lambda _: None} if make is fds.initialize else {}
-        engine = make(model=model, config=cfg, model_parameters=model.parameters(), **extra)[0]
-        losses.append([loss_of(engine, step, rank, world) for step in (1, 2)])
-    torch.manual_seed(0)
-    model = Shared()
-    engine = fds.initialize(model=model, config=cfg, model_parameters=model.parameters(), printer=lambda _: None)[0]
-    unregistered = [loss_of(engine, step, rank, world) for step in (1, 2)]
     stage2 = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage": 2}}
-    unregistered_losses = []
-    for make in (deepspeed.initialize, fds.initialize):  # DeepSpeed's stage 2 needs no registration
+
+    def losses(make: Any, config: dict[str, Any], zero_init: Any = None) -> list[float]:
+        """Two steps' losses of `Shared` under `make` (`initialize`), built under `zero_init`'s `Init` with the weight
+        registered, or plainly (unregistered) without it."""
         torch.manual_seed(0)
-        model = Shared()
+        if zero_init is None:
+            model = Shared()
+        else:
+            with zero_init.Init(config_dict_or_path=config):
+                model = Shared()
+            zero_init.register_external_parameter(model, model.layers[0].weight)
         extra = {"printer": lambda _: None} if make is fds.initialize else {}
-        engine = make(model=model, config=stage2, model_parameters=model.parameters(), **extra)[0]
-        unregistered_losses.append([loss_of(engine, step, rank, world) for step in (1, 2)])
+        engine = make(model=model, config=config, model_parameters=model.parameters(), **extra)[0]
+        return [loss_of(engine, step, rank, world) for step in (1, 2)]
+
+    registered = losses(deepspeed.initialize, cfg, deepspeed.zero)
     return {
-        "same_losses": losses[0] == losses[1],
-        "stage3_unregistered_same": unregistered == losses[0],
-        "stage2_unregistered_same": unregistered_losses[0] == unregistered_losses[1],
+        "same_losses": registered == losses(fds.initialize, cfg, zero),
+        "stage3_unregistered_same": registered == losses(fds.initialize, cfg),
+        # DeepSpeed's stage 2 needs no registration
+        "stage2_unregistered_same": losses(deepspeed.initialize, stage2) == losses(fds.initialize, stage2),
     }
 
 
