@@ -9,6 +9,13 @@ leaves `module.__call__`, where the hooks run, eager, and the graph receives the
 serves every step and every block with the same code (a transformer's blocks share one graph). The backward is the
 forward graph's AOTAutograd backward.
 
+Where the blocks do need graphs of their own (Hugging Face's decoders with their KV cache on, `config.use_cache`:
+each layer fills its own entry of the cache, `cache.layers[self.layer_idx]`, and dynamo guards on which), dynamo
+compiles one per block, and past its `recompile_limit` (8) it would run the rest eager, with a warning. So each
+compiled forward runs under a limit of at least twice the number of modules sharing its code (a graph each, and
+each one recompile when a shape changes, a last short batch): every block is compiled (`_limited`). One graph
+for all is then the user's to have (`model.config.use_cache = False` for training).
+
 Which modules: the modules of the units fzero gathers (`Layout.units`: each `nn.ModuleList` child, or the
 `fzero.layout.Auto` / `BySize` subtrees) that contain no other unit's module; the root unit's own layers (the
 embeddings, the head, the loss around them) stay eager, as a block-wise compile leaves them. A model that is one
@@ -24,6 +31,8 @@ backend and options, read from torch's wrapper), which `compile_units` then appl
 
 from __future__ import annotations
 
+import collections
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +43,13 @@ from torch import nn
 from ..layout import ROOT_UNIT, Layout
 
 __all__ = ["COMPILED", "Compiler", "compile_units", "uncompiled"]
+
+# dynamo's names for the limits on graphs per code object and per frame (torch < 2.6: `cache_size_limit`)
+_LIMITS = (
+    ("recompile_limit", "accumulated_recompile_limit")
+    if hasattr(torch._dynamo.config, "recompile_limit")
+    else ("cache_size_limit", "accumulated_cache_size_limit")
+)
 
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -71,22 +87,48 @@ def compile_units(model: nn.Module, layout: Layout, how: dict[str, Any] | Compil
     modules = dict(model.named_modules())
     paths = [u.name for u in layout.units if u.name != ROOT_UNIT and u.name in modules]
     inner = [p for p in paths if not any(q != p and q.startswith(p + ".") for q in paths)] or [""]
+    eagers = {path: modules[path].__dict__.get("_fzero_eager_forward", modules[path].forward) for path in inner}
+    sharing = collections.Counter(_code(f) for f in eagers.values())  # (dynamo keeps its graphs per code object)
     for path in inner:
-        module = modules[path]
+        module, eager = modules[path], eagers[path]
         if getattr(module, COMPILED, None) == key:
             continue
-        eager = module.__dict__.get("_fzero_eager_forward", module.forward)
         func = getattr(eager, "__func__", None)
         compiled: Callable[..., Any]
         if func is not None and getattr(eager, "__self__", None) is module:
             # the class's function compiled, bound to the module: `copy.deepcopy` binds the copy's to the copy
-            compiled = types.MethodType(compiler(func), module)
+            compiled = types.MethodType(_limited(compiler(func), sharing[_code(eager)]), module)
         else:  # (a forward set on the instance, not a method of it)
-            compiled = compiler(eager)
+            compiled = _limited(compiler(eager), sharing[_code(eager)])
         object.__setattr__(module, "_fzero_eager_forward", eager)
         object.__setattr__(module, "forward", compiled)
         object.__setattr__(module, COMPILED, key)
     return inner
+
+
+def _code(forward: Callable[..., Any]) -> Any:
+    """What dynamo keeps a forward's graphs under: its code object (a `functools.partial`'s function's)."""
+    target = getattr(forward, "__func__", forward)
+    target = getattr(target, "func", target)
+    return getattr(target, "__code__", target)
+
+
+def _limited(compiled: Callable[..., Any], modules: int) -> Callable[..., Any]:
+    """`compiled`, run under dynamo's recompile limits raised to at least `2 * modules`: each of the modules sharing
+    its code may need a graph of its own, and once a shape changes, a dynamic one (module docstring). Unchanged
+    where the limits already allow it."""
+    config = torch._dynamo.config
+    per_code, per_frame = (getattr(config, name) for name in _LIMITS)
+    if 2 * modules <= per_code:
+        return compiled
+    raised = config.patch({_LIMITS[0]: 2 * modules, _LIMITS[1]: max(per_frame, 2 * modules)})
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with raised:
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def uncompiled(model: nn.Module) -> tuple[nn.Module, Compiler | None]:
