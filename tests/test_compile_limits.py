@@ -1,12 +1,12 @@
 """Per-unit compilation where each block needs a graph of its own: Hugging Face's Llama with its KV cache on (the
 default, `config.use_cache`), whose layers each fill their own cache entry, so dynamo guards on the layer and
-compiles one graph per block. Past dynamo's recompile limit it would run the remaining blocks eager, silently but
-for a warning; `fzero.sharding.compile` raises the limit for its compiled units, so every block runs compiled, also
-after a last short batch (a dynamic graph per block).
+compiles one graph per block, and one more each for an evaluation between steps (no grad) and for a last short batch
+(dynamic). Past dynamo's recompile limit it would run the remaining blocks eager, silently but for a warning;
+`fzero.sharding.compile` gives each block the limit's budget, so every block runs compiled at every step.
 
 Single process, a `SimMesh` of 2 ranks, a backend that counts the graphs it compiles and the calls into them (run
-as traced: the losses are eager's, bitwise). The limit is lowered to 2 here so that two layers cross it (the real
-limit, 8, is crossed by nine).
+as traced: the losses are eager's, bitwise). The limit is lowered to 3 here so that two layers cross it (the real
+limit, 8, is crossed by nine layers, or by fewer evaluated between steps).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import fzero
 
 transformers = pytest.importorskip("transformers")
 
-LAYERS, RANKS = 2, 2
+LAYERS, RANKS, LIMIT_HERE = 2, 2, 3
 LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
@@ -40,12 +40,18 @@ def _losses(backend=None) -> list[float]:
     tx = fzero.zero3(fzero.adamw(1e-2))
     state = fzero.init(model, tx, mesh)
     compile = False if backend is None else {"backend": backend}
-    step = fzero.train_step(model, lambda p, x: fzero.call(model, p, x, labels=x).loss, tx, mesh, compile=compile)
+    loss = lambda p, x: fzero.call(model, p, x, labels=x).loss  # noqa: E731
+    step = fzero.train_step(model, loss, tx, mesh, compile=compile)
+    evaluate = fzero.eval_step(model, loss, mesh)
     g = torch.Generator().manual_seed(0)
     losses = []
-    for length in (12, 12, 7):  # the last batch short: a dynamic graph per block
-        state, metrics = step(state, torch.randint(0, 64, (RANKS, 2, length), generator=g))
-        losses.append(float(metrics["loss"]))
+    for length, train in ((12, True), (12, False), (12, True), (7, True)):  # evaluated between steps; a short batch
+        x = torch.randint(0, 64, (RANKS, 2, length), generator=g)
+        if train:
+            state, metrics = step(state, x)
+            losses.append(float(metrics["loss"]))
+        else:
+            losses.extend(evaluate(state, x).tolist())
         if backend is not None:
             backend.steps.append(backend.calls)
             backend.calls = 0
@@ -72,10 +78,10 @@ class Counting:
 def test_every_block_is_compiled_past_dynamos_recompile_limit():
     torch._dynamo.reset()
     backend = Counting()
-    with torch._dynamo.config.patch({LIMIT: LAYERS}):
+    with torch._dynamo.config.patch({LIMIT: LIMIT_HERE}):
         compiled = _losses(backend)
     torch._dynamo.reset()
     assert compiled == _losses()
-    # every block of every rank ran compiled at every step, the short one included
-    assert backend.steps == [LAYERS * RANKS] * 3
-    assert backend.graphs == 2 * LAYERS  # a graph per block, and a dynamic one each for the short batch
+    # every block of every rank ran compiled at every step, the evaluation and the short batch included
+    assert backend.steps == [LAYERS * RANKS] * 4
+    assert backend.graphs > LIMIT_HERE  # (the premise: the blocks' graphs, per block and variant, cross the limit)

@@ -11,10 +11,11 @@ forward graph's AOTAutograd backward.
 
 Where the blocks do need graphs of their own (Hugging Face's decoders with their KV cache on, `config.use_cache`:
 each layer fills its own entry of the cache, `cache.layers[self.layer_idx]`, and dynamo guards on which), dynamo
-compiles one per block, and past its `recompile_limit` (8) it would run the rest eager, with a warning. So each
-compiled forward runs under a limit of at least twice the number of modules sharing its code (a graph each, and
-each one recompile when a shape changes, a last short batch): every block is compiled (`_limited`). One graph
-for all is then the user's to have (`model.config.use_cache = False` for training).
+compiles one per block, and past its `recompile_limit` (8 graphs per code object) it would run the rest eager,
+with a warning, and an evaluation between steps (no grad: a graph more each) or a last short batch (a dynamic one
+each) would cross it sooner. So each compiled forward runs under that limit times the number of modules sharing its
+code, the budget each would have with a code of its own: every block is compiled (`_limited`). One graph for all is
+then the user's to have (`model.config.use_cache = False` for training).
 
 Which modules: the modules of the units fzero gathers (`Layout.units`: each `nn.ModuleList` child, or the
 `fzero.layout.Auto` / `BySize` subtrees) that contain no other unit's module; the root unit's own layers (the
@@ -114,14 +115,13 @@ def _code(forward: Callable[..., Any]) -> Any:
 
 
 def _limited(compiled: Callable[..., Any], modules: int) -> Callable[..., Any]:
-    """`compiled`, run under dynamo's recompile limits raised to at least `2 * modules`: each of the modules sharing
-    its code may need a graph of its own, and once a shape changes, a dynamic one (module docstring). Unchanged
-    where the limits already allow it."""
+    """`compiled`, run under dynamo's recompile limits multiplied by the number of `modules` sharing its code: each
+    may need graphs of its own (module docstring). Unchanged for a code of one module."""
+    if modules == 1:
+        return compiled
     config = torch._dynamo.config
     per_code, per_frame = (getattr(config, name) for name in _LIMITS)
-    if 2 * modules <= per_code:
-        return compiled
-    raised = config.patch({_LIMITS[0]: 2 * modules, _LIMITS[1]: max(per_frame, 2 * modules)})
+    raised = config.patch({_LIMITS[0]: per_code * modules, _LIMITS[1]: max(per_frame, per_code * modules)})
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
