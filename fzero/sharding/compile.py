@@ -45,13 +45,6 @@ from ..layout import ROOT_UNIT, Layout
 
 __all__ = ["COMPILED", "Compiler", "compile_units", "uncompiled"]
 
-# dynamo's names for the limits on graphs per code object and per frame (torch < 2.6: `cache_size_limit`)
-_LIMITS = (
-    ("recompile_limit", "accumulated_recompile_limit")
-    if hasattr(torch._dynamo.config, "recompile_limit")
-    else ("cache_size_limit", "accumulated_cache_size_limit")
-)
-
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 COMPILED = "_fzero_compiled"
@@ -119,9 +112,13 @@ def _limited(compiled: Callable[..., Any], modules: int) -> Callable[..., Any]:
     may need graphs of its own (module docstring). Unchanged for a code of one module."""
     if modules == 1:
         return compiled
-    config = torch._dynamo.config
-    per_code, per_frame = (getattr(config, name) for name in _LIMITS)
-    raised = config.patch({_LIMITS[0]: per_code * modules, _LIMITS[1]: max(per_frame, per_code * modules)})
+    config = torch._dynamo.config  # (here, not at import: importing fzero must not import dynamo)
+    # the limits on graphs per code object and per frame (torch < 2.6: `cache_size_limit`)
+    names = ("recompile_limit", "accumulated_recompile_limit")
+    if not hasattr(config, names[0]):
+        names = ("cache_size_limit", "accumulated_cache_size_limit")
+    per_code, per_frame = (getattr(config, name) for name in names)
+    raised = config.patch({names[0]: per_code * modules, names[1]: max(per_frame, per_code * modules)})
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
