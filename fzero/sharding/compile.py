@@ -82,7 +82,8 @@ def compile_units(model: nn.Module, layout: Layout, how: dict[str, Any] | Compil
     paths = [u.name for u in layout.units if u.name != ROOT_UNIT and u.name in modules]
     inner = [p for p in paths if not any(q != p and q.startswith(p + ".") for q in paths)] or [""]
     eagers = {path: modules[path].__dict__.get("_fzero_eager_forward", modules[path].forward) for path in inner}
-    sharing = collections.Counter(_code(f) for f in eagers.values())  # (dynamo keeps its graphs per code object)
+    codes = {path: _code(eager) for path, eager in eagers.items()}
+    sharing = collections.Counter(codes.values())  # (dynamo keeps its graphs per code object)
     for path in inner:
         module, eager = modules[path], eagers[path]
         if getattr(module, COMPILED, None) == key:
@@ -91,9 +92,9 @@ def compile_units(model: nn.Module, layout: Layout, how: dict[str, Any] | Compil
         compiled: Callable[..., Any]
         if func is not None and getattr(eager, "__self__", None) is module:
             # the class's function compiled, bound to the module: `copy.deepcopy` binds the copy's to the copy
-            compiled = types.MethodType(_limited(compiler(func), sharing[_code(eager)]), module)
+            compiled = types.MethodType(_limited(compiler(func), sharing[codes[path]]), module)
         else:  # (a forward set on the instance, not a method of it)
-            compiled = _limited(compiler(eager), sharing[_code(eager)])
+            compiled = _limited(compiler(eager), sharing[codes[path]])
         object.__setattr__(module, "_fzero_eager_forward", eager)
         object.__setattr__(module, "forward", compiled)
         object.__setattr__(module, COMPILED, key)
